@@ -1,0 +1,54 @@
+"""Create Megatron-Core's process groups for a TrainLayout and hand them back explicitly.
+
+Megatron keeps its groups in module state (``parallel_state``); we create them here, check that
+they are exactly the ranks our TrainLayout says, and pass the resulting ProcessGroupCollection on
+explicitly so that nothing of ours reaches into that state.
+"""
+
+from __future__ import annotations
+
+import torch.distributed as dist
+
+from hybridflow.parallel.layout import TrainLayout
+
+# Megatron's order string, innermost first: TP, then PP, then DP, so that the ranks of one TP x PP
+# group are consecutive (HybridFlow's p-t-d; the generation micro-DP groups live inside them).
+MEGATRON_ORDER = "tp-cp-ep-pp-dp"
+
+
+def init_megatron_parallel(layout: TrainLayout, seed: int = 1234):
+    """Initialise Megatron's groups for ``layout`` on the current default group; returns the
+    ProcessGroupCollection. Call once per process, after ``dist.init_process_group``."""
+    import megatron_patches
+    megatron_patches.apply()
+    from megatron.core import parallel_state, tensor_parallel
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    layout.check_world(dist.get_world_size())
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        order=MEGATRON_ORDER,
+    )
+    rank = dist.get_rank()
+    for name, ours in (("tensor", layout.tp_groups()), ("pipeline", layout.pp_groups()),
+                       ("data", layout.dp_groups())):
+        group = getattr(parallel_state, f"get_{name}_model_parallel_group"
+                        if name != "data" else "get_data_parallel_group")()
+        theirs = sorted(dist.get_process_group_ranks(group))
+        mine = next(g for g in ours if rank in g)
+        assert theirs == sorted(mine), f"megatron {name} group {theirs} != layout's {mine}"
+    # The inference tracker keeps RNG state on the CPU generator; the CUDA tracker needs a GPU.
+    import torch
+    tensor_parallel.model_parallel_cuda_manual_seed(
+        seed, inference_rng_tracker=not torch.cuda.is_available())
+    return ProcessGroupCollection.use_mpu_process_groups()
+
+
+def destroy_megatron_parallel() -> None:
+    from megatron.core import parallel_state
+    if parallel_state.model_parallel_is_initialized():
+        parallel_state.destroy_model_parallel()

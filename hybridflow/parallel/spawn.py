@@ -1,0 +1,75 @@
+"""Run a function on N local processes joined in one torch.distributed group (gloo on CPU).
+
+Used by the tests and the CPU demos; on a cluster the processes come from torchrun or Ray instead.
+"""
+
+from __future__ import annotations
+
+import os
+import pickle
+import socket
+import traceback
+from typing import Any, Callable
+
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+    # One thread per worker: several workers share two cores, and oversubscription is slower.
+    os.environ["OMP_NUM_THREADS"] = "1"
+    import torch
+    torch.set_num_threads(1)
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    try:
+        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # Plain pickle: tensors travel by value, not as shared-memory handles that die with the
+        # worker before the parent reads them.
+        queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
+    except BaseException:  # noqa: BLE001 - the parent re-raises with the worker's traceback
+        queue.put((rank, False, traceback.format_exc()))
+    finally:
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes with a gloo group set up.
+
+    ``fn`` must be importable (module level). Returns the per-rank results in rank order; raises
+    RuntimeError carrying the first failing worker's traceback.
+    """
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    port = free_port()
+    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+             for r in range(world_size)]
+    for p in procs:
+        p.start()
+    results: dict[int, Any] = {}
+    errors: list[str] = []
+    try:
+        for _ in range(world_size):
+            rank, ok, value = queue.get(timeout=timeout)
+            if ok:
+                results[rank] = pickle.loads(value)
+            else:
+                errors.append(f"rank {rank}:\n{value}")
+                break  # the others may be stuck in a collective with the dead rank
+    finally:
+        for p in procs:
+            if errors:
+                p.terminate()
+            p.join(timeout=30)
+            if p.is_alive():
+                p.kill()
+    if errors:
+        raise RuntimeError("worker failed\n" + "\n".join(errors))
+    return [results[r] for r in range(world_size)]
