@@ -1,0 +1,184 @@
+"""PPO losses: clipped policy surrogate with dual clip, clipped value loss, entropy bonus.
+
+Each loss builds a [B, T] per-token matrix and reduces it with ``aggregate_loss``, the one place
+that decides how tokens and sequences are weighted. Metrics come back as detached 0-dim tensors so
+that computing them never forces a device sync; the caller calls ``.item()`` when it logs.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from hybridflow.algorithms.advantages import _check_token_shape, masked_mean
+from hybridflow.config.errors import ConfigError
+
+AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+
+
+def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+    """Reduce a per-token loss to a scalar.
+
+    Modes:
+        "token-mean": sum over all valid tokens / their count; every token weighs the same, so
+            long responses weigh more (DAPO, arXiv 2503.14476, sec. 3.3).
+        "seq-mean-token-sum": each sequence's token sum, averaged over sequences (Dr. GRPO,
+            arXiv 2503.20783, up to its constant normaliser).
+        "seq-mean-token-mean": each sequence's token mean, averaged over sequences (original
+            GRPO); every sequence weighs the same.
+    Sequences with no valid token are left out of the sequence average.
+
+    Args:
+        loss_mat: [B, T] per-token loss.
+        mask: [B, T] response mask.
+        mode: one of the modes above.
+
+    Returns:
+        Scalar loss.
+    """
+    _check_token_shape("loss_mat", loss_mat, mask)
+    if mode == "token-mean":
+        return masked_mean(loss_mat, mask)
+    has_tokens = mask.bool().any(dim=-1)
+    if mode == "seq-mean-token-sum":
+        per_seq = torch.where(mask.bool(), loss_mat, 0.0).sum(dim=-1)
+    elif mode == "seq-mean-token-mean":
+        per_seq = masked_mean(loss_mat, mask, dim=-1)
+    else:
+        raise ConfigError("algorithm.loss_agg_mode",
+                          f"unknown mode {mode!r}; use one of {', '.join(AGG_MODES)}")
+    return masked_mean(per_seq, has_tokens)
+
+
+def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
+                dual_clip_c: float | None = None, agg: str = "token-mean",
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7), optionally with
+    dual clip (Ye et al. 2019, arXiv 1912.09729).
+
+    Per token, with r = exp(logprobs - old_logprobs):
+        L = max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
+    and with dual clip, where A < 0: L = min(L, -dual_clip_c * A). Without it, a token whose
+    ratio has exploded under a negative advantage contributes an unbounded loss.
+
+    Args:
+        logprobs: [B, T] log-probs of the taken tokens under the current policy (with grad).
+        old_logprobs: [B, T] the same under the policy that sampled them.
+        advantages: [B, T].
+        mask: [B, T] response mask.
+        clip_ratio_low: lower clip, in (0, 1).
+        clip_ratio_high: upper clip, > 0; above clip_ratio_low is DAPO's clip-higher.
+        dual_clip_c: dual-clip constant, > 1 (3.0 in the paper); None disables it.
+        agg: aggregation mode, see ``aggregate_loss``.
+
+    Returns:
+        (loss, metrics). loss is a scalar. metrics: "clip_frac" (valid tokens where the ratio
+        clip binds), "approx_kl" (mean of old_logprobs - logprobs, an estimate of
+        KL(old || new)), "dual_clip_frac" (valid tokens where the dual clip binds).
+    """
+    if not 0.0 < clip_ratio_low < 1.0:
+        raise ConfigError("algorithm.clip_ratio_low", f"must be in (0, 1), got {clip_ratio_low!r}")
+    if not clip_ratio_high > 0.0:
+        raise ConfigError("algorithm.clip_ratio_high", f"must be > 0, got {clip_ratio_high!r}")
+    if dual_clip_c is not None and not dual_clip_c > 1.0:
+        raise ConfigError("algorithm.dual_clip_c",
+                          f"must be > 1 (typically 3.0), or None to disable, got {dual_clip_c!r}")
+    for name, x in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
+        _check_token_shape(name, x, mask)
+
+    # Zeroed on padding so garbage there (even -inf - -inf = NaN) gets an exact 0 gradient, not
+    # 0 * NaN; clamped because e^20 already saturates every clip.
+    log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0).clamp(-20.0, 20.0)
+    ratio = torch.exp(log_ratio)
+    unclipped = -advantages * ratio
+    clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
+    loss_mat = torch.maximum(unclipped, clipped)
+    with torch.no_grad():
+        clip_frac = masked_mean((clipped > unclipped).float(), mask)
+        approx_kl = masked_mean(-log_ratio, mask)
+
+    if dual_clip_c is not None:
+        bound = -dual_clip_c * advantages
+        negative = advantages < 0
+        with torch.no_grad():
+            dual_clip_frac = masked_mean((negative & (loss_mat > bound)).float(), mask)
+        loss_mat = torch.where(negative, torch.minimum(loss_mat, bound), loss_mat)
+    else:
+        dual_clip_frac = torch.zeros((), device=logprobs.device)
+
+    loss = aggregate_loss(loss_mat, mask, agg)
+    return loss, {"clip_frac": clip_frac, "approx_kl": approx_kl, "dual_clip_frac": dual_clip_frac}
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               clip_range: float | None = 0.2, agg: str = "token-mean",
+               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (PPO as in OpenAI baselines ppo2; discussed in Engstrom et al.
+    2020, arXiv 2005.12729):
+
+        V_clip = old_values + clip(values - old_values, -clip_range, clip_range)
+        L = 0.5 * max((values - returns)^2, (V_clip - returns)^2)
+
+    Args:
+        values: [B, T] current critic output (with grad).
+        old_values: [B, T] critic output when the batch was collected.
+        returns: [B, T] regression targets (GAE returns).
+        mask: [B, T] response mask.
+        clip_range: > 0; None gives the plain 0.5 * squared error.
+        agg: aggregation mode, see ``aggregate_loss``.
+
+    Returns:
+        (loss, metrics). metrics: "vf_clip_frac", the valid tokens where the clipped term is the
+        larger one (so it sets the loss and its gradient is 0).
+    """
+    if clip_range is not None and not clip_range > 0.0:
+        raise ConfigError("algorithm.value_clip_range",
+                          f"must be > 0, or None to disable, got {clip_range!r}")
+    for name, x in (("values", values), ("old_values", old_values), ("returns", returns)):
+        _check_token_shape(name, x, mask)
+
+    # Cut the graph at padding: a NaN return there would otherwise send 0 * NaN = NaN into the critic.
+    values = torch.where(mask.bool(), values, 0.0)
+    unclipped = (values - returns).square()
+    if clip_range is None:
+        loss_mat = unclipped
+        vf_clip_frac = torch.zeros((), device=values.device)
+    else:
+        values_clipped = old_values + (values - old_values).clamp(-clip_range, clip_range)
+        clipped = (values_clipped - returns).square()
+        loss_mat = torch.maximum(unclipped, clipped)
+        with torch.no_grad():
+            vf_clip_frac = masked_mean((clipped > unclipped).float(), mask)
+    return 0.5 * aggregate_loss(loss_mat, mask, agg), {"vf_clip_frac": vf_clip_frac}
+
+
+def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
+    """Entropy of the softmax distribution at each position.
+
+    H = logsumexp(z) - sum_v softmax(z)_v * z_v, which never takes the log of a probability
+    that underflowed to 0.
+
+    Args:
+        logits: [B, T, V], finite (a -inf logit gives 0 * -inf = NaN). Computed in its dtype;
+            upcast bf16 logits first if precision matters.
+
+    Returns:
+        [B, T] entropy in nats.
+    """
+    probs = torch.softmax(logits, dim=-1)
+    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+
+
+def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
+    """Entropy bonus as a loss: the *negated* aggregated entropy, so that
+    ``total = pg_loss + entropy_coef * entropy_loss(...)`` raises entropy as it is minimised.
+
+    Args:
+        entropy: [B, T], e.g. from ``entropy_from_logits``.
+        mask: [B, T] response mask.
+        agg: aggregation mode, see ``aggregate_loss``.
+
+    Returns:
+        Scalar, <= 0.
+    """
+    return -aggregate_loss(entropy, mask, agg)
