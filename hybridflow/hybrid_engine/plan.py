@@ -1,0 +1,428 @@
+"""The reshard plan: which slice of which training shard goes where, so that one all-gather per
+bucket in each micro-DP group builds the generation weights (HybridFlow, arXiv 2409.19256, sec. 5).
+
+Pure: layouts and parameter metadata in, a frozen plan out; no process, no tensor.
+
+How a micro-DP group gathers. Its ``n = s*q`` members (``s = t/tg`` TP shards, ``q = p/pg``
+training stages merged into the generation stage) are numbered ``member = i*s + j`` for training
+stage ``i`` of the merge and TP offset ``j`` (the order of ``GenLayout.micro_dp_groups``, which is
+also the order of the global ranks, hence of the group ranks). Every bucket is one all-gather of
+``n`` equal segments of ``seg_numel`` elements; member ``m`` packs its pieces into segment ``m``
+and pads the rest. What member ``(i, j)`` contributes:
+
+* a TP-split parameter of stage ``i``: its whole training shard. The generation shard at gen tp
+  rank ``g`` is the concatenation along ``tp_dim`` of training shards ``g*s .. g*s+s-1``, except
+  ``tp_chunks=2`` (SwiGLU ``linear_fc1``), whose generation shard is [gate_g; up_g] with gate_g the
+  concatenation of the ``s`` gate halves: the chunks come out of the buffer as
+  [gate_0; up_0; gate_1; up_1; ...] and need a local re-arrangement (mode ``"rearrange"``).
+* a replicated parameter (norms) of stage ``i``: nothing when ``q == 1`` (every member already has
+  it, the generation tensor is the training tensor: mode ``"alias"``); else the ``j``-th of ``s``
+  near-equal flat slices, so the ``s`` TP peers of stage ``i`` share the sending.
+
+Bucketing. Parameters are arranged in *rows* aligned across the merged stages: row ``(slot, k)``
+holds the ``k``-th parameter of local layer ``slot`` of every stage, which has the same shape on
+every stage, so member segments are equally full and layer rows need no padding. Parameters outside
+the layers (embedding on the first stage; final norm and output layer on the last) form extra rows,
+largest first, so that the embedding and the output layer share a row when both are in the group.
+Consecutive rows fill a bucket up to ``bucket_bytes`` (a row larger than that is a bucket alone;
+parameters are never split across buckets).
+
+Views. A generation tensor is a view into the gathered storage when its chunks, taken in
+generation order, are adjacent there. With ``s == 1`` every generation tensor is one chunk: all are
+views. With ``s > 1`` a tensor split along dim 0 is adjacent only if it is alone in its segments,
+so such a row (``linear_qkv``, embedding, output layer; ``linear_fc1`` split into a gate row and an
+up row when ``q == 1``) gets a bucket of its own when its gathered size reaches
+``min_view_bytes``; smaller ones are packed with the rest. Row-parallel weights (``tp_dim=1``:
+``linear_proj``, ``linear_fc2``) interleave and are copied, as are packed parameters and fc1 when
+``q > 1``; buckets holding only copied parameters are transient (``storage_offset is None``).
+
+Communication. ``recv_bytes`` of a rank is the payload of the other members' segments: its
+generation shard minus its own training shard (plus, when ``q > 1`` and ``s > 1``, the
+``(s-1)/s`` of its own stage's replicated parameters that its TP peers send). For a model whose
+parameters are all TP-split and evenly spread over the stages this is the paper's Table 2 volume
+``(t*p - tg*pg) / (tg*pg*t*p) * M`` exactly. Replicated parameters (norms) are not divided by
+TP, so the formula does not count them right: they cost nothing when ``q == 1`` and a full copy per
+other merged stage when ``q > 1``. Pre/post parameters live on one stage only: a rank of
+stage 0 already holds the embedding shard and receives that much less, the others receive it, and
+the members whose stage lacks a matching pre/post parameter pad their segments for that row:
+``padding_bytes`` (received by a rank, not counted in ``recv_bytes``). With equal segments the
+padding is the least possible: the busiest member sets the total all-gather size.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+from hybridflow.hybrid_engine.meta import ParamMeta, num_layers_of, owner_stage, stage_layers
+from hybridflow.parallel.layout import GenLayout, LayoutError
+
+MODES = ("alias", "view", "concat", "rearrange")
+
+
+@dataclass(frozen=True)
+class Piece:
+    """A slice of one rank's flattened training shard, packed into its segment of a bucket."""
+
+    name: str
+    offset: int
+    """Start in the flattened training shard."""
+    numel: int
+    dst: int
+    """Start in the rank's segment."""
+
+
+@dataclass(frozen=True)
+class Bucket:
+    """One all-gather of ``members`` segments of ``seg_numel`` elements."""
+
+    seg_numel: int
+    pieces: tuple[tuple[Piece, ...], ...]
+    """Per member of the micro-DP group, what it packs (in segment order)."""
+    storage_offset: int | None
+    """Where the gathered buffer lives in the generation storage (generation tensors are views
+    into it); None for a transient buffer whose parameters are all copied out."""
+
+    @property
+    def members(self) -> int:
+        return len(self.pieces)
+
+    @property
+    def numel(self) -> int:
+        return self.members * self.seg_numel
+
+    def payload(self, member: int) -> int:
+        return sum(p.numel for p in self.pieces[member])
+
+
+@dataclass(frozen=True)
+class Chunk:
+    """A block of a generation tensor as it sits in a gathered bucket."""
+
+    bucket: int
+    member: int
+    offset: int
+    """Start inside the member's segment."""
+    shape: tuple[int, ...]
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class GenParam:
+    """How one generation tensor is obtained from the gathered buckets."""
+
+    name: str
+    shape: tuple[int, ...]
+    """Generation shard shape."""
+    mode: str
+    """"alias": the rank's own training tensor; "view": a view into the storage; "concat": the
+    chunks joined along cat_dim into the storage; "rearrange": the same, but the chunks are not in
+    buffer order (fc1 = [gate; up] gathered as [gate_0; up_0; gate_1; up_1])."""
+    chunks: tuple[Chunk, ...]
+    """In generation order; empty for "alias"."""
+    cat_dim: int
+    """The chunks, viewed with their shapes, are concatenated along this dim ..."""
+    cat_shape: tuple[int, ...]
+    """... into this shape (``shape``, or the flat size for replicated pieces), then reshaped."""
+    storage_offset: int | None
+    """Start of the tensor in the generation storage (None for "alias")."""
+
+    @property
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+
+@dataclass(frozen=True)
+class StagePlan:
+    """What every micro-DP group of one generation pipeline stage gathers; the same for all its
+    groups (every gen tp rank, every replica): only the ranks differ."""
+
+    gen_pp_rank: int
+    members: int
+    buckets: tuple[Bucket, ...]
+    params: dict[str, GenParam] = field(hash=False)
+    """Generation tensors of this stage, in model order."""
+    storage_numel: int
+    """Elements of the generation storage: kept buckets, then copied parameters."""
+
+
+@dataclass(frozen=True)
+class RankPlan:
+    """One rank's part: its micro-DP group, its pieces and its traffic."""
+
+    rank: int
+    group: tuple[int, ...]
+    """The micro-DP group's global ranks, in member order."""
+    member: int
+    gen_tp_rank: int
+    gen_pp_rank: int
+    stage: StagePlan
+    send_bytes: int
+    """Payload this rank contributes (each peer receives it once)."""
+    recv_bytes: int
+    """Payload received from the other members (padding excluded)."""
+    padding_bytes: int
+    """Padding in the other members' segments, received and thrown away."""
+
+    @property
+    def buckets(self) -> tuple[tuple[Piece, ...], ...]:
+        """Per bucket, the (name, offset, numel, dst) pieces of this rank's training shards."""
+        return tuple(b.pieces[self.member] for b in self.stage.buckets)
+
+
+@dataclass(frozen=True)
+class ReshardPlan:
+    gen: GenLayout
+    metas: tuple[ParamMeta, ...]
+    dtype_bytes: int
+    bucket_bytes: int
+    stages: tuple[StagePlan, ...]
+    """Per generation pipeline stage."""
+    ranks: tuple[RankPlan, ...]
+    """Per global rank."""
+
+    def groups(self) -> list[tuple[int, ...]]:
+        """All micro-DP groups, in the order ``GenLayout.micro_dp_groups`` gives them."""
+        return [tuple(g) for g in self.gen.micro_dp_groups()]
+
+
+@dataclass
+class _Row:
+    """Units of packing: per member, (name, offset, numel) slices of training shards."""
+
+    slices: list[list[tuple[str, int, int]]]
+    solo: bool
+
+    @property
+    def sizes(self) -> list[int]:
+        return [sum(n for _, _, n in s) for s in self.slices]
+
+
+def plan_reshard(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int, bucket_bytes: int, *,
+                 min_view_bytes: int | None = None) -> ReshardPlan:
+    """Plan the train -> generation reshard of the parameters ``metas`` (full model, model order).
+
+    ``bucket_bytes`` bounds one all-gather's output (all segments, padding included);
+    ``min_view_bytes`` (default ``bucket_bytes // 8``) is the gathered size from which a
+    dim-0-split parameter gets a bucket of its own so that it can be a view when ``t/tg > 1``.
+    """
+    train = gen.train
+    if train.vpp not in (None, 1):
+        raise LayoutError("layout.vpp: the reshard does not support virtual pipeline stages yet; "
+                          "set layout.vpp to null")
+    if dtype_bytes < 1 or bucket_bytes < 1:
+        raise ValueError(f"dtype_bytes ({dtype_bytes}) and bucket_bytes ({bucket_bytes}) must be "
+                         f"positive")
+    names = [m.name for m in metas]
+    if len(set(names)) != len(names):
+        dup = sorted({n for n in names if names.count(n) > 1})
+        raise ValueError(f"duplicate parameter names: {dup}")
+    for m in metas:
+        if m.tp_dim is not None and m.shape[m.tp_dim] % (train.tp * m.tp_chunks):
+            raise LayoutError(f"layout.tp={train.tp} does not split {m.name} (dim {m.tp_dim} of "
+                              f"{m.shape}) into equal shards; pick a tp that divides it")
+    num_layers = num_layers_of(metas)
+    if num_layers:
+        stage_layers(num_layers, train.pp, 0)  # a clear error naming layout.pp
+    stage_of = {m.name: owner_stage(m, train.pp, num_layers) for m in metas}
+    if min_view_bytes is None:
+        min_view_bytes = bucket_bytes // 8
+
+    stages = tuple(_plan_stage(gen, metas, stage_of, gp, num_layers, dtype_bytes, bucket_bytes,
+                               min_view_bytes) for gp in range(gen.pp))
+    ranks: list[RankPlan | None] = [None] * train.world_size
+    for group in gen.micro_dp_groups():
+        for member, rank in enumerate(group):
+            _, gp, gt = gen.coords(rank)
+            st = stages[gp]
+            others = [k for k in range(st.members) if k != member]
+            ranks[rank] = RankPlan(
+                rank=rank, group=tuple(group), member=member, gen_tp_rank=gt, gen_pp_rank=gp,
+                stage=st,
+                send_bytes=dtype_bytes * sum(b.payload(member) for b in st.buckets),
+                recv_bytes=dtype_bytes * sum(b.payload(k) for b in st.buckets for k in others),
+                padding_bytes=dtype_bytes * sum(b.seg_numel - b.payload(k)
+                                                for b in st.buckets for k in others))
+    return ReshardPlan(gen=gen, metas=tuple(metas), dtype_bytes=dtype_bytes,
+                       bucket_bytes=bucket_bytes, stages=stages, ranks=tuple(ranks))
+
+
+def _split(numel: int, parts: int) -> list[tuple[int, int]]:
+    """(offset, numel) of ``parts`` near-equal consecutive slices of ``range(numel)``."""
+    base, extra = divmod(numel, parts)
+    out, start = [], 0
+    for j in range(parts):
+        size = base + (j < extra)
+        out.append((start, size))
+        start += size
+    return out
+
+
+def _aligned_rows(metas: list[ParamMeta], stage_of: dict[str, int], stages: list[int],
+                  num_layers: int, pp: int) -> list[dict[int, ParamMeta]]:
+    """Rows of parameters aligned across the merged training ``stages``: {stage index: meta}."""
+    layer_rows: dict[tuple[int, int], dict[int, ParamMeta]] = {}
+    per_layer_count: dict[tuple[int, int], int] = {}
+    extras: dict[int, list[ParamMeta]] = {i: [] for i in range(len(stages))}
+    for m in metas:
+        s = stage_of[m.name]
+        if s not in stages:
+            continue
+        i = stages.index(s)
+        if m.position == "layer":
+            slot = m.layer - stage_layers(num_layers, pp, s).start
+            k = per_layer_count.get((i, slot), 0)
+            per_layer_count[(i, slot)] = k + 1
+            layer_rows.setdefault((slot, k), {})[i] = m
+        else:
+            extras[i].append(m)
+    extra_rows: list[dict[int, ParamMeta]] = []
+    for i, ms in extras.items():
+        for k, m in enumerate(sorted(ms, key=lambda m: -m.numel)):
+            if k == len(extra_rows):
+                extra_rows.append({})
+            extra_rows[k][i] = m
+    return extra_rows + [layer_rows[k] for k in sorted(layer_rows)]
+
+
+def _row_units(row: dict[int, ParamMeta], t: int, s: int, q: int, dtype_bytes: int,
+               min_view_bytes: int) -> list[_Row]:
+    """Split one aligned row into packing units (several only for fc1 given its own buckets)."""
+    n = s * q
+
+    def member(i: int, j: int) -> int:
+        return i * s + j
+
+    split = [m for m in row.values() if m.tp_dim is not None]
+    chunks = {m.tp_chunks for m in split}
+    viewable = (s > 1 and len(split) == len(row) and all(m.tp_dim == 0 for m in split)
+                and len(chunks) == 1 and (q == 1 or chunks == {1}))
+    if viewable:
+        seg = max(math.prod(m.shard_shape(t)) for m in split)
+        viewable = n * seg * dtype_bytes >= min_view_bytes
+    if viewable:
+        (c,) = chunks
+        units = []
+        for part in range(c):  # fc1: a gate row, then an up row (adjacent in storage)
+            slices: list[list[tuple[str, int, int]]] = [[] for _ in range(n)]
+            for i, m in row.items():
+                sub = math.prod(m.shard_shape(t)) // c
+                for j in range(s):
+                    slices[member(i, j)].append((m.name, part * sub, sub))
+            units.append(_Row(slices, solo=True))
+        return units
+    slices = [[] for _ in range(n)]
+    for i, m in row.items():
+        for j in range(s):
+            if m.tp_dim is not None:
+                slices[member(i, j)].append((m.name, 0, math.prod(m.shard_shape(t))))
+            elif q > 1:
+                off, size = _split(m.numel, s)[j]
+                if size:
+                    slices[member(i, j)].append((m.name, off, size))
+    return [_Row(slices, solo=False)] if any(any(x) for x in slices) else []
+
+
+def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int], gp: int,
+                num_layers: int, dtype_bytes: int, bucket_bytes: int,
+                min_view_bytes: int) -> StagePlan:
+    t, s, q = gen.train.tp, gen.tp_stride, gen.pp_stride
+    n = s * q
+    stages = [gp * q + i for i in range(q)]
+
+    units: list[_Row] = []
+    if n > 1:
+        for row in _aligned_rows(metas, stage_of, stages, num_layers, gen.train.pp):
+            units += _row_units(row, t, s, q, dtype_bytes, min_view_bytes)
+
+    # Greedy: consecutive rows share a bucket while it stays within bucket_bytes; a solo row is a
+    # bucket of its own and leaves the open bucket open, so small rows around it still pack.
+    grouped: list[list[_Row]] = []
+    cur: list[_Row] = []
+    cur_sizes = [0] * n
+    for u in units:
+        if u.solo:
+            grouped.append([u])
+            continue
+        sizes = [a + b for a, b in zip(cur_sizes, u.sizes)]
+        if cur and n * max(sizes) * dtype_bytes > bucket_bytes:
+            grouped.append(cur)
+            cur, sizes = [], u.sizes
+        cur.append(u)
+        cur_sizes = sizes
+    if cur:
+        grouped.append(cur)
+
+    # Place the slices; kept buckets (all of them when s == 1, solo ones otherwise) go first in
+    # the generation storage.
+    where: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}  # -> (bucket, dst, off, n)
+    buckets: list[Bucket] = []
+    storage = 0
+    for b, rows in enumerate(grouped):
+        pieces: list[list[Piece]] = [[] for _ in range(n)]
+        fill = [0] * n
+        for u in rows:
+            for k in range(n):
+                for name, off, numel in u.slices[k]:
+                    pieces[k].append(Piece(name, off, numel, fill[k]))
+                    where.setdefault((name, k), []).append((b, fill[k], off, numel))
+                    fill[k] += numel
+        seg = max(fill)
+        keep = s == 1 or rows[0].solo
+        buckets.append(Bucket(seg_numel=seg, pieces=tuple(tuple(ps) for ps in pieces),
+                              storage_offset=storage if keep else None))
+        storage += n * seg if keep else 0
+
+    def locate(name: str, k: int, start: int, shape: tuple[int, ...]) -> Chunk:
+        numel = math.prod(shape)
+        for b, dst, off, size in where[(name, k)]:
+            if off <= start and start + numel <= off + size:
+                return Chunk(b, k, dst + start - off, shape)
+        raise AssertionError(f"{name}: elements {start}..{start + numel} of member {k} not placed")
+
+    params: dict[str, GenParam] = {}
+    for m in metas:
+        if stage_of[m.name] not in stages:
+            continue
+        i = stages.index(stage_of[m.name])
+        if n == 1 or (m.tp_dim is None and q == 1):
+            params[m.name] = GenParam(m.name, m.shard_shape(gen.tp), "alias", (), 0, (), None)
+            continue
+        if m.tp_dim is not None:
+            shard_shape = m.shard_shape(t)
+            piece_shape = list(shard_shape)
+            piece_shape[m.tp_dim] //= m.tp_chunks
+            sub = math.prod(piece_shape)
+            chunks = tuple(locate(m.name, i * s + j, c * sub, tuple(piece_shape))
+                           for c in range(m.tp_chunks) for j in range(s))
+            cat_dim, cat_shape = m.tp_dim, m.shard_shape(gen.tp)
+        else:
+            chunks = tuple(locate(m.name, i * s + j, off, (size,))
+                           for j, (off, size) in enumerate(_split(m.numel, s)) if size)
+            cat_dim, cat_shape = 0, (m.numel,)
+        pos = [_position(buckets, c) for c in chunks]
+        adjacent = (all(p is not None for p in pos)
+                    and all(pos[x] + chunks[x].numel == pos[x + 1] for x in range(len(pos) - 1))
+                    and (len(chunks) == 1 or math.prod(cat_shape[:cat_dim]) == 1))
+        if adjacent:
+            mode, offset = "view", pos[0]
+        else:
+            in_order = [(c.bucket, c.member, c.offset) for c in chunks]
+            mode = "concat" if in_order == sorted(in_order) else "rearrange"
+            offset, storage = storage, storage + math.prod(m.shard_shape(gen.tp))
+        params[m.name] = GenParam(m.name, m.shard_shape(gen.tp), mode, chunks, cat_dim,
+                                  tuple(cat_shape), offset)
+    return StagePlan(gen_pp_rank=gp, members=n, buckets=tuple(buckets), params=params,
+                     storage_numel=storage)
+
+
+def _position(buckets: list[Bucket], c: Chunk) -> int | None:
+    """Start of a chunk in the generation storage; None when its bucket is transient."""
+    b = buckets[c.bucket]
+    if b.storage_offset is None:
+        return None
+    return b.storage_offset + c.member * b.seg_numel + c.offset
+

@@ -1,0 +1,238 @@
+"""The reshard plan, checked without processes: the all-gathers are simulated by concatenating the
+members' segments, and every rank's generation tensors must equal ``shard(full, tg, g)``."""
+
+from __future__ import annotations
+
+from fractions import Fraction
+
+import pytest
+import torch
+
+from hybridflow.hybrid_engine.meta import (ParamMeta, llama_param_metas, num_layers_of,
+                                           owner_stage, shard, stage_layers, unshard)
+from hybridflow.hybrid_engine.plan import plan_reshard
+from hybridflow.models.config import ModelConfig
+from hybridflow.parallel.layout import GenLayout, LayoutError, TrainLayout
+
+LLAMA = ModelConfig(arch="llama", vocab_size=256, hidden_size=128, ffn_hidden_size=128,
+                    num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16)
+QWEN2 = ModelConfig(arch="qwen2", vocab_size=256, hidden_size=128, ffn_hidden_size=128,
+                    num_layers=4, num_heads=8, num_kv_heads=4, head_dim=16, qkv_bias=True,
+                    tie_embeddings=True)
+MODELS = {"llama": LLAMA, "qwen2": QWEN2}
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def _gen_layouts(max_mp: int = 8) -> list[GenLayout]:
+    out = []
+    for t in (1, 2, 4):
+        for p in (1, 2, 4):
+            if t * p > max_mp:
+                continue
+            for d in (1, 2):
+                train = TrainLayout(tp=t, pp=p, dp=d)
+                out += [GenLayout(train=train, tp=tg, pp=pg)
+                        for tg in _divisors(t) for pg in _divisors(p)]
+    return out
+
+
+LAYOUTS = _gen_layouts()
+
+
+def _full_weights(metas: list[ParamMeta], seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {m.name: torch.randn(m.shape, generator=g) for m in metas}
+
+
+def _train_shards(train: TrainLayout, metas: list[ParamMeta], full: dict[str, torch.Tensor]
+                  ) -> list[dict[str, torch.Tensor]]:
+    """What each rank holds in training: the shards of its own stage's parameters."""
+    num_layers = num_layers_of(metas)
+    out = []
+    for rank in range(train.world_size):
+        _, pp_rank, tp_rank = train.coords(rank)
+        out.append({m.name: shard(full[m.name], m, train.tp, tp_rank) for m in metas
+                    if owner_stage(m, train.pp, num_layers) == pp_rank})
+    return out
+
+
+def _simulate(plan, shards: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
+    """Every micro-DP group's all-gathers, done by concatenating the packed segments; returns per
+    rank its generation tensors, read out of a simulated flat storage as the plan prescribes."""
+    results: list[dict[str, torch.Tensor]] = [{} for _ in shards]
+    for group in plan.groups():
+        st = plan.ranks[group[0]].stage
+        gathered = []
+        for bucket in st.buckets:
+            segments = []
+            for member, rank in enumerate(group):
+                seg = torch.full((bucket.seg_numel,), float("nan"))
+                for p in bucket.pieces[member]:
+                    src = shards[rank][p.name].reshape(-1)
+                    seg[p.dst:p.dst + p.numel] = src[p.offset:p.offset + p.numel]
+                segments.append(seg)
+            gathered.append(torch.cat(segments))
+        storage = torch.full((st.storage_numel,), float("nan"))
+        for b, bucket in enumerate(st.buckets):
+            if bucket.storage_offset is not None:
+                storage[bucket.storage_offset:bucket.storage_offset + bucket.numel] = gathered[b]
+        for name, gp in st.params.items():
+            if gp.mode in ("concat", "rearrange"):
+                parts = [gathered[c.bucket][c.member * st.buckets[c.bucket].seg_numel + c.offset:]
+                         [:c.numel].view(c.shape) for c in gp.chunks]
+                storage[gp.storage_offset:gp.storage_offset + gp.numel] = (
+                    torch.cat(parts, dim=gp.cat_dim).reshape(-1))
+        for rank in group:
+            for name, gp in st.params.items():
+                if gp.mode == "alias":
+                    results[rank][name] = shards[rank][name]
+                else:
+                    results[rank][name] = storage[gp.storage_offset:][:gp.numel].view(gp.shape)
+    return results
+
+
+def _check_storage_disjoint(st) -> None:
+    regions = [(b.storage_offset, b.numel) for b in st.buckets if b.storage_offset is not None]
+    regions += [(p.storage_offset, p.numel) for p in st.params.values()
+                if p.mode in ("concat", "rearrange")]
+    regions.sort()
+    end = 0
+    for start, size in regions:
+        assert start == end, "storage regions must tile the storage"
+        end = start + size
+    assert end == st.storage_numel
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+@pytest.mark.parametrize("gen", LAYOUTS, ids=lambda g: f"t{g.train.tp}p{g.train.pp}d{g.train.dp}"
+                                                       f"-tg{g.tp}pg{g.pp}")
+def test_simulated_gather_matches_generation_shards(gen: GenLayout, model: str) -> None:
+    metas = llama_param_metas(MODELS[model])
+    full = _full_weights(metas)
+    shards = _train_shards(gen.train, metas, full)
+    # A small bucket (several per stage) and min_view_bytes between the row sizes: both packed
+    # and solo buckets occur.
+    plan = plan_reshard(gen, metas, dtype_bytes=4, bucket_bytes=96 * 1024, min_view_bytes=64 * 1024)
+    results = _simulate(plan, shards)
+    num_layers = num_layers_of(metas)
+    for rank, got in enumerate(results):
+        _, gen_pp, gen_tp = gen.coords(rank)
+        expected = [m for m in metas if owner_stage(m, gen.train.pp, num_layers) // gen.pp_stride
+                    == gen_pp]
+        assert list(got) == [m.name for m in expected], f"rank {rank} covers the wrong parameters"
+        for m in expected:
+            want = shard(full[m.name], m, gen.tp, gen_tp)
+            assert torch.equal(got[m.name], want), f"rank {rank}: {m.name} differs"
+    for st in plan.stages:
+        _check_storage_disjoint(st)
+
+
+def _even_metas(cfg: ModelConfig) -> list[ParamMeta]:
+    """Only TP-split layer parameters: every byte is divided evenly over TP and PP."""
+    return [m for m in llama_param_metas(cfg) if m.position == "layer" and m.tp_dim is not None]
+
+
+@pytest.mark.parametrize("model", sorted(MODELS))
+def test_recv_bytes_is_the_paper_formula_for_an_even_model(model: str) -> None:
+    metas = _even_metas(MODELS[model])
+    M = 2 * sum(m.numel for m in metas)
+    for gen in LAYOUTS:
+        t, p, tg, pg = gen.train.tp, gen.train.pp, gen.tp, gen.pp
+        plan = plan_reshard(gen, metas, dtype_bytes=2, bucket_bytes=1 << 20)
+        formula = Fraction(t * p - tg * pg, tg * pg * t * p) * M
+        for r in plan.ranks:
+            assert r.recv_bytes == formula, (str(gen), r.rank)
+            assert r.padding_bytes == 0, (str(gen), r.rank)
+            assert r.send_bytes == (0 if gen.micro_dp == 1 else M // (t * p))
+
+
+def test_recv_send_padding_by_hand() -> None:
+    """t=2, p=2 -> tg=1, pg=1 (one group of 4). Embedding [16,4] on stage 0; per layer a
+    column-parallel W [8,4] and a replicated norm [4]; layers 0 (stage 0) and 1 (stage 1).
+
+    Payload per member (elements): the embedding row [32, 32, 0, 0] (stage-1 members pad 32),
+    the W row [16]*4, the norm row [2]*4 (each TP peer sends half of its stage's norm).
+    rank 0 (stage 0): recv = 32 + 3*16 + 3*2 = 86 (= gen 136 - own 52 + 2 of its own norm that
+    its TP peer sends), padding = 2*32 = 64.  rank 2 (stage 1): recv = 2*32 + 48 + 6 = 118,
+    padding = 32. send: 50 for stage 0, 18 for stage 1. All times 4 bytes.
+    """
+    metas = [ParamMeta(name="emb", shape=(16, 4), tp_dim=0, layer=None, position="pre")]
+    for i in range(2):
+        metas += [ParamMeta(name=f"layers.{i}.w", shape=(8, 4), tp_dim=0, layer=i,
+                            position="layer"),
+                  ParamMeta(name=f"layers.{i}.norm", shape=(4,), tp_dim=None, layer=i,
+                            position="layer")]
+    gen = GenLayout(train=TrainLayout(tp=2, pp=2), tp=1, pp=1)
+    for bucket_bytes in (64, 1 << 20):
+        plan = plan_reshard(gen, metas, dtype_bytes=4, bucket_bytes=bucket_bytes)
+        got = [(r.send_bytes, r.recv_bytes, r.padding_bytes) for r in plan.ranks]
+        assert got == [(200, 344, 256), (200, 344, 256), (72, 472, 128), (72, 472, 128)]
+
+
+def test_modes_views_and_fc1_rearrangement() -> None:
+    metas = llama_param_metas(LLAMA)
+    layer = "decoder.layers.0."
+
+    def modes(t, p, tg, pg):
+        plan = plan_reshard(GenLayout(train=TrainLayout(tp=t, pp=p), tp=tg, pp=pg), metas,
+                            dtype_bytes=4, bucket_bytes=1 << 20, min_view_bytes=0)
+        return {n.removeprefix(layer): gp.mode for n, gp in plan.stages[0].params.items()}
+
+    # Only PP merges (t/tg = 1): every gathered tensor is a view.
+    assert set(modes(2, 2, 2, 1).values()) == {"view"}
+    # TP merge within one stage: dim-0 splits (fc1 too, as a gate and an up bucket) are views,
+    # row-parallel weights are concatenated, norms are the training tensors.
+    m = modes(4, 1, 1, 1)
+    assert m["self_attention.linear_qkv.weight"] == m["mlp.linear_fc1.weight"] == "view"
+    assert m["embedding.word_embeddings.weight"] == m["output_layer.weight"] == "view"
+    assert m["self_attention.linear_proj.weight"] == m["mlp.linear_fc2.weight"] == "concat"
+    assert m["input_layernorm.weight"] == "alias"
+    # TP and PP merges together: fc1 needs the local [gate; up] re-arrangement.
+    m = modes(2, 2, 1, 1)
+    assert m["mlp.linear_fc1.weight"] == "rearrange"
+    assert m["self_attention.linear_qkv.weight"] == "view"
+    # Nothing to merge: everything is the training tensor.
+    assert set(modes(2, 2, 2, 2).values()) == {"alias"}
+
+
+def test_shard_unshard_roundtrip_and_fc1_order() -> None:
+    m = ParamMeta(name="fc1", shape=(8, 3), tp_dim=0, tp_chunks=2, layer=0, position="layer")
+    full = torch.arange(24.0).view(8, 3)
+    shards = [shard(full, m, 4, r) for r in range(4)]
+    # rank 1 holds [gate rows 1; up rows 5]
+    assert torch.equal(shards[1], full[[1, 5]])
+    assert torch.equal(unshard(shards, m), full)
+    for g in range(2):
+        assert torch.equal(unshard(shards[2 * g:2 * g + 2], m), shard(full, m, 2, g))
+    row = ParamMeta(name="proj", shape=(2, 4), tp_dim=1, layer=0, position="layer")
+    full = torch.arange(8.0).view(2, 4)
+    assert torch.equal(unshard([shard(full, row, 2, r) for r in range(2)], row), full)
+
+
+def test_pipeline_split() -> None:
+    assert stage_layers(4, 2, 1) == range(2, 4)
+    with pytest.raises(ValueError, match="layout.pp"):
+        stage_layers(4, 3, 0)
+    metas = llama_param_metas(LLAMA)
+    stages = {m.name: owner_stage(m, 4, 4) for m in metas}
+    assert stages["embedding.word_embeddings.weight"] == 0
+    assert stages["output_layer.weight"] == stages["decoder.final_layernorm.weight"] == 3
+    assert stages["decoder.layers.2.mlp.linear_fc2.weight"] == 2
+    assert "output_layer.weight" not in {m.name for m in llama_param_metas(QWEN2)}
+
+
+def test_bad_layouts_name_the_field() -> None:
+    with pytest.raises(LayoutError, match="generation.tp"):
+        GenLayout(train=TrainLayout(tp=4), tp=3)
+    with pytest.raises(LayoutError, match="generation.pp"):
+        GenLayout(train=TrainLayout(pp=4), pp=3)
+    metas = llama_param_metas(LLAMA)  # 256 qkv rows do not split 3 ways
+    with pytest.raises(LayoutError, match="layout.tp"):
+        plan_reshard(GenLayout(train=TrainLayout(tp=3)), metas, 2, 1 << 20)
+    with pytest.raises(ValueError, match="layout.pp"):
+        plan_reshard(GenLayout(train=TrainLayout(pp=3)), metas, 2, 1 << 20)
+    with pytest.raises(LayoutError, match="layout.vpp"):
+        plan_reshard(GenLayout(train=TrainLayout(pp=2, vpp=2)), metas, 2, 1 << 20)
