@@ -1,0 +1,412 @@
+"""Megatron-Core training engine: a GPTModel at a TrainLayout, per-token log-probs, training steps.
+
+One TrainEngine lives in each rank of a training layout. Weights come in as full (unsharded)
+tensors under Megatron names with global layer indices; each rank keeps only its shard.
+
+Loss convention: ``train_step(batch, loss_fn)`` minimises the SUM of the losses that ``loss_fn``
+returns over every micro-batch of every data-parallel rank (Megatron's per-micro-batch and
+per-DP averaging are switched off), so the caller decides the normalisation, e.g. a token-mean
+over the global batch divides by the global token count.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Callable, Iterator
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.config.errors import ConfigError
+from hybridflow.hybrid_engine.meta import ParamMeta, llama_param_metas, shard
+from hybridflow.models.config import ModelConfig
+from hybridflow.parallel.groups import init_megatron_parallel
+from hybridflow.parallel.layout import TrainLayout
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+# A loss function sees this micro-batch's per-token log-probs [b, s] and the micro-batch itself,
+# and returns (loss, metrics): loss is this micro-batch's share of the global objective.
+LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
+
+
+@dataclass(kw_only=True)
+class OptimConfig:
+    """The optimizer of a training engine (Megatron's, so it shards with the distributed one)."""
+
+    name: str = "adam"
+    """"adam" or "sgd"."""
+    lr: float = 1e-5
+    """Learning rate."""
+    weight_decay: float = 0.0
+    """Decoupled weight decay."""
+    clip_grad: float = 1.0
+    """Global gradient-norm clip; 0 disables it."""
+    adam_beta1: float = 0.9
+    """Adam beta1."""
+    adam_beta2: float = 0.999
+    """Adam beta2."""
+    adam_eps: float = 1e-8
+    """Adam epsilon."""
+    distributed: bool = False
+    """Shard optimizer state across data-parallel ranks (ZeRO-1, Megatron's distributed optimizer)."""
+
+    def __post_init__(self) -> None:
+        if self.name not in ("adam", "sgd"):
+            raise ConfigError("optim.name", f"unknown optimizer {self.name!r}; use adam or sgd")
+        if not self.lr >= 0:
+            raise ConfigError("optim.lr", f"must be >= 0, got {self.lr}")
+        if not self.clip_grad >= 0:
+            raise ConfigError("optim.clip_grad", f"must be >= 0 (0 disables), got {self.clip_grad}")
+
+
+@dataclass(kw_only=True)
+class EngineConfig:
+    """How a model trains: precision, micro-batching, sequence parallelism, optimizer."""
+
+    micro_batch_size: int = 1
+    """Sequences per micro-batch (per data-parallel rank)."""
+    dtype: str = "fp32"
+    """Parameter dtype: "fp32" or "bf16" (bf16 keeps fp32 main weights in the optimizer)."""
+    sequence_parallel: bool = False
+    """Megatron sequence parallelism (needs tp > 1)."""
+    seed: int = 1234
+    """Seed of Megatron's model-parallel RNG trackers."""
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    """Optimizer."""
+
+    def __post_init__(self) -> None:
+        if isinstance(self.optim, dict):
+            self.optim = OptimConfig(**self.optim)
+        if self.dtype not in _DTYPES:
+            raise ConfigError("engine.dtype", f"unknown dtype {self.dtype!r}; use fp32 or bf16")
+        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
+            raise ConfigError("engine.micro_batch_size",
+                              f"must be a positive integer, got {self.micro_batch_size!r}")
+
+
+def check_model_fits_layout(model: ModelConfig, layout: TrainLayout, engine: EngineConfig) -> None:
+    """Everything about a (model, layout) pair that Megatron would only assert on deep inside."""
+    t, p = layout.tp, layout.pp
+    if model.num_heads % t:
+        raise ConfigError("layout.tp", f"tp={t} must divide model.num_heads={model.num_heads}")
+    if model.num_kv_heads % t:
+        raise ConfigError("layout.tp",
+                          f"tp={t} must divide model.num_kv_heads={model.num_kv_heads}")
+    if model.ffn_hidden_size % t:
+        raise ConfigError("layout.tp",
+                          f"tp={t} must divide model.ffn_hidden_size={model.ffn_hidden_size}")
+    if model.vocab_size % t:
+        raise ConfigError("layout.tp", f"tp={t} must divide model.vocab_size={model.vocab_size}")
+    stages = p * (layout.vpp or 1)
+    if model.num_layers % stages:
+        raise ConfigError("layout.pp", f"pp*vpp={stages} must divide model.num_layers="
+                          f"{model.num_layers}")
+    if engine.sequence_parallel and t == 1:
+        raise ConfigError("engine.sequence_parallel", "needs layout.tp > 1; set it to false")
+
+
+def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineConfig):
+    """Megatron's TransformerConfig for a Llama-family model; fusions that need CUDA are off."""
+    import torch.nn.functional as F
+    from megatron.core.transformer import TransformerConfig
+
+    dtype = _DTYPES[engine.dtype]
+    return TransformerConfig(
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size,
+        num_attention_heads=model.num_heads,
+        num_query_groups=model.num_kv_heads,
+        kv_channels=model.head_dim,
+        normalization="RMSNorm",
+        layernorm_epsilon=model.rms_norm_eps,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=model.qkv_bias,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        sequence_parallel=engine.sequence_parallel,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        bf16=engine.dtype == "bf16",
+        use_cpu_initialization=not torch.cuda.is_available(),
+        # Weights always arrive through load_full_weights, but initialisation is what marks params
+        # as tensor-parallel (set_tensor_model_parallel_attributes); without it the grad norm
+        # counts one TP shard only.
+        perform_initialization=True,
+        calculate_per_token_loss=True,  # see the module docstring: we own the normalisation
+        variable_seq_lengths=False,
+        batch_p2p_sync=torch.cuda.is_available(),  # p2p's sync calls torch.cuda.synchronize
+        # gloo matches point-to-point messages by (peer, tag) in posting order; a batched
+        # isend/irecv with the same peer both ways (pp=2 under interleaving) can swap activations
+        # and grads. Separate ops, posted in Megatron's even/odd order, match one to one.
+        batch_p2p_comm=torch.cuda.is_available(),
+        deallocate_pipeline_outputs=False,
+    )
+
+
+def _build_chunks(model: ModelConfig, layout: TrainLayout, tf_config, pg_collection):
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    chunks = []
+    for vp in range(layout.vpp or 1):
+        vp_stage = vp if layout.vpp else None
+        chunk = GPTModel(
+            config=tf_config,
+            transformer_layer_spec=spec,
+            vocab_size=model.vocab_size,
+            max_sequence_length=model.max_position_embeddings,
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
+                                                                vp_stage=vp_stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
+                                                               vp_stage=vp_stage),
+            share_embeddings_and_output_weights=model.tie_embeddings,
+            position_embedding_type="rope",
+            rotary_base=int(model.rope_theta),
+            pg_collection=pg_collection,
+            vp_stage=vp_stage,
+        )
+        if torch.cuda.is_available():
+            chunk.cuda()
+        chunks.append(chunk)
+    return chunks
+
+
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def global_name(chunk, local_name: str) -> str:
+    """Megatron name with the global layer index (``layer_number`` is 1-based and global)."""
+    m = _LAYER.match(local_name)
+    if not m:
+        return local_name
+    layer = chunk.decoder.layers[int(m.group(1))]
+    return f"decoder.layers.{layer.layer_number - 1}." + local_name[m.end():]
+
+
+def batch_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting only real tokens, so left padding does not shift RoPE. [B,S] -> [B,S]."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def batch_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """[B,S] 1=real token -> Megatron's [B,1,S,S] bool mask, True where attention is blocked:
+    future keys and padding keys."""
+    s = attention_mask.shape[1]
+    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
+    allowed = causal[None] & attention_mask.bool()[:, None, :]
+    return ~allowed[:, None]
+
+
+class TrainEngine:
+    """The actor (or critic, reference) on one rank of a training layout."""
+
+    def __init__(self, model: ModelConfig, layout: TrainLayout, engine: EngineConfig,
+                 *, build_optimizer: bool = True):
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+        from megatron.core.distributed.finalize_model_grads import finalize_model_grads
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        check_model_fits_layout(model, layout, engine)
+        self.model_config, self.layout, self.config = model, layout, engine
+        self.pg = init_megatron_parallel(layout, seed=engine.seed)
+        self.tf_config = transformer_config(model, layout, engine)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        _, self.pp_rank, self.tp_rank = layout.coords(dist.get_rank())
+        self.metas: dict[str, ParamMeta] = {m.name: m for m in llama_param_metas(model)}
+
+        chunks = _build_chunks(model, layout, self.tf_config, self.pg)
+        ddp_config = DistributedDataParallelConfig(
+            grad_reduce_in_fp32=True,
+            use_distributed_optimizer=engine.optim.distributed,
+            overlap_grad_reduce=False,
+        )
+        self.chunks = [DistributedDataParallel(self.tf_config, ddp_config, c, pg_collection=self.pg)
+                       for c in chunks]
+        # Megatron scales grads by 1/num_tokens when given them; our loss functions already
+        # carry their own normalisation, so the count is dropped here.
+        self.tf_config.finalize_model_grads_func = (
+            lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw))
+        self.optimizer = None
+        if build_optimizer:
+            o = engine.optim
+            self.optimizer = get_megatron_optimizer(
+                OptimizerConfig(
+                    optimizer=o.name, lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay,
+                    clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
+                    adam_eps=o.adam_eps, use_distributed_optimizer=o.distributed,
+                    bf16=engine.dtype == "bf16", params_dtype=_DTYPES[engine.dtype],
+                ),
+                self.chunks, use_gloo_process_groups=False, pg_collection=self.pg)
+
+    # ----------------------------------------------------------------------------- weights
+    def named_local_params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
+        """(global Megatron name, local shard) of every parameter this rank holds."""
+        for chunk in self.chunks:
+            module = chunk.module
+            for name, param in module.named_parameters():
+                yield global_name(module, name), param
+
+    def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:
+        """Copy this rank's shard of each full tensor in ``full`` (Megatron names, global layer
+        indices) into the model. Every parameter this rank holds must be present."""
+        for name, param in self.named_local_params():
+            source = name
+            if name == "output_layer.weight" and self.model_config.tie_embeddings:
+                source = "embedding.word_embeddings.weight"
+            if source not in full:
+                raise ConfigError(source, "missing from the weights being loaded")
+            piece = shard(full[source], self.metas[source], self.layout.tp, self.tp_rank)
+            if piece.shape != param.shape:
+                raise ConfigError(source, f"shard shape {tuple(piece.shape)} does not match the "
+                                  f"model's {tuple(param.shape)} at {self.layout}")
+            with torch.no_grad():
+                param.copy_(piece)
+        if self.optimizer is not None:
+            self.optimizer.reload_model_params()
+
+    # ----------------------------------------------------------------------------- compute
+    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+        n = batch["input_ids"].shape[0]
+        mbs = self.config.micro_batch_size
+        if n % mbs:
+            raise ConfigError("engine.micro_batch_size",
+                              f"{mbs} does not divide this rank's batch of {n} sequences")
+        # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple of tp.
+        s = batch["input_ids"].shape[1]
+        pad = (-s) % self.layout.tp if self.config.sequence_parallel else 0
+        out = []
+        for i in range(0, n, mbs):
+            mb = {k: v[i:i + mbs] for k, v in batch.items()}
+            ids, mask = mb["input_ids"], mb["attention_mask"]
+            if pad:
+                ids = torch.nn.functional.pad(ids, (0, pad))
+                mask = torch.nn.functional.pad(mask, (0, pad))
+            mb["_ids"], mb["_mask"], mb["_seq"] = ids.to(self.device), mask.to(self.device), s
+            out.append(mb)
+        return out
+
+    def _forward_step(self, loss_fn: LossFn | None, outputs: list, logits: bool = False):
+        """Megatron's forward_step_func. With ``loss_fn`` it feeds per-token log-probs to it (a
+        training step); without, it collects log-probs, or full logits when ``logits``."""
+        def step(data_iterator, model):
+            mb = next(data_iterator)
+            ids, mask, seq = mb["_ids"], mb["_mask"], mb["_seq"]
+            args = (ids, batch_position_ids(mask), batch_attention_mask(mask))
+            if logits:
+                return model(*args), lambda out: self._collect_logits(out[:, :seq], outputs)
+            # Label at position i is token i+1; the last label is a dummy, dropped below.
+            out = model(*args, labels=torch.roll(ids, -1, dims=1))
+
+            def loss(output):
+                # GPTModel returns the per-token cross entropy [b, s] for the given labels.
+                logprobs = torch.cat([torch.zeros_like(output[:, :1]), -output[:, :-1]], dim=1)
+                logprobs = logprobs[:, :seq]
+                if loss_fn is None:
+                    outputs.append(logprobs.detach())
+                    return logprobs.sum() * 0, torch.tensor(1, dtype=torch.int), {}
+                value, metrics = loss_fn(logprobs, mb)
+                outputs.append({k: float(v) for k, v in metrics.items()} | {"loss": value.item()})
+                return value, torch.tensor(1, dtype=torch.int), {}
+            return out, loss
+        return step
+
+    def _collect_logits(self, vocab_shard: torch.Tensor, outputs: list):
+        from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
+        outputs.append(gather_from_tensor_model_parallel_region(vocab_shard).detach())
+        return vocab_shard.sum() * 0, torch.tensor(1, dtype=torch.int), {}
+
+    def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn | None, forward_only: bool,
+             logits: bool = False):
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+
+        mbs = self._micro_batches(batch)
+        outputs: list = []
+        fb = get_forward_backward_func()
+        iters = [iter(mbs) for _ in self.chunks] if len(self.chunks) > 1 else iter(mbs)
+        fb(forward_step_func=self._forward_step(loss_fn, outputs, logits), data_iterator=iters,
+           model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+           num_microbatches=len(mbs), seq_length=mbs[0]["_ids"].shape[1],
+           micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
+        return outputs
+
+    def _from_last_stage(self, obj):
+        """Objects computed on the last pipeline stage, given to every stage."""
+        if self.layout.pp == 1:
+            return obj
+        box = [obj]
+        src = dist.get_global_rank(self.pg.pp, self.layout.pp - 1)
+        dist.broadcast_object_list(box, src=src, group=self.pg.pp)
+        return box[0]
+
+    @torch.no_grad()
+    def compute_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-token log-probs [B, S]: ``out[b, i] = log p(input_ids[b, i] | input_ids[b, :i])``,
+        0 at i = 0. ``batch`` holds ``input_ids`` and ``attention_mask`` [B, S] of this DP rank."""
+        for chunk in self.chunks:
+            chunk.eval()
+        outputs = self._run(batch, None, forward_only=True)
+        logprobs = torch.cat(outputs).cpu() if outputs else None
+        return self._from_last_stage(logprobs)
+
+    @torch.no_grad()
+    def compute_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Full-vocabulary logits [B, S, V] (gathered over TP; for tests, greedy checks and small
+        vocabularies -- training paths stay vocab-parallel)."""
+        for chunk in self.chunks:
+            chunk.eval()
+        outputs = self._run(batch, None, forward_only=True, logits=True)
+        return self._from_last_stage(torch.cat(outputs).cpu() if outputs else None)
+
+    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
+        """One optimizer step over ``batch`` (this DP rank's share), split into micro-batches.
+        Returns summed loss and averaged metrics over this rank's micro-batches, and grad_norm."""
+        for chunk in self.chunks:
+            chunk.train()
+            chunk.zero_grad_buffer()
+        self.optimizer.zero_grad()
+        outputs = self._run(batch, loss_fn, forward_only=False)
+        ok, grad_norm, _ = self.optimizer.step()
+        if not ok:
+            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        metrics: dict[str, float] = {}
+        if outputs:
+            keys = outputs[0].keys()
+            metrics = {k: sum(o[k] for o in outputs) / len(outputs) for k in keys}
+            metrics["loss"] = sum(o["loss"] for o in outputs)
+        metrics = self._from_last_stage(metrics)
+        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        return metrics
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """Gather every parameter to its full shape on every rank (for tests and export; the
+        generation path uses the 3D-HybridEngine instead)."""
+        from hybridflow.hybrid_engine.meta import unshard
+        local = {name: p.detach() for name, p in self.named_local_params()}
+        out = {}
+        for name, meta in self.metas.items():
+            box = [None] * self.layout.pp
+            mine = local.get(name)
+            # Each TP group gathers its shards; then stages exchange what they own.
+            if mine is not None and meta.tp_dim is not None and self.layout.tp > 1:
+                pieces = [torch.empty_like(mine) for _ in range(self.layout.tp)]
+                dist.all_gather(pieces, mine.contiguous(), group=self.pg.tp)
+                mine = unshard(pieces, meta)
+            dist.all_gather_object(box, None if mine is None else mine.cpu(), group=self.pg.pp)
+            out[name] = next(t for t in box if t is not None)
+        return out

@@ -1,0 +1,103 @@
+"""The smallest changes megatron-core needs to train on CPU with gloo.
+
+Target: megatron-core 0.16.1. Applied only when CUDA is absent; each patch is a literal text
+replacement inside one function (see _source.py), so a patch that stops matching the installed
+source raises instead of silently doing nothing, and tests/unit/test_megatron_patches.py checks that
+every patch still applies (and therefore is still needed: the CUDA-only text is still there).
+"""
+
+from __future__ import annotations
+
+from megatron_patches._source import PatchError, SourcePatch
+
+TARGET_VERSION = "0.16.1"
+
+# The CUDA-only spellings we replace, by what they mean on CPU.
+CUDA_DEVICE = ("torch.cuda.current_device()", "'cpu'")
+CUDA_LITERAL = ("device='cuda'", "device='cpu'")
+CUDA_LITERAL_DQ = ('device="cuda"', 'device="cpu"')
+CUDA_FLOAT_TYPE = ("'torch.cuda.FloatTensor'", "'torch.FloatTensor'")
+
+
+def _patch(target: str, reason: str, *replacements: tuple[str, str]) -> SourcePatch:
+    return SourcePatch(f"megatron.core.{target}", tuple(replacements), reason)
+
+
+PATCHES: tuple[SourcePatch, ...] = (
+    _patch("models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.__init__",
+           "RoPE builds inv_freq on the current CUDA device unless use_cpu_initialization.",
+           ("else torch.cuda.current_device()", "else 'cpu'")),
+    _patch("models.common.embeddings.rotary_pos_embedding:RotaryEmbedding.get_emb",
+           "Every RoPE forward moves a CPU inv_freq to the current CUDA device.",
+           ("self.inv_freq.to(device=torch.cuda.current_device())", "self.inv_freq")),
+    *(_patch(f"pipeline_parallel.schedules:{fn}",
+             "total_num_tokens is allocated on the literal device 'cuda'.", CUDA_LITERAL_DQ)
+      for fn in ("forward_backward_no_pipelining",
+                 "forward_backward_pipelining_without_interleaving",
+                 "forward_backward_pipelining_with_interleaving")),
+    _patch("distributed.param_and_grad_buffer:_ParamAndGradBuffer.__init__",
+           "DDP's flat param and grad buffers are allocated on the current CUDA device.",
+           CUDA_DEVICE),
+    _patch("optimizer.optimizer:MixedPrecisionOptimizer.__init__",
+           "found_inf and loss-scale scalars are allocated on the literal device 'cuda'.",
+           CUDA_LITERAL),
+    _patch("optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
+           "fp32 params are recognised by the type string 'torch.cuda.FloatTensor'.",
+           CUDA_FLOAT_TYPE),
+    _patch("optimizer.optimizer:FP32Optimizer.__init__",
+           "the unit loss scale is allocated on the literal device 'cuda'.", CUDA_LITERAL),
+    _patch("optimizer.optimizer:ChainedOptimizer.get_loss_scale",
+           "the unit loss scale is allocated on the current CUDA device.", CUDA_DEVICE),
+    _patch("optimizer.clip_grads:get_grad_norm_fp32",
+           "the grad norm is reduced through tensors on the literal device 'cuda'.", CUDA_LITERAL),
+    _patch("optimizer.clip_grads:clip_grad_by_total_norm_fp32",
+           "asserts grads are 'torch.cuda.FloatTensor' and scales through a 'cuda' buffer.",
+           CUDA_FLOAT_TYPE, CUDA_LITERAL),
+    _patch("optimizer.clip_grads:count_zeros_fp32",
+           "the zero count is reduced through a tensor on the literal device 'cuda'.", CUDA_LITERAL),
+    _patch("optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
+           "fp32 params are recognised by the type string 'torch.cuda.FloatTensor'.",
+           CUDA_FLOAT_TYPE),
+    _patch("utils:GlobalMemoryBuffer.get_tensor",
+           "the attention score buffer is allocated on the current CUDA device.", CUDA_DEVICE),
+    _patch("utils:local_multi_tensor_l2_norm",
+           "the fallback (no apex/TE) l2 norm returns a tensor on the literal device 'cuda'.",
+           CUDA_LITERAL_DQ),
+    _patch("pipeline_parallel.p2p_communication:P2PCommunicator._communicate",
+           "receive buffers between pipeline stages are allocated on the current CUDA device.",
+           CUDA_DEVICE),
+    *(_patch(f"tensor_parallel.mappings:{fn}",
+             "sequence-parallel gathers/scatters allocate on the current CUDA device.", CUDA_DEVICE)
+      for fn in ("_gather_along_first_dim", "_reduce_scatter_along_first_dim")),
+    _patch("tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication.backward",
+           "the sequence-parallel reduce-scatter of input grads allocates on the current CUDA "
+           "device.", CUDA_DEVICE),
+    _patch("models.common.language_module.language_module:LanguageModule."
+           "setup_embeddings_and_output_layer",
+           "with tied embeddings under PP, the last stage's copy is moved with .cuda() before the "
+           "all-reduce that makes it equal to the first stage's.",
+           ("weight.data = weight.data.cuda()", "weight.data = weight.data")),
+    _patch("transformer.torch_norm:WrappedTorchNorm.__new__",
+           "the local (non-TE) norm refuses sequence parallelism; with it, each TP rank sees part "
+           "of the sequence, so its weight grads must be marked for the TP all-reduce that "
+           "finalize_model_grads does for params flagged sequence_parallel (as TE's norm does).",
+           ("assert not config.sequence_parallel,", "assert True,"),
+           ("return norm_cls(normalized_shape=hidden_size, eps=eps)",
+            "norm = norm_cls(normalized_shape=hidden_size, eps=eps)\n"
+            "    for param in norm.parameters():\n"
+            "        param.sequence_parallel = config.sequence_parallel\n"
+            "    return norm")),
+)
+
+def apply() -> None:
+    """Apply every patch when there is no CUDA; a no-op on GPU machines and on a second call."""
+    import torch
+    if torch.cuda.is_available():
+        return
+    from importlib.metadata import version
+    installed = version("megatron-core")
+    if installed != TARGET_VERSION:
+        raise PatchError(f"megatron_patches target megatron-core {TARGET_VERSION}, found "
+                         f"{installed}: pip install megatron-core=={TARGET_VERSION}")
+    for patch in PATCHES:
+        patch.apply()

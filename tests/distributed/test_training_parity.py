@@ -1,0 +1,101 @@
+"""A training step at TP/PP/VPP/DP/SP and the distributed optimizer equals the single-process step.
+
+Each layout starts from the same full weights and sees the same global batch; the loss is a sum
+over tokens with a fixed scale, so every layout minimises the same objective. SGD keeps the
+comparison exact up to float reduction order; the distributed optimizer supports only Adam, so those
+layouts take one Adam step with a large epsilon (the first step is otherwise about sign(grad), which
+amplifies that noise).
+"""
+
+import pytest
+import torch
+
+from hybridflow.models.config import ModelConfig
+from hybridflow.parallel.layout import TrainLayout
+from hybridflow.parallel.spawn import spawn
+
+MODEL = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=4, num_heads=4,
+             num_kv_heads=2, head_dim=16, max_position_embeddings=64)
+BATCH, SEQ = 8, 12
+# (layout, sequence_parallel, distributed optimizer, micro_batch_size)
+LAYOUTS_4 = [
+    (dict(tp=2, pp=2, dp=1), False, False, 2),
+    (dict(tp=2, pp=1, dp=2), False, True, 2),
+    (dict(tp=2, pp=1, dp=2), True, False, 4),
+    (dict(tp=1, pp=2, dp=2, vpp=2), False, False, 1),
+    (dict(tp=1, pp=1, dp=4), False, True, 1),
+]
+
+
+def make_batch():
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, MODEL["vocab_size"], (BATCH, SEQ), generator=g)
+    mask = torch.ones(BATCH, SEQ, dtype=torch.long)
+    mask[1, :3] = 0  # left padding
+    mask[5, -4:] = 0  # right padding
+    return {"input_ids": ids, "attention_mask": mask,
+            "weight": torch.rand(BATCH, SEQ, generator=g)}
+
+
+def loss_fn(logprobs, mb):
+    # A fixed scale (not a per-rank token count) keeps the objective the same for every layout.
+    w = mb["weight"] * mb["attention_mask"]
+    return -(logprobs * w).sum() / 100.0, {"tokens": float(mb["attention_mask"].sum())}
+
+
+def run_layouts(rank, world, layouts, qwen):
+    from hybridflow.hybrid_engine.meta import init_full_weights, llama_param_metas
+    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+
+    model = ModelConfig(**MODEL, arch="qwen2" if qwen else "llama", qkv_bias=qwen,
+                        tie_embeddings=qwen)
+    full = init_full_weights(llama_param_metas(model), seed=7)
+    batch = make_batch()
+    results = []
+    for layout_kw, sp, dist_opt, mbs in layouts:
+        layout = TrainLayout(**layout_kw)
+        optim = (OptimConfig(name="adam", lr=1e-3, adam_eps=1e-3, clip_grad=1.0, distributed=True)
+                 if dist_opt else OptimConfig(name="sgd", lr=0.5, clip_grad=1.0))
+        engine = TrainEngine(model, layout, EngineConfig(
+            micro_batch_size=mbs, sequence_parallel=sp, optim=optim))
+        engine.load_full_weights(full)
+        d, _, _ = layout.coords(rank)
+        per = BATCH // layout.dp
+        mine = {k: v[d * per:(d + 1) * per] for k, v in batch.items()}
+        logprobs = engine.compute_logprobs(mine)
+        gathered = [None] * world
+        torch.distributed.all_gather_object(gathered, logprobs)
+        metrics = engine.train_step(mine, loss_fn)
+        # Every DP rank reports its share of the loss; the objective is their sum.
+        loss = torch.tensor(metrics["loss"])
+        torch.distributed.all_reduce(loss)
+        weights = engine.full_weights()
+        if rank == 0:
+            first_of_each_dp = [gathered[layout.rank(dd, 0, 0)] for dd in range(layout.dp)]
+            results.append({"logprobs": torch.cat(first_of_each_dp), "loss": float(loss) / (
+                layout.tp * layout.pp), "grad_norm": metrics["grad_norm"], "weights": weights,
+                "moved": max((weights[k] - full[k]).abs().max().item() for k in full)})
+    return results
+
+
+@pytest.fixture(scope="module", params=[False, True], ids=["llama", "qwen2-tied-bias"])
+def runs(request):
+    one = dict(tp=1, pp=1, dp=1)
+    sgd, adam = spawn(run_layouts, 1, [(one, False, False, 4), (one, False, True, 4)],
+                      request.param)[0]
+    multi = spawn(run_layouts, 4, LAYOUTS_4, request.param)[0]
+    return {False: sgd, True: adam}, multi
+
+
+@pytest.mark.parametrize("index", range(len(LAYOUTS_4)),
+                         ids=[f"{l}-sp{int(s)}-distopt{int(o)}" for l, s, o, _ in LAYOUTS_4])
+def test_step_matches_single_process(runs, index):
+    refs, multi = runs
+    ref, got = refs[LAYOUTS_4[index][2]], multi[index]
+    assert ref["moved"] > 1e-4  # the step did change the weights
+    torch.testing.assert_close(got["logprobs"], ref["logprobs"], atol=1e-5, rtol=1e-5)
+    assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)
+    assert got["grad_norm"] == pytest.approx(ref["grad_norm"], rel=1e-4)
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(got["weights"][name], w, atol=1e-5, rtol=1e-5, msg=name)
+    assert set(got["weights"]) == set(ref["weights"])
