@@ -67,8 +67,10 @@ PATCHES: tuple[SourcePatch, ...] = (
            "receive buffers between pipeline stages are allocated on the current CUDA device.",
            CUDA_DEVICE),
     *(_patch(f"tensor_parallel.mappings:{fn}",
-             "sequence-parallel gathers/scatters allocate on the current CUDA device.", CUDA_DEVICE)
-      for fn in ("_gather_along_first_dim", "_reduce_scatter_along_first_dim")),
+             "TP gathers/scatters (sequence parallel, vocab logits) allocate on the current CUDA "
+             "device.", CUDA_DEVICE)
+      for fn in ("_gather_along_first_dim", "_reduce_scatter_along_first_dim",
+                 "_gather_along_last_dim")),
     _patch("tensor_parallel.layers:LinearWithGradAccumulationAndAsyncCommunication.backward",
            "the sequence-parallel reduce-scatter of input grads allocates on the current CUDA "
            "device.", CUDA_DEVICE),
@@ -87,6 +89,13 @@ PATCHES: tuple[SourcePatch, ...] = (
             "    for param in norm.parameters():\n"
             "        param.sequence_parallel = config.sequence_parallel\n"
             "    return norm")),
+    _patch("dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.preload_tensors",
+           "a checkpoint save waits for the device-to-host copies with torch.cuda.synchronize(); "
+           "on CPU, tensor.to('cpu') has nothing to wait for.",
+           ("torch.cuda.synchronize()", "pass")),
+    _patch("dist_checkpointing.strategies.state_dict_saver:save_state_dict_async_finalize",
+           "a checkpoint save broadcasts its write-failure flag in a tensor on the current CUDA "
+           "device.", CUDA_DEVICE),
 )
 
 def apply() -> None:

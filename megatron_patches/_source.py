@@ -45,8 +45,6 @@ class SourcePatch:
 
     def apply(self) -> None:
         fn = self.function()
-        if getattr(fn, "__hybridflow_patched__", False):
-            return
         lines, first_line = inspect.getsourcelines(fn)
         source = textwrap.dedent("".join(lines))
         for old, new in self.replacements:
@@ -54,6 +52,8 @@ class SourcePatch:
                 raise PatchError(f"megatron_patches: {self.target} no longer contains {old!r}; "
                                  f"the installed megatron-core differs from the patched version")
             source = source.replace(old, new)
+        if getattr(fn, "__hybridflow_patched__", False):
+            return
         # Drop decorators: they already wrap the function object whose code we replace.
         source = source[source.index("def ") if source.startswith("@") else 0:]
         first_line += "".join(lines).count("\n", 0, "".join(lines).find("def "))

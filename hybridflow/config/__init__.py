@@ -36,7 +36,7 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None,
         key = getattr(e, "full_key", None) or "config"
         message = str(e).split("\n")[0]
         if type(e).__name__ == "ConfigKeyError":
-            message += "; check the spelling against the defaults (hybridflow config --defaults)"
+            message += "; `hybridflow defaults JOB` prints every key with its default"
         raise ConfigError(key, message) from None
     except TypeError as e:  # a dataclass constructor rejecting the shape of a section
         raise ConfigError("config", str(e)) from None

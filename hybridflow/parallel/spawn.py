@@ -24,6 +24,11 @@ def free_port() -> int:
 def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
     # One thread per worker: several workers share two cores, and oversubscription is slower.
     os.environ["OMP_NUM_THREADS"] = "1"
+    import warnings
+    # Megatron announces its fallbacks (no TE/apex) and uses a deprecated all-gather name once
+    # per process; with several workers that buries the output that matters.
+    warnings.filterwarnings("ignore", module=r"megatron\.")
+    warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     import torch
     torch.set_num_threads(1)
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),

@@ -1,0 +1,30 @@
+"""The command line: user mistakes exit 2 with one line naming the field; nothing is written."""
+
+import pytest
+
+from hybridflow.cli import main
+
+
+@pytest.mark.parametrize("args, message", [
+    (["layout.tp=3"], "layout.tp: tp=3 must divide model.num_heads=4"),
+    (["layout.tpp=2"], "layout.tpp: Key 'tpp' not in 'TrainLayout'"),
+    (["missing.yaml"], "missing.yaml: config file not found"),
+    (["steps=abc"], "steps: Value 'abc'"),
+    (["global_batch_size=15"], "global_batch_size: 15 must be a multiple"),
+    (["engine.optim.name=lion"], "optim.name: unknown optimizer 'lion'"),
+    (["experiments/quickstart_lm.yaml", "steps"], "an override must look like key=value"),
+])
+def test_bad_input_exits_2_naming_the_field(tmp_path, capsys, args, message):
+    out = tmp_path / "runs"
+    assert main(["lm-demo", *args, f"tracking.out_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridflow: error: ") and message in err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()
+
+
+def test_defaults_prints_every_section(capsys):
+    assert main(["defaults", "lm-demo"]) == 0
+    text = capsys.readouterr().out
+    for key in ("model:", "layout:", "engine:", "optim:", "tracking:"):
+        assert key in text
