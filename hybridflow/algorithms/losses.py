@@ -15,7 +15,8 @@ from hybridflow.config.errors import ConfigError
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
 
-def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean") -> torch.Tensor:
+def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
+                   denominator: float | None = None) -> torch.Tensor:
     """Reduce a per-token loss to a scalar.
 
     Modes:
@@ -31,12 +32,17 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "toke
         loss_mat: [B, T] per-token loss.
         mask: [B, T] response mask.
         mode: one of the modes above.
+        denominator: the global count (valid tokens for "token-mean", sequences with a valid
+            token otherwise) when this batch is one piece of a larger one -- a micro-batch on one
+            data-parallel rank. The pieces' results then add up to the global aggregate.
 
     Returns:
         Scalar loss.
     """
     _check_token_shape("loss_mat", loss_mat, mask)
     if mode == "token-mean":
+        if denominator is not None:
+            return torch.where(mask.bool(), loss_mat, 0.0).sum() / denominator
         return masked_mean(loss_mat, mask)
     has_tokens = mask.bool().any(dim=-1)
     if mode == "seq-mean-token-sum":
@@ -46,13 +52,15 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "toke
     else:
         raise ConfigError("algorithm.loss_agg_mode",
                           f"unknown mode {mode!r}; use one of {', '.join(AGG_MODES)}")
+    if denominator is not None:
+        return torch.where(has_tokens, per_seq, 0.0).sum() / denominator
     return masked_mean(per_seq, has_tokens)
 
 
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                 dual_clip_c: float | None = None, agg: str = "token-mean",
-                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                denominator: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7), optionally with
     dual clip (Ye et al. 2019, arXiv 1912.09729).
 
@@ -70,6 +78,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         clip_ratio_high: upper clip, > 0; above clip_ratio_low is DAPO's clip-higher.
         dual_clip_c: dual-clip constant, > 1 (3.0 in the paper); None disables it.
         agg: aggregation mode, see ``aggregate_loss``.
+        denominator: global count for ``agg``, see ``aggregate_loss``.
 
     Returns:
         (loss, metrics). loss is a scalar. metrics: "clip_frac" (valid tokens where the ratio
@@ -106,12 +115,13 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     else:
         dual_clip_frac = torch.zeros((), device=logprobs.device)
 
-    loss = aggregate_loss(loss_mat, mask, agg)
+    loss = aggregate_loss(loss_mat, mask, agg, denominator)
     return loss, {"clip_frac": clip_frac, "approx_kl": approx_kl, "dual_clip_frac": dual_clip_frac}
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
                clip_range: float | None = 0.2, agg: str = "token-mean",
+               denominator: float | None = None,
                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss (PPO as in OpenAI baselines ppo2; discussed in Engstrom et al.
     2020, arXiv 2005.12729):
@@ -149,7 +159,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         loss_mat = torch.maximum(unclipped, clipped)
         with torch.no_grad():
             vf_clip_frac = masked_mean((clipped > unclipped).float(), mask)
-    return 0.5 * aggregate_loss(loss_mat, mask, agg), {"vf_clip_frac": vf_clip_frac}
+    return 0.5 * aggregate_loss(loss_mat, mask, agg, denominator), {"vf_clip_frac": vf_clip_frac}
 
 
 def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -169,7 +179,8 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
 
 
-def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean") -> torch.Tensor:
+def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",
+                 denominator: float | None = None) -> torch.Tensor:
     """Entropy bonus as a loss: the *negated* aggregated entropy, so that
     ``total = pg_loss + entropy_coef * entropy_loss(...)`` raises entropy as it is minimised.
 
@@ -181,4 +192,4 @@ def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-me
     Returns:
         Scalar, <= 0.
     """
-    return -aggregate_loss(entropy, mask, agg)
+    return -aggregate_loss(entropy, mask, agg, denominator)

@@ -26,6 +26,11 @@ def init_megatron_parallel(layout: TrainLayout, seed: int = 1234):
 
     layout.check_world(dist.get_world_size())
     if parallel_state.model_parallel_is_initialized():
+        same = (parallel_state.get_tensor_model_parallel_world_size() == layout.tp
+                and parallel_state.get_pipeline_model_parallel_world_size() == layout.pp
+                and parallel_state.get_virtual_pipeline_model_parallel_world_size() == layout.vpp)
+        if same:  # e.g. actor and reference in one process share the groups
+            return ProcessGroupCollection.use_mpu_process_groups()
         parallel_state.destroy_model_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,

@@ -26,8 +26,9 @@ from hybridflow.parallel.layout import TrainLayout
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
-# A loss function sees this micro-batch's per-token log-probs [b, s] and the micro-batch itself,
-# and returns (loss, metrics): loss is this micro-batch's share of the global objective.
+# A loss function sees this micro-batch's per-token outputs [b, s] -- log-probs for an LM head,
+# values for a value head -- and the micro-batch itself, and returns (loss, metrics): loss is this
+# micro-batch's share of the global objective.
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
@@ -213,24 +214,62 @@ def batch_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return ~allowed[:, None]
 
 
+class ValueHead(torch.nn.Module):
+    """A scalar head in place of GPTModel's output layer (critics, reward and cost models):
+    [s, b, h] -> [s, b, 1], replicated over TP ranks (each sees the same hidden states)."""
+
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
+        self.sequence_parallel = False  # GPTModel reads this attribute of its output layer
+
+    def forward(self, hidden, weight=None, runtime_gather_output=None):
+        return hidden @ self.weight.t(), None
+
+
+VALUE_HEAD = "value_head.weight"
+"""Name of a value head's weight in full state dicts (its Megatron module is output_layer)."""
+
+
 class TrainEngine:
-    """The actor (or critic, reference) on one rank of a training layout."""
+    """The actor (or reference, critic, reward model) on one rank of a training layout.
+
+    ``head="lm"`` keeps the language-model output layer (per-token log-probs); ``head="value"``
+    replaces it with a scalar ValueHead (per-token values) for critics and reward models."""
 
     def __init__(self, model: ModelConfig, layout: TrainLayout, engine: EngineConfig,
-                 *, build_optimizer: bool = True):
+                 *, build_optimizer: bool = True, head: str = "lm"):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         check_model_fits_layout(model, layout, engine)
-        self.model_config, self.layout, self.config = model, layout, engine
+        if head not in ("lm", "value"):
+            raise ConfigError("head", f"unknown head {head!r}; use lm or value")
+        if head == "value" and engine.sequence_parallel:
+            raise ConfigError("engine.sequence_parallel", "not supported with a value head yet; "
+                              "set it to false for critics and reward models")
+        if head == "value" and model.tie_embeddings:
+            # A value head has nothing to tie to; the LM output layer is replaced, not shared.
+            from dataclasses import replace
+            model = replace(model, tie_embeddings=False)
+        self.model_config, self.layout, self.config, self.head = model, layout, engine, head
         self.pg = init_megatron_parallel(layout, seed=engine.seed)
         self.tf_config = transformer_config(model, layout, engine)
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
         _, self.pp_rank, self.tp_rank = layout.coords(dist.get_rank())
         self.metas: dict[str, ParamMeta] = {m.name: m for m in llama_param_metas(model)}
+        if head == "value":
+            del self.metas["output_layer.weight"]
+            self.metas[VALUE_HEAD] = ParamMeta(name=VALUE_HEAD, shape=(1, model.hidden_size),
+                                               tp_dim=None, layer=None, position="post")
 
         chunks = _build_chunks(model, layout, self.tf_config, self.pg)
+        if head == "value":
+            for chunk in chunks:
+                if chunk.post_process:
+                    chunk.output_layer = ValueHead(model.hidden_size, _DTYPES[engine.dtype],
+                                                   self.device)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=engine.optim.distributed,
@@ -260,11 +299,18 @@ class TrainEngine:
         for chunk in self.chunks:
             module = chunk.module
             for name, param in module.named_parameters():
+                if self.head == "value" and name == "output_layer.weight":
+                    name = VALUE_HEAD
                 yield global_name(module, name), param
 
     def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:
         """Copy this rank's shard of each full tensor in ``full`` (Megatron names, global layer
         indices) into the model. Every parameter this rank holds must be present."""
+        if self.head == "value" and VALUE_HEAD not in full:
+            # A critic usually starts from an LM checkpoint: a fresh, small, seeded head.
+            g = torch.Generator().manual_seed(self.config.seed)
+            head = torch.randn(1, self.model_config.hidden_size, generator=g)
+            full = {**full, VALUE_HEAD: head / self.model_config.hidden_size}
         for name, param in self.named_local_params():
             source = name
             if name == "output_layer.weight" and self.model_config.tie_embeddings:
@@ -310,17 +356,23 @@ class TrainEngine:
             args = (ids, batch_position_ids(mask), batch_attention_mask(mask))
             if logits:
                 return model(*args), lambda out: self._collect_logits(out[:, :seq], outputs)
-            # Label at position i is token i+1; the last label is a dummy, dropped below.
-            out = model(*args, labels=torch.roll(ids, -1, dims=1))
+            if self.head == "value":
+                out = model(*args)  # [b, s, 1] from the ValueHead
+            else:
+                # Label at position i is token i+1; the last label is a dummy, dropped below.
+                out = model(*args, labels=torch.roll(ids, -1, dims=1))
 
             def loss(output):
-                # GPTModel returns the per-token cross entropy [b, s] for the given labels.
-                logprobs = torch.cat([torch.zeros_like(output[:, :1]), -output[:, :-1]], dim=1)
-                logprobs = logprobs[:, :seq]
+                if self.head == "value":
+                    per_token = output[:, :seq, 0]
+                else:
+                    # GPTModel returns the per-token cross entropy [b, s] for the labels.
+                    per_token = torch.cat([torch.zeros_like(output[:, :1]), -output[:, :-1]],
+                                          dim=1)[:, :seq]
                 if loss_fn is None:
-                    outputs.append(logprobs.detach())
-                    return logprobs.sum() * 0, torch.tensor(1, dtype=torch.int), {}
-                value, metrics = loss_fn(logprobs, mb)
+                    outputs.append(per_token.detach())
+                    return per_token.sum() * 0, torch.tensor(1, dtype=torch.int), {}
+                value, metrics = loss_fn(per_token, mb)
                 outputs.append({k: float(v) for k, v in metrics.items()} | {"loss": value.item()})
                 return value, torch.tensor(1, dtype=torch.int), {}
             return out, loss
@@ -355,14 +407,24 @@ class TrainEngine:
         return box[0]
 
     @torch.no_grad()
-    def compute_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
-        """Per-token log-probs [B, S]: ``out[b, i] = log p(input_ids[b, i] | input_ids[b, :i])``,
-        0 at i = 0. ``batch`` holds ``input_ids`` and ``attention_mask`` [B, S] of this DP rank."""
+    def _per_token(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         for chunk in self.chunks:
             chunk.eval()
         outputs = self._run(batch, None, forward_only=True)
-        logprobs = torch.cat(outputs).cpu() if outputs else None
-        return self._from_last_stage(logprobs)
+        return self._from_last_stage(torch.cat(outputs).cpu() if outputs else None)
+
+    def compute_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-token log-probs [B, S]: ``out[b, i] = log p(input_ids[b, i] | input_ids[b, :i])``,
+        0 at i = 0. ``batch`` holds ``input_ids`` and ``attention_mask`` [B, S] of this DP rank."""
+        if self.head != "lm":
+            raise ValueError("compute_logprobs needs an engine built with head='lm'")
+        return self._per_token(batch)
+
+    def compute_values(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-token values [B, S] of a value-head engine (critic, reward model)."""
+        if self.head != "value":
+            raise ValueError("compute_values needs an engine built with head='value'")
+        return self._per_token(batch)
 
     @torch.no_grad()
     def compute_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -17,13 +17,14 @@ from hybridflow.parallel.spawn import spawn
 MODEL = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=4, num_heads=4,
              num_kv_heads=2, head_dim=16, max_position_embeddings=64)
 BATCH, SEQ = 8, 12
-# (layout, sequence_parallel, distributed optimizer, micro_batch_size)
+# (layout, sequence_parallel, distributed optimizer, micro_batch_size, head)
 LAYOUTS_4 = [
-    (dict(tp=2, pp=2, dp=1), False, False, 2),
-    (dict(tp=2, pp=1, dp=2), False, True, 2),
-    (dict(tp=2, pp=1, dp=2), True, False, 4),
-    (dict(tp=1, pp=2, dp=2, vpp=2), False, False, 1),
-    (dict(tp=1, pp=1, dp=4), False, True, 1),
+    (dict(tp=2, pp=2, dp=1), False, False, 2, "lm"),
+    (dict(tp=2, pp=1, dp=2), False, True, 2, "lm"),
+    (dict(tp=2, pp=1, dp=2), True, False, 4, "lm"),
+    (dict(tp=1, pp=2, dp=2, vpp=2), False, False, 1, "lm"),
+    (dict(tp=1, pp=1, dp=4), False, True, 1, "lm"),
+    (dict(tp=2, pp=2, dp=1), False, False, 2, "value"),
 ]
 
 
@@ -43,6 +44,10 @@ def loss_fn(logprobs, mb):
     return -(logprobs * w).sum() / 100.0, {"tokens": float(mb["attention_mask"].sum())}
 
 
+def value_loss_fn(values, mb):
+    return ((values - mb["weight"]) ** 2 * mb["attention_mask"]).sum() / 100.0, {}
+
+
 def run_layouts(rank, world, layouts, qwen):
     from hybridflow.hybrid_engine.meta import init_full_weights, llama_param_metas
     from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
@@ -52,20 +57,20 @@ def run_layouts(rank, world, layouts, qwen):
     full = init_full_weights(llama_param_metas(model), seed=7)
     batch = make_batch()
     results = []
-    for layout_kw, sp, dist_opt, mbs in layouts:
+    for layout_kw, sp, dist_opt, mbs, head in layouts:
         layout = TrainLayout(**layout_kw)
         optim = (OptimConfig(name="adam", lr=1e-3, adam_eps=1e-3, clip_grad=1.0, distributed=True)
                  if dist_opt else OptimConfig(name="sgd", lr=0.5, clip_grad=1.0))
         engine = TrainEngine(model, layout, EngineConfig(
-            micro_batch_size=mbs, sequence_parallel=sp, optim=optim))
+            micro_batch_size=mbs, sequence_parallel=sp, optim=optim), head=head)
         engine.load_full_weights(full)
         d, _, _ = layout.coords(rank)
         per = BATCH // layout.dp
         mine = {k: v[d * per:(d + 1) * per] for k, v in batch.items()}
-        logprobs = engine.compute_logprobs(mine)
+        per_token = engine.compute_logprobs if head == "lm" else engine.compute_values
         gathered = [None] * world
-        torch.distributed.all_gather_object(gathered, logprobs)
-        metrics = engine.train_step(mine, loss_fn)
+        torch.distributed.all_gather_object(gathered, per_token(mine))
+        metrics = engine.train_step(mine, loss_fn if head == "lm" else value_loss_fn)
         # Every DP rank reports its share of the loss; the objective is their sum.
         loss = torch.tensor(metrics["loss"])
         torch.distributed.all_reduce(loss)
@@ -74,24 +79,27 @@ def run_layouts(rank, world, layouts, qwen):
             first_of_each_dp = [gathered[layout.rank(dd, 0, 0)] for dd in range(layout.dp)]
             results.append({"logprobs": torch.cat(first_of_each_dp), "loss": float(loss) / (
                 layout.tp * layout.pp), "grad_norm": metrics["grad_norm"], "weights": weights,
-                "moved": max((weights[k] - full[k]).abs().max().item() for k in full)})
+                "moved": max((weights[k] - full[k]).abs().max().item()
+                             for k in full if k in weights)})
     return results
 
 
 @pytest.fixture(scope="module", params=[False, True], ids=["llama", "qwen2-tied-bias"])
 def runs(request):
     one = dict(tp=1, pp=1, dp=1)
-    sgd, adam = spawn(run_layouts, 1, [(one, False, False, 4), (one, False, True, 4)],
-                      request.param)[0]
+    sgd, adam, value = spawn(run_layouts, 1, [(one, False, False, 4, "lm"),
+                                              (one, False, True, 4, "lm"),
+                                              (one, False, False, 4, "value")], request.param)[0]
     multi = spawn(run_layouts, 4, LAYOUTS_4, request.param)[0]
-    return {False: sgd, True: adam}, multi
+    return {(False, "lm"): sgd, (True, "lm"): adam, (False, "value"): value}, multi
 
 
 @pytest.mark.parametrize("index", range(len(LAYOUTS_4)),
-                         ids=[f"{l}-sp{int(s)}-distopt{int(o)}" for l, s, o, _ in LAYOUTS_4])
+                         ids=[f"{l}-sp{int(s)}-distopt{int(o)}-{h}" for l, s, o, _, h in LAYOUTS_4])
 def test_step_matches_single_process(runs, index):
     refs, multi = runs
-    ref, got = refs[LAYOUTS_4[index][2]], multi[index]
+    _, _, dist_opt, _, head = LAYOUTS_4[index]
+    ref, got = refs[dist_opt, head], multi[index]
     assert ref["moved"] > 1e-4  # the step did change the weights
     torch.testing.assert_close(got["logprobs"], ref["logprobs"], atol=1e-5, rtol=1e-5)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)

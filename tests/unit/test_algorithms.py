@@ -490,3 +490,17 @@ def test_lagrange_multiplier_update_direction():
     assert down.value < 1.0
     with pytest.raises(ConfigError, match="algorithm.lagrange.init_value"):
         LagrangeMultiplier(init_value=0.0)
+
+
+def test_aggregate_with_a_global_denominator_adds_up_over_pieces():
+    # Two micro-batches of a 3-sequence batch; the pieces, each divided by the global count,
+    # sum to the aggregate of the whole batch.
+    loss = torch.tensor([[1.0, 2.0, 0.0], [3.0, 0.0, 0.0], [4.0, 5.0, 6.0]])
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 0.0, 0.0], [1.0, 1.0, 1.0]])
+    # token-mean: (1+2+3+4+5+6)/6 = 3.5; seq-mean-token-mean: (1.5 + 3 + 5)/3 = 9.5/3.
+    for mode, denom, whole in (("token-mean", 6.0, 3.5), ("seq-mean-token-mean", 3.0, 9.5 / 3),
+                               ("seq-mean-token-sum", 3.0, (3 + 3 + 15) / 3)):
+        parts = [aggregate_loss(loss[:2], mask[:2], mode, denom),
+                 aggregate_loss(loss[2:], mask[2:], mode, denom)]
+        assert float(sum(parts)) == pytest.approx(whole)
+        assert float(aggregate_loss(loss, mask, mode)) == pytest.approx(whole)
