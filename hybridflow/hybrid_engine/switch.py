@@ -1,0 +1,299 @@
+"""The actor's switch between its training and generation layouts on one rank (HybridFlow,
+arXiv 2409.19256, section 5).
+
+``HybridEngine`` owns, for one rank of a ``TrainEngine``, everything the switch needs: the
+generation layout, the reshard plan (made once), the micro-DP process groups (created once, by
+every rank in the same order), and the memory handoff:
+
+* ``to_generation()`` first releases what generation does not need -- the DDP grad buffers
+  (their storage is resized to 0, so every ``main_grad`` and bucket view stays a valid tensor
+  object) and, with ``offload_optimizer``, the optimizer state (moved to host memory) -- and then
+  builds the generation weights: one bucketed all-gather per micro-DP group (mode ``"3d"``) or
+  verl's per-tensor TP all-gather + PP broadcast (mode ``"naive"``, the A/B baseline).
+* ``to_training()`` frees the generation storage (tensors that alias the training parameters are
+  left alone), gives the grad buffers back zeroed and brings the optimizer state home. The
+  training parameters are only ever read, so nothing is copied back.
+
+Tied embeddings. With ``tie_embeddings`` the vLLM model ties ``lm_head`` to ``embed_tokens``, so a
+generation pipeline of one stage needs only the embedding. With a generation pipeline of several
+stages the last one needs the embedding as its output layer too: the last *training* stage holds
+it already as ``output_layer.weight`` (Megatron keeps that copy equal to the embedding by
+all-reducing their grads), so ``generation_metas`` adds it to the plan as a last-stage parameter
+and the last generation stage gathers it like any other; its generation tensor is named
+``output_layer.weight`` (``convert`` names it ``model.embed_tokens.weight`` for a tied model).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Iterator
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.hybrid_engine.execute import (back_to_training, create_micro_dp_groups,
+                                              gather_generation_weights, naive_gather)
+from hybridflow.hybrid_engine.meta import ParamMeta, num_layers_of, owner_stage
+from hybridflow.hybrid_engine.plan import plan_reshard
+from hybridflow.parallel.layout import GenLayout
+
+if TYPE_CHECKING:
+    from hybridflow.training.engine import TrainEngine
+
+log = logging.getLogger(__name__)
+
+MODES = ("3d", "naive")
+TIED_OUTPUT = "output_layer.weight"
+
+
+@dataclass
+class GenerationWeights:
+    """This rank's weights in the generation layout, and what the switch cost."""
+
+    tensors: dict[str, torch.Tensor]
+    """Megatron names (global layer indices) -> this rank's generation TP shard, for the layers of
+    its generation pipeline stage, in model order. Valid until ``to_training``."""
+    gen_tp_rank: int
+    gen_pp_rank: int
+    replica: int
+    """Generation data-parallel replica: dg * d of them."""
+    bytes_received: int
+    """Weight bytes this rank received in the switch (padding excluded)."""
+    naive_bytes: int
+    """What the naive path (TP all-gather + PP broadcast of every tensor) would receive for the
+    same switch, from the layouts: the A/B figure."""
+    redundant_bytes: int
+    """Bytes of the generation tensors that duplicate this rank's own training shards (its own
+    pieces copied into the gathered buffers); tensors that alias the training shards count 0."""
+    seconds: float
+    """Wall time of the switch, release of grads/optimizer state included."""
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+
+def generation_metas(metas: list[ParamMeta], tie_embeddings: bool, gen: GenLayout
+                     ) -> list[ParamMeta]:
+    """The parameters to reshard: ``metas``, plus the last stage's copy of a tied embedding when the
+    generation pipeline has several stages (see the module docstring)."""
+    names = {m.name for m in metas}
+    if not tie_embeddings or gen.pp == 1 or TIED_OUTPUT in names:
+        return list(metas)
+    embed = next(m for m in metas if m.position == "pre" and m.tp_dim == 0)
+    return list(metas) + [ParamMeta(name=TIED_OUTPUT, shape=embed.shape, tp_dim=0, layer=None,
+                                    position="post")]
+
+
+def naive_recv_bytes(gen: GenLayout, metas: list[ParamMeta], rank: int, dtype_bytes: int) -> int:
+    """Bytes ``naive_gather`` makes ``rank`` receive: the other TP ranks' shards of every
+    TP-split parameter of its stage, and every parameter of the other stages in full."""
+    train = gen.train
+    _, pp_rank, _ = train.coords(rank)
+    num_layers = num_layers_of(metas)
+    total = 0
+    for m in metas:
+        if owner_stage(m, train.pp, num_layers) == pp_rank:
+            if m.tp_dim is not None and train.tp > 1:
+                total += (train.tp - 1) * math.prod(m.shard_shape(train.tp))
+        elif train.pp > 1:
+            total += m.numel
+    return total * dtype_bytes
+
+
+def redundant_bytes(tensors: dict[str, torch.Tensor], train_shards: dict[str, torch.Tensor],
+                    metas: list[ParamMeta], gen: GenLayout, rank: int) -> int:
+    """Bytes of ``rank``'s generation ``tensors`` whose content it already holds in its training
+    shards: its own TP shard of each TP-split parameter of its training stage, all of each
+    replicated one. Tensors that share storage with a training shard (aliases) count nothing."""
+    train = gen.train
+    _, pp_rank, _ = train.coords(rank)
+    num_layers = num_layers_of(metas)
+    by_name = {m.name: m for m in metas}
+    own = {t.untyped_storage().data_ptr() for t in train_shards.values()}
+    total = 0
+    for name, t in tensors.items():
+        m = by_name[name]
+        if t.untyped_storage().data_ptr() in own or owner_stage(m, train.pp, num_layers) != pp_rank:
+            continue
+        numel = math.prod(m.shard_shape(train.tp)) if m.tp_dim is not None else m.numel
+        total += numel * t.element_size()
+    return total
+
+
+class HybridEngine:
+    """Switches one rank's actor between its training layout and a generation layout."""
+
+    def __init__(self, engine: TrainEngine, gen_tp: int = 1, gen_pp: int = 1,
+                 bucket_mb: float = 256, mode: str = "3d", offload_optimizer: bool = False):
+        if mode not in MODES:
+            raise ValueError(f"hybrid_engine.mode: unknown mode {mode!r}; use one of {MODES}")
+        if not bucket_mb > 0:
+            raise ValueError(f"hybrid_engine.bucket_mb: must be > 0, got {bucket_mb}")
+        self.engine, self.mode, self.offload_optimizer = engine, mode, offload_optimizer
+        self.rank = dist.get_rank()
+        self.gen = GenLayout(train=engine.layout, tp=gen_tp, pp=gen_pp)
+        self.metas = generation_metas(list(engine.metas.values()),
+                                      engine.model_config.tie_embeddings, self.gen)
+        dtypes = {p.dtype for _, p in engine.named_local_params()}
+        if len(dtypes) != 1:
+            raise ValueError(f"the training parameters hold several dtypes "
+                             f"{sorted(map(str, dtypes))}; the reshard needs one")
+        self.dtype = dtypes.pop()
+        self.dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
+        self.plan = plan_reshard(self.gen, self.metas, self.dtype_bytes,
+                                 bucket_bytes=max(1, int(bucket_mb * 2**20)))
+        # Collective over the whole world: every rank builds the same groups in the same order,
+        # once; the naive path reuses Megatron's TP and PP groups.
+        self.groups = create_micro_dp_groups(self.gen) if mode == "3d" else None
+        self.replica, self.gen_pp_rank, self.gen_tp_rank = self.gen.coords(self.rank)
+        self.naive_bytes = naive_recv_bytes(self.gen, self.metas, self.rank, self.dtype_bytes)
+        self._weights: GenerationWeights | None = None
+        self._grad_buffers: list[tuple[object, int]] = []  # (Megatron grad buffer, bytes)
+        self._host: dict[tuple, torch.Tensor] = {}  # pinned homes of offloaded optimizer state
+        self.summary = (f"HybridEngine: train view ({engine.layout}) -> generation view "
+                        f"({self.gen}); mode {mode}, buckets of {bucket_mb:g} MB")
+        if self.rank == 0:
+            log.info(self.summary)
+
+    @property
+    def in_generation(self) -> bool:
+        return self._weights is not None
+
+    # ----------------------------------------------------------------------------- the switch
+    def to_generation(self) -> GenerationWeights:
+        """Release grads (and optimizer state) and build this rank's generation weights."""
+        if self._weights is not None:
+            raise RuntimeError("HybridEngine.to_generation: already in the generation layout; "
+                               "call to_training() first")
+        _sync(self.engine.device)
+        start = time.perf_counter()
+        self._release_grad_buffers()
+        if self.offload_optimizer:
+            self._move_optimizer_state(torch.device("cpu"))
+        shards = self._train_shards()
+        try:
+            if self.mode == "3d":
+                tensors = gather_generation_weights(self.plan, self.rank, shards, self.groups)
+                received = self.plan.ranks[self.rank].recv_bytes
+            else:
+                tensors = naive_gather(self.gen, self.metas, self.rank, shards, self._train_group)
+                received = self.naive_bytes
+        except BaseException:
+            self._restore_training_memory()  # stay a consistent training engine
+            raise
+        redundant = redundant_bytes(tensors, shards, self.metas, self.gen, self.rank)
+        if self.engine.device.type == "cuda":
+            # The freed grads, optimizer state and transient buckets go back to the driver, for the
+            # rollout engine's KV cache.
+            torch.cuda.empty_cache()
+        _sync(self.engine.device)
+        self._weights = GenerationWeights(
+            tensors=tensors, gen_tp_rank=self.gen_tp_rank, gen_pp_rank=self.gen_pp_rank,
+            replica=self.replica, bytes_received=received, naive_bytes=self.naive_bytes,
+            redundant_bytes=redundant, seconds=time.perf_counter() - start)
+        if self.rank == 0:
+            log.info("HybridEngine: to generation in %.3f s, received %.1f MB (naive path: %.1f "
+                     "MB)", self._weights.seconds, received / 2**20, self.naive_bytes / 2**20)
+        return self._weights
+
+    def to_training(self) -> int:
+        """Drop the generation weights, give back grads (zeroed) and optimizer state. Returns the
+        generation bytes freed."""
+        if self._weights is None:
+            raise RuntimeError("HybridEngine.to_training: not in the generation layout; call "
+                               "to_generation() first")
+        _sync(self.engine.device)
+        freed = back_to_training(self._weights.tensors, self._train_shards())
+        self._weights = None
+        self._restore_training_memory()
+        return freed
+
+    # ----------------------------------------------------------------------------- helpers
+    def _train_shards(self) -> dict[str, torch.Tensor]:
+        # Every local parameter, also those outside the plan (the last stage's tied output layer
+        # when the generation pipeline has one stage): back_to_training must know them all.
+        return {name: p.detach() for name, p in self.engine.named_local_params()}
+
+    def _train_group(self, ranks: tuple[int, ...]):
+        pg = self.engine.pg
+        for group in (pg.tp, pg.pp):
+            if tuple(dist.get_process_group_ranks(group)) == tuple(ranks):
+                return group
+        raise AssertionError(f"no training group with ranks {ranks}")
+
+    def grad_buffers(self) -> Iterator[object]:
+        """Megatron's DDP grad buffers of this rank (each has ``grad_data``)."""
+        for chunk in self.engine.chunks:
+            yield from chunk.buffers
+            yield from getattr(chunk, "expert_parallel_buffers", ())
+
+    def _release_grad_buffers(self) -> None:
+        # resize_(0) frees the memory but keeps the storage object, so param.main_grad and the
+        # buckets' views into grad_data stay valid tensors and come back with the storage.
+        for buf in self.grad_buffers():
+            storage = buf.grad_data.untyped_storage()
+            if storage.nbytes():
+                self._grad_buffers.append((buf, storage.nbytes()))
+                storage.resize_(0)
+
+    def _restore_training_memory(self) -> None:
+        if self.offload_optimizer:
+            self._move_optimizer_state(self.engine.device)
+        self._restore_grad_buffers()
+        _sync(self.engine.device)
+
+    def _restore_grad_buffers(self) -> None:
+        for buf, nbytes in self._grad_buffers:
+            buf.grad_data.untyped_storage().resize_(nbytes)
+            buf.grad_data.zero_()
+        self._grad_buffers = []
+
+    def _move_optimizer_state(self, device: torch.device) -> int:
+        """Move the optimizer's state (Adam moments, fp32 main weights that are not the model's
+        own parameters) to ``device``; returns the bytes moved. A no-op where it already is (on a
+        CPU-only machine everything is)."""
+        opt = self.engine.optimizer
+        if opt is None:
+            return 0
+        model = {id(p) for _, p in self.engine.named_local_params()}
+        moved = 0
+
+        def move(key: tuple, t: torch.Tensor) -> torch.Tensor:
+            nonlocal moved
+            if t.device == device:
+                return t
+            moved += t.numel() * t.element_size()
+            if device.type == "cpu" and t.is_cuda:
+                # Pinned host buffers, kept across switches: pinning is slow, copies from it fast.
+                host = self._host.get(key)
+                if host is None or host.shape != t.shape or host.dtype != t.dtype:
+                    host = self._host[key] = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+                return host.copy_(t, non_blocking=True)
+            return t.to(device, non_blocking=True)
+
+        for inner in _inner_optimizers(opt):
+            for group in inner.param_groups:
+                for p in group["params"]:
+                    if id(p) not in model:  # the model's own params are the training weights
+                        p.data = move((id(p),), p.data)
+            for state in inner.state.values():
+                for k, v in state.items():
+                    if isinstance(v, torch.Tensor):
+                        state[k] = move((id(state), k), v)
+        _sync(device if device.type == "cuda" else self.engine.device)
+        return moved
+
+
+def _inner_optimizers(opt) -> list:
+    """The torch optimizers inside a Megatron optimizer (chained or not)."""
+    chained = getattr(opt, "chained_optimizers", None) or [opt]
+    return [o.optimizer for o in chained if getattr(o, "optimizer", None) is not None]
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -1,0 +1,437 @@
+"""Benchmark the 3D-HybridEngine's train -> generation switch against its floor and two baselines.
+
+    torchrun --nproc-per-node N tools/bench_reshard.py --model llama-7b --train-tp 4 --gen-tp 2
+
+gloo on CPU, NCCL on GPU (one GPU per process, ``cuda:LOCAL_RANK``). One run measures, each as the
+median over ``--iters`` after ``--warmup`` iterations of the slowest rank's time:
+
+* ``transition_s``: ours, ``gather_generation_weights`` (bucketed all-gathers in the micro-DP
+  groups, the generation storage allocated inside), and ``back_s``: ``back_to_training``;
+* ``floor_s``: one all-gather, in the same micro-DP groups, of as many bytes as our buckets carry
+  (padding included), from a ready buffer into a ready buffer: no packing, no allocation;
+* ``per_tensor_s``: verl's path (``naive_gather``): all-gather every tensor over the training TP
+  group, broadcast it over the training PP group, cut the generation shard;
+* ``via_host_s``: the same segments packed into pinned host memory, all-gathered by gloo on the
+  host, and copied back to the device in one piece.
+
+Weights are random but no rank ever holds the full model: every element's value is a function of
+its position in the full tensor (and the tensor's name and ``--seed``), so each rank fills its own
+training shards, and the reference for ``max_abs_err`` (each generation tensor cut at the
+generation layout) is computed the same way, on every rank, with no communication. Big presets
+therefore need no Megatron model and only shard-sized memory.
+
+Memory: ``peak_weight_bytes`` is, on CUDA, ``torch.cuda.max_memory_allocated`` minus the memory
+allocated before the switch (the generation storage plus the transient buckets at their peak);
+on CPU it is the same quantity computed from the plan in the order ``execute`` allocates (the
+generation storage, plus the transient buckets alive at once), since the CPU allocator keeps no
+statistics. ``redundant_bytes`` are the bytes of generation tensors that repeat this rank's own
+training shard (its own pieces, copied into the gathered buffers while the training shard lives
+on). Byte figures are the maximum over ranks.
+
+Only rank 0 prints: readable lines, then, as the LAST line of stdout, one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import sys
+import time
+import zlib
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+# The tool runs from a checkout (torchrun tools/bench_reshard.py), not from an install.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from hybridflow.hybrid_engine.execute import (  # noqa: E402
+    back_to_training, create_micro_dp_groups, create_train_groups, gather_generation_weights,
+    naive_gather)
+from hybridflow.hybrid_engine.meta import (  # noqa: E402
+    ParamMeta, llama_param_metas, num_layers_of, owner_stage)
+from hybridflow.hybrid_engine.plan import ReshardPlan, plan_reshard  # noqa: E402
+from hybridflow.hybrid_engine.switch import (TIED_OUTPUT, generation_metas,  # noqa: E402
+                                             naive_recv_bytes, redundant_bytes)
+from hybridflow.models.config import ModelConfig  # noqa: E402
+from hybridflow.parallel.layout import GenLayout, TrainLayout  # noqa: E402
+
+PRESETS = {
+    # heads and KV heads divisible by 4, so tp=4 works on the tiny model too
+    "tiny": dict(vocab_size=512, hidden_size=256, ffn_hidden_size=512, num_layers=4,
+                 num_heads=8, num_kv_heads=4, head_dim=32),
+    # Llama-3.2-1B shapes (tied embeddings)
+    "llama-1b": dict(vocab_size=128256, hidden_size=2048, ffn_hidden_size=8192, num_layers=16,
+                     num_heads=32, num_kv_heads=8, head_dim=64, tie_embeddings=True),
+    # Llama-2-7B and -13B shapes
+    "llama-7b": dict(vocab_size=32000, hidden_size=4096, ffn_hidden_size=11008, num_layers=32,
+                     num_heads=32, num_kv_heads=32, head_dim=128),
+    "llama-13b": dict(vocab_size=32000, hidden_size=5120, ffn_hidden_size=13824, num_layers=40,
+                      num_heads=40, num_kv_heads=40, head_dim=128),
+}
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+GiB = 2**30
+
+
+# ----------------------------------------------------------------------------- weights
+
+
+def _global_ids(meta: ParamMeta, dim: int, tp: int, tp_rank: int, device) -> torch.Tensor:
+    """Indices, in the full tensor, of dim ``dim`` of TP shard ``tp_rank`` (as ``meta.shard``)."""
+    size = meta.shape[dim]
+    if dim != meta.tp_dim or tp == 1:
+        return torch.arange(size, device=device)
+    chunk = size // meta.tp_chunks
+    sub = chunk // tp
+    return torch.cat([torch.arange(c * chunk + tp_rank * sub, c * chunk + (tp_rank + 1) * sub,
+                                   device=device) for c in range(meta.tp_chunks)])
+
+
+def fill_shard(meta: ParamMeta, tp: int, tp_rank: int, salt: int, dtype: torch.dtype,
+               device) -> torch.Tensor:
+    """The TP shard ``tp_rank`` of a full tensor whose element at flat index g is
+    ``((g * 40503 + salt) % 4093 - 2046) * 2**-16``: any shard, at any layout, on any rank,
+    without the full tensor."""
+    out = torch.empty(meta.shard_shape(tp), dtype=dtype, device=device)
+    ids = [_global_ids(meta, d, tp, tp_rank, device) for d in range(len(meta.shape))]
+
+    def value(g: torch.Tensor) -> torch.Tensor:
+        return (((g * 40503 + salt) % 4093) - 2046).to(torch.float32) * 2.0**-16
+
+    if len(ids) == 1:
+        return out.copy_(value(ids[0]))
+    rows, cols = ids
+    block = max(1, 2**24 // cols.numel())  # bounds the int64 temporaries
+    for start in range(0, rows.numel(), block):
+        r = rows[start:start + block]
+        out[start:start + r.numel()].copy_(value(r[:, None] * meta.shape[1] + cols[None, :]))
+    return out
+
+
+def salt_of(name: str, seed: int, tied: bool) -> int:
+    # a tied output layer is the embedding, element for element
+    if tied and name == TIED_OUTPUT:
+        name = "embedding.word_embeddings.weight"
+    return (zlib.crc32(name.encode()) + 7919 * seed) % 4093
+
+
+# ----------------------------------------------------------------------------- timing
+
+
+class Timer:
+    """Per-iteration wall time of the slowest rank, the device drained before and after."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+
+    def sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def barrier(self) -> None:
+        self.sync()
+        if self.device.type == "cuda":
+            dist.barrier(device_ids=[self.device.index])
+        else:
+            dist.barrier()
+
+    def __call__(self, fn: Callable[[], object]) -> tuple[float, object]:
+        self.barrier()
+        start = time.perf_counter()
+        out = fn()
+        self.sync()
+        dt = torch.tensor([time.perf_counter() - start], dtype=torch.float64, device=self.device)
+        dist.all_reduce(dt, op=dist.ReduceOp.MAX)
+        return float(dt.item()), out
+
+
+def median_of(timer: Timer, fn: Callable[[], object], warmup: int, iters: int,
+              after: Callable[[object], None] = lambda out: None) -> float:
+    times = []
+    for i in range(warmup + iters):
+        dt, out = timer(fn)
+        after(out)
+        if i >= warmup:
+            times.append(dt)
+    return statistics.median(times)
+
+
+def all_max(value: float, device) -> float:
+    t = torch.tensor([float(value)], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
+    """One all-gather into a flat buffer (the list form where the backend lacks the other)."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    try:
+        fn(out, inp, group=group)
+    except (RuntimeError, NotImplementedError):
+        dist.all_gather(list(out.split(inp.numel())), inp, group=group)
+
+
+# ----------------------------------------------------------------------------- the paths
+
+
+def modelled_peak_bytes(plan: ReshardPlan, rank: int) -> int:
+    """Generation storage + the most transient bucket bytes alive at once, in the order of
+    ``execute.gather_generation_weights`` (bucket b is allocated before bucket b-1 is finished;
+    finishing drops the transient buckets whose parameters are all assembled)."""
+    st = plan.stages[plan.ranks[rank].gen_pp_rank]
+    last_use: dict[int, int] = {}
+    for p in st.params.values():
+        if p.mode in ("concat", "rearrange"):
+            done = max(c.bucket for c in p.chunks)
+            for c in p.chunks:
+                last_use[c.bucket] = max(last_use.get(c.bucket, c.bucket), done)
+    live: dict[int, int] = {}
+    peak = 0
+    for b, bucket in enumerate(st.buckets):
+        if bucket.storage_offset is None:
+            live[b] = bucket.numel
+        peak = max(peak, sum(live.values()))
+        if b > 0:  # bucket b-1 finishes
+            live = {x: n for x, n in live.items() if last_use.get(x, x) > b - 1}
+    return (st.storage_numel + peak) * plan.dtype_bytes
+
+
+class ViaHost:
+    """The segments of our buckets packed into (pinned) host memory, all-gathered by gloo, copied
+    back to the device in one piece."""
+
+    def __init__(self, plan: ReshardPlan, rank: int, shards: dict[str, torch.Tensor], group,
+                 device: torch.device):
+        rp = plan.ranks[rank]
+        self.st = plan.stages[rp.gen_pp_rank]
+        self.member, self.group, self.device = rp.member, group, device
+        self.flat = {n: t.reshape(-1) for n, t in shards.items()}
+        self.seg = sum(b.seg_numel for b in self.st.buckets)
+        dtype = next(iter(shards.values())).dtype
+        pin = device.type == "cuda"
+        self.host_seg = torch.zeros(self.seg, dtype=dtype, pin_memory=pin)
+        self.host_out = torch.empty(self.st.members * self.seg, dtype=dtype, pin_memory=pin)
+
+    def __call__(self) -> torch.Tensor:
+        base = 0
+        for b in self.st.buckets:
+            for p in b.pieces[self.member]:
+                self.host_seg.narrow(0, base + p.dst, p.numel).copy_(
+                    self.flat[p.name].narrow(0, p.offset, p.numel), non_blocking=True)
+            base += b.seg_numel
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+        _all_gather(self.host_out, self.host_seg, self.group)
+        out = torch.empty(self.host_out.shape, dtype=self.host_out.dtype, device=self.device)
+        return out.copy_(self.host_out, non_blocking=True)
+
+
+# ----------------------------------------------------------------------------- main
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", choices=sorted(PRESETS), default="tiny")
+    ap.add_argument("--train-tp", type=int, default=1)
+    ap.add_argument("--train-pp", type=int, default=1)
+    ap.add_argument("--gen-tp", type=int, default=1)
+    ap.add_argument("--gen-pp", type=int, default=1)
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
+    ap.add_argument("--bucket-mb", type=float, default=256.0)
+    ap.add_argument("--iters", type=int, default=5)
+    ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--skip", default="", help="comma-separated paths not to time: "
+                    "floor,per_tensor,via_host")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    cuda = torch.cuda.is_available()
+    if cuda:
+        local = int(os.environ.get("LOCAL_RANK", 0))
+        torch.cuda.set_device(local)
+        device = torch.device("cuda", local)
+    else:
+        device = torch.device("cpu")
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    try:
+        result = run(args, device)
+    finally:
+        dist.destroy_process_group()
+    if rank == 0:
+        print(json.dumps(result), flush=True)
+
+
+def run(args: argparse.Namespace, device: torch.device) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
+    skip = {s for s in args.skip.split(",") if s}
+    mp = args.train_tp * args.train_pp
+    if world % mp:
+        raise SystemExit(f"--train-tp x --train-pp = {mp} must divide the world size {world}")
+    train = TrainLayout(tp=args.train_tp, pp=args.train_pp, dp=world // mp)
+    gen = GenLayout(train=train, tp=args.gen_tp, pp=args.gen_pp)
+    cfg = ModelConfig(arch="llama", max_position_embeddings=4096, **PRESETS[args.model])
+    dtype = DTYPES[args.dtype]
+    esz = torch.empty((), dtype=dtype).element_size()
+    metas = generation_metas(llama_param_metas(cfg), cfg.tie_embeddings, gen)
+    plan = plan_reshard(gen, metas, esz, bucket_bytes=max(1, int(args.bucket_mb * 2**20)))
+    rp = plan.ranks[rank]
+    st = plan.stages[rp.gen_pp_rank]
+    _, pp_rank, tp_rank = train.coords(rank)
+    _, gen_pp, gen_tp = gen.coords(rank)
+    num_layers = num_layers_of(metas)
+    timer = Timer(device)
+
+    # Groups: collective, every rank in the same order.
+    groups = create_micro_dp_groups(gen)
+    train_groups = create_train_groups(train) if "per_tensor" not in skip else {}
+    mine = rp.group
+    group = groups[mine]
+    host_group = group
+    if device.type == "cuda" and gen.micro_dp > 1 and "via_host" not in skip:
+        host_groups = {tuple(g): dist.new_group(list(g), backend="gloo")
+                       for g in gen.micro_dp_groups()}
+        host_group = host_groups[mine]
+
+    shards = {m.name: fill_shard(m, train.tp, tp_rank, salt_of(m.name, args.seed,
+                                                                cfg.tie_embeddings), dtype, device)
+              for m in metas if owner_stage(m, train.pp, num_layers) == pp_rank}
+    layout = (f"t{train.tp}p{train.pp}d{train.dp}->tg{gen.tp}pg{gen.pp}")
+    say(f"bench_reshard: {args.model} {args.dtype}, train ({train}) -> generation ({gen}), "
+        f"world {world}, {dist.get_backend()} on {device.type}, {len(st.buckets)} bucket(s) of "
+        f"<= {args.bucket_mb:g} MB")
+
+    # ---- one instrumented switch: correctness and memory
+    def check(tensors: dict[str, torch.Tensor]) -> float:
+        want = [m for m in metas if owner_stage(m, train.pp, num_layers) // gen.pp_stride == gen_pp]
+        if [m.name for m in want] != list(tensors):
+            return math.inf
+        err = 0.0
+        for m in want:
+            ref = fill_shard(m, gen.tp, gen_tp, salt_of(m.name, args.seed, cfg.tie_embeddings),
+                             dtype, device)
+            got = tensors[m.name]
+            if got.shape != ref.shape:
+                return math.inf
+            err = max(err, float((got.float() - ref.float()).abs().max()))
+        return err
+
+    timer.barrier()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    gen_weights = gather_generation_weights(plan, rank, shards, groups)
+    timer.sync()
+    if device.type == "cuda":
+        peak = torch.cuda.max_memory_allocated(device) - base
+    else:
+        peak = modelled_peak_bytes(plan, rank)
+    err = check(gen_weights)
+    gen_bytes = sum(t.numel() * t.element_size() for t in gen_weights.values())
+    redundant = redundant_bytes(gen_weights, shards, metas, gen, rank)
+    back_to_training(gen_weights, shards)
+
+    # ---- ours
+    transition_s = median_of(timer, lambda: gather_generation_weights(plan, rank, shards, groups),
+                             args.warmup, args.iters, after=lambda w: back_to_training(w, shards))
+    back_times = []
+    for i in range(args.warmup + args.iters):
+        w = gather_generation_weights(plan, rank, shards, groups)
+        dt, _ = timer(lambda: back_to_training(w, shards))
+        if i >= args.warmup:
+            back_times.append(dt)
+    back_s = statistics.median(back_times)
+
+    # ---- floor: the same bytes, one all-gather, ready buffers
+    floor_s = 0.0
+    seg_total = sum(b.seg_numel for b in st.buckets)
+    if group is not None and "floor" not in skip:
+        inp = torch.zeros(seg_total, dtype=dtype, device=device)
+        out = torch.empty(st.members * seg_total, dtype=dtype, device=device)
+        floor_s = median_of(timer, lambda: _all_gather(out, inp, group), args.warmup, args.iters)
+        del inp, out
+
+    # ---- per-tensor baseline (verl)
+    per_tensor_s = per_tensor_err = per_tensor_peak = None
+    if "per_tensor" not in skip:
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        naive = naive_gather(gen, metas, rank, shards, train_groups)
+        timer.sync()
+        if device.type == "cuda":
+            per_tensor_peak = torch.cuda.max_memory_allocated(device) - base
+        per_tensor_err = check(naive)
+        del naive
+        per_tensor_s = median_of(
+            timer, lambda: naive_gather(gen, metas, rank, shards, train_groups), args.warmup,
+            args.iters, after=lambda w: w.clear())
+
+    # ---- via host
+    via_host_s = None
+    if "via_host" not in skip:
+        via_host_s = 0.0
+        if group is not None:
+            via = ViaHost(plan, rank, shards, host_group, device)
+            via_host_s = median_of(timer, via, args.warmup, args.iters)
+            del via
+
+    # ---- report (bytes and errors: the maximum over ranks)
+    err = all_max(err, device)
+    if per_tensor_err is not None:
+        per_tensor_err = all_max(per_tensor_err, device)
+    recv = int(all_max(rp.recv_bytes, device))
+    naive_recv = int(all_max(naive_recv_bytes(gen, metas, rank, esz), device))
+    result = {
+        "layout": layout, "model": args.model, "dtype": args.dtype, "world": world,
+        "backend": dist.get_backend(), "bucket_mb": args.bucket_mb, "buckets": len(st.buckets),
+        "iters": args.iters,
+        "transition_s": transition_s, "back_s": back_s, "floor_s": floor_s,
+        "ratio_to_floor": transition_s / floor_s if floor_s else None,
+        "per_tensor_s": per_tensor_s, "via_host_s": via_host_s,
+        "max_abs_err": err, "per_tensor_max_abs_err": per_tensor_err,
+        "gen_weight_bytes": int(all_max(gen_bytes, device)),
+        "peak_weight_bytes": int(all_max(peak, device)),
+        "peak_source": ("cuda.max_memory_allocated" if device.type == "cuda"
+                        else "modelled from the plan"),
+        "per_tensor_peak_bytes": (int(all_max(per_tensor_peak, device))
+                                  if per_tensor_peak is not None else None),
+        "redundant_bytes": int(all_max(redundant, device)),
+        "recv_bytes": recv, "per_tensor_recv_bytes": naive_recv,
+        "padding_bytes": int(all_max(rp.padding_bytes, device)),
+    }
+
+    def s(x):
+        return "skipped" if x is None else f"{x * 1e3:9.2f} ms"
+
+    def b(x):
+        return f"{x / GiB:.3f} GiB" if x >= GiB / 10 else f"{x / 2**20:.2f} MiB"
+
+    say(f"  generation weights {b(result['gen_weight_bytes'])}/rank; receives {b(recv)} "
+        f"(per-tensor path: {b(naive_recv)}), padding {b(result['padding_bytes'])}")
+    ratio = f"{transition_s / floor_s:.2f}x floor" if floor_s else "nothing to move"
+    say(f"  train->gen  ours        {s(transition_s)}   ({ratio})")
+    say(f"  floor       all-gather  {s(floor_s)}")
+    if per_tensor_s is not None:
+        say(f"  per-tensor  (verl)      {s(per_tensor_s)}   "
+            f"({per_tensor_s / transition_s:.2f}x ours)")
+    if via_host_s is not None:
+        say(f"  via host    (gloo)      {s(via_host_s)}")
+    say(f"  gen->train  ours        {s(back_s)}")
+    say(f"  max_abs_err {err:g} (per-tensor {per_tensor_err}), peak "
+        f"{b(result['peak_weight_bytes'])} ({result['peak_source']}), redundant "
+        f"{b(result['redundant_bytes'])}")
+    return result
+
+
+if __name__ == "__main__":
+    main()
