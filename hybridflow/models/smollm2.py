@@ -69,6 +69,12 @@ def load_gguf_dequantized(gguf: Path) -> tuple[dict, ModelConfig, object]:
     return hf_sd, cfg, tokenizer
 
 
+def default_cache_dir() -> Path:
+    """Where prepared models are kept across runs (tests and demos share it): ``$HYBRIDFLOW_CACHE``
+    if set, else ``~/.cache/hybridflow``."""
+    return Path(os.environ.get("HYBRIDFLOW_CACHE") or Path.home() / ".cache" / "hybridflow")
+
+
 def _log(msg: str) -> None:
     print(f"[smollm2] {msg}", flush=True)
 

@@ -270,6 +270,12 @@ class TrainEngine:
                 if chunk.post_process:
                     chunk.output_layer = ValueHead(model.hidden_size, _DTYPES[engine.dtype],
                                                    self.device)
+                    # A critic usually starts from an LM checkpoint: a fresh, small, seeded
+                    # head, the same on every rank, unless the weights loaded carry one.
+                    g = torch.Generator().manual_seed(engine.seed)
+                    with torch.no_grad():
+                        chunk.output_layer.weight.copy_(
+                            torch.randn(1, model.hidden_size, generator=g) / model.hidden_size)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=engine.optim.distributed,
@@ -306,13 +312,10 @@ class TrainEngine:
     def load_full_weights(self, full: dict[str, torch.Tensor]) -> None:
         """Copy this rank's shard of each full tensor in ``full`` (Megatron names, global layer
         indices) into the model. Every parameter this rank holds must be present."""
-        if self.head == "value" and VALUE_HEAD not in full:
-            # A critic usually starts from an LM checkpoint: a fresh, small, seeded head.
-            g = torch.Generator().manual_seed(self.config.seed)
-            head = torch.randn(1, self.model_config.hidden_size, generator=g)
-            full = {**full, VALUE_HEAD: head / self.model_config.hidden_size}
         for name, param in self.named_local_params():
             source = name
+            if name == VALUE_HEAD and name not in full:
+                continue  # keep the fresh head
             if name == "output_layer.weight" and self.model_config.tie_embeddings:
                 source = "embedding.word_embeddings.weight"
             if source not in full:
@@ -325,6 +328,24 @@ class TrainEngine:
                 param.copy_(piece)
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
+
+    def offload_weights(self) -> None:
+        """Move the weights to host memory (a reference model between uses); a no-op on CPU.
+        Only for engines without an optimizer: Megatron's buffers keep device views."""
+        self._move_weights(torch.device("cpu"))
+
+    def reload_weights(self) -> None:
+        self._move_weights(self.device)
+
+    def _move_weights(self, device: torch.device) -> None:
+        if self.optimizer is not None:
+            raise ValueError("only an engine without an optimizer (a reference) can be offloaded")
+        if self.device.type == "cpu":
+            return
+        for _, param in self.named_local_params():
+            moved = param.data.to(device, non_blocking=True)
+            param.data = moved.pin_memory() if device.type == "cpu" else moved
+        torch.cuda.synchronize()
 
     # ----------------------------------------------------------------------------- compute
     def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:

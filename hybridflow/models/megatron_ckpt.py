@@ -1,0 +1,297 @@
+"""Megatron-Core distributed checkpoints (``dist_checkpointing``, torch_dist format) of a
+TrainEngine, and the HF <-> Megatron conversions that ``tools/convert_checkpoint.py`` runs.
+
+A checkpoint is the ``sharded_state_dict()`` of the engine's GPTModel chunks: every tensor is
+stored under a global key with its global shape (layers stacked along a global layer axis), so a
+checkpoint saved at one (tp, pp, vpp, dp) loads at any other. Beside it, ``hybridflow_model.json``
+holds our ModelConfig, so that nothing else is needed to rebuild the model, and ``tokenizer/``
+the tokenizer when there was one. Checkpoints are written into a temporary directory and renamed
+into place: the destination never holds a half-written checkpoint.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import re
+import shutil
+import tempfile
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.config.errors import ConfigError
+from hybridflow.models.config import ModelConfig
+from hybridflow.models.hf import replace_dir_atomically
+from hybridflow.models.loading import (_raise_everywhere, check_hf_checkpoint, check_same_model,
+                                       export_engine_to_hf, load_hf_into_engine)
+
+MODEL_FILE = "hybridflow_model.json"
+"""Our ModelConfig (and the layout it was saved at, for information) beside the checkpoint."""
+TOKENIZER_DIR = "tokenizer"
+"""The tokenizer of the HF checkpoint it came from, when there was one."""
+_FORMAT = 1
+_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp32"}
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
+
+
+def _sharded_state_dict(engine) -> dict:
+    # One entry per virtual-pipeline chunk; the tensors inside carry global keys and offsets, so
+    # the nesting does not tie the checkpoint to a vpp.
+    return {f"chunk{i}": c.module.sharded_state_dict() for i, c in enumerate(engine.chunks)}
+
+
+def _save_strategy():
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
+    # thread_count=1: one writer process and one file per saving rank (the default forks two).
+    return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
+
+
+def save_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike,
+                             tokenizer_dir: str | os.PathLike | None = None) -> Path:
+    """Save the engine's weights as a Megatron-Core distributed checkpoint, with our ModelConfig
+    (and the tokenizer of ``tokenizer_dir`` if it has one). Collective over all ranks."""
+    from megatron.core import dist_checkpointing
+
+    dest = Path(ckpt_dir)
+    box = [None]
+    if dist.get_rank() == 0:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+        box[0] = tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent)
+    dist.broadcast_object_list(box, src=0)
+    tmp = Path(box[0])
+    error = None
+    try:
+        dist_checkpointing.save(_sharded_state_dict(engine), str(tmp),
+                                sharded_strategy=_save_strategy())
+        if dist.get_rank() == 0:
+            layout = engine.layout
+            info = {"format": _FORMAT, "model": dataclasses.asdict(engine.model_config),
+                    "saved_at": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp}}
+            (tmp / MODEL_FILE).write_text(json.dumps(info, indent=2) + "\n")
+            if tokenizer_dir is not None and _has_tokenizer(Path(tokenizer_dir)):
+                import transformers
+                tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
+                tok.save_pretrained(str(tmp / TOKENIZER_DIR))
+    except Exception as e:  # noqa: BLE001 - re-raised on every rank below
+        error = e
+    try:
+        _raise_everywhere(error)  # every rank has written before rank 0 renames
+        if dist.get_rank() == 0:
+            try:
+                replace_dir_atomically(tmp, dest)
+            except Exception as e:  # noqa: BLE001
+                error = e
+        _raise_everywhere(error)  # nobody reads dest before it is there
+    finally:
+        if dist.get_rank() == 0 and tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return dest
+
+
+def _has_tokenizer(path: Path) -> bool:
+    return any((path / f).exists() for f in _TOKENIZER_FILES)
+
+
+def read_checkpoint_model(ckpt_dir: str | os.PathLike) -> ModelConfig:
+    """The ModelConfig stored beside a checkpoint written by ``save_megatron_checkpoint``."""
+    path = Path(ckpt_dir) / MODEL_FILE
+    if not path.exists():
+        raise ConfigError(str(path), "not found: this checkpoint was not written by hybridflow; "
+                                     "give the HF config it was made from (--hf-config-from)")
+    try:
+        info = json.loads(path.read_text())
+        return ModelConfig(**info["model"])
+    except (json.JSONDecodeError, KeyError, TypeError) as e:
+        raise ConfigError(str(path), f"unreadable ({e!r}); expected {{'model': {{ModelConfig "
+                                     "fields}}}") from None
+
+
+def checkpoint_dtype(ckpt_dir: str | os.PathLike) -> str:
+    """The engine dtype ("fp32"/"bf16") to load a distributed checkpoint with: its embedding's."""
+    from megatron.core import dist_checkpointing
+
+    check_is_megatron_checkpoint(ckpt_dir)
+    meta = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    key = "embedding.word_embeddings.weight"
+    if key not in meta:
+        raise ConfigError(f"{ckpt_dir}: tensor {key}", "not in the checkpoint; is it a GPT model?")
+    return _DTYPES.get(meta[key].dtype, "fp32")
+
+
+def check_is_megatron_checkpoint(ckpt_dir: str | os.PathLike) -> None:
+    """Raise a ConfigError unless ``ckpt_dir`` holds a Megatron-Core distributed checkpoint."""
+    from megatron.core import dist_checkpointing
+
+    if not Path(ckpt_dir).is_dir():
+        raise ConfigError(str(ckpt_dir), "is not a directory; point to a Megatron checkpoint")
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(ckpt_dir)):
+        raise ConfigError(str(ckpt_dir), "is not a Megatron-Core distributed checkpoint (no "
+                                         "metadata.json)")
+
+
+def load_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike) -> None:
+    """Load a distributed checkpoint (saved at any layout) into ``engine``. Collective. When the
+    checkpoint carries our ModelConfig it must equal the engine's."""
+    from megatron.core import dist_checkpointing
+    from megatron.core.dist_checkpointing.core import CheckpointingException
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    check_is_megatron_checkpoint(ckpt_dir)
+    if (Path(ckpt_dir) / MODEL_FILE).exists():
+        check_same_model(engine.model_config, read_checkpoint_model(ckpt_dir), str(ckpt_dir))
+    try:
+        loaded = dist_checkpointing.load(_sharded_state_dict(engine), str(ckpt_dir))
+    except (CheckpointingException, CheckpointException) as e:
+        # torch's CheckpointException (a BaseException, raised on every rank: planning is
+        # collective) wraps each rank's error with its traceback; the first error is the story.
+        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        text = str(cause)
+        raise ConfigError(str(ckpt_dir), f"does not fit this model ({type(cause).__name__}: "
+                                         f"{text[:300]}{'...' if len(text) > 300 else ''}); is "
+                                         "the model config the one it was saved with?") from None
+    for i, chunk in enumerate(engine.chunks):
+        chunk.module.load_state_dict(loaded[f"chunk{i}"], strict=True)
+    if engine.optimizer is not None:
+        engine.optimizer.reload_model_params()
+
+
+# ----------------------------------------------------------------------------------------------
+# conversions, each in its own gloo processes (one per rank of a tp x pp layout)
+
+
+def _log(msg: str) -> None:
+    print(f"[convert] {msg}", flush=True)
+
+
+def _build_engine(cfg: ModelConfig, tp: int, pp: int, dtype: str):
+    from hybridflow.parallel.layout import TrainLayout
+    from hybridflow.training.engine import EngineConfig, TrainEngine
+    return TrainEngine(cfg, TrainLayout(tp=tp, pp=pp, dp=1), EngineConfig(dtype=dtype),
+                       build_optimizer=False)
+
+
+def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, cfg: ModelConfig,
+                           tp: int, pp: int, dtype: str, verbose: bool) -> None:
+    log = _log if verbose and rank == 0 else (lambda msg: None)
+    engine = _build_engine(cfg, tp, pp, dtype)
+    start = time.monotonic()
+    load_hf_into_engine(engine, hf_dir)
+    log(f"each rank read its shards of {hf_dir} in {time.monotonic() - start:.1f}s")
+    start = time.monotonic()
+    save_megatron_checkpoint(engine, out_dir, tokenizer_dir=hf_dir)
+    log(f"saved the distributed checkpoint in {time.monotonic() - start:.1f}s")
+
+
+def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, cfg: ModelConfig,
+                           tp: int, pp: int, dtype: str, tokenizer_dir: str | None,
+                           verbose: bool) -> None:
+    log = _log if verbose and rank == 0 else (lambda msg: None)
+    engine = _build_engine(cfg, tp, pp, dtype)
+    start = time.monotonic()
+    load_megatron_checkpoint(engine, ckpt_dir)
+    log(f"loaded the distributed checkpoint in {time.monotonic() - start:.1f}s")
+    start = time.monotonic()
+    export_engine_to_hf(engine, out_dir, tokenizer_dir=tokenizer_dir)
+    log(f"wrote the HF checkpoint in {time.monotonic() - start:.1f}s")
+
+
+_CONFIG_ERROR_LINE = re.compile(r"^hybridflow\.config\.errors\.ConfigError: (.*?): (.*)$", re.M)
+
+
+def _spawn(fn: Callable, world: int, *args) -> None:
+    """spawn, with a worker's ConfigError raised here as one (not as a traceback)."""
+    from hybridflow.parallel.spawn import spawn
+    try:
+        spawn(fn, world, *args)
+    except RuntimeError as e:
+        found = _CONFIG_ERROR_LINE.findall(str(e))
+        if found:
+            raise ConfigError(*found[-1]) from None
+        raise
+
+
+def _check_out_dir(out_dir: Path, source: Path, overwrite: bool) -> None:
+    if out_dir.resolve() == source.resolve():
+        raise ConfigError(str(out_dir), "is the input directory; write the output elsewhere")
+    if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
+        raise ConfigError(str(out_dir), "exists; remove it or pass --overwrite to replace it")
+
+
+def _check_layout(cfg: ModelConfig, tp: int, pp: int, dtype: str) -> None:
+    from hybridflow.parallel.layout import LayoutError, TrainLayout
+    from hybridflow.training.engine import EngineConfig, check_model_fits_layout
+    try:
+        layout = TrainLayout(tp=tp, pp=pp, dp=1)
+    except LayoutError as e:
+        raise ConfigError("layout", str(e)) from None
+    check_model_fits_layout(cfg, layout, EngineConfig(dtype=dtype))
+
+
+def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1,
+                              pp: int = 1, dtype: str = "auto", overwrite: bool = False,
+                              verbose: bool = True) -> Path:
+    """HF checkpoint -> Megatron distributed checkpoint, saved from a (tp, pp) layout that
+    ``tp*pp`` local gloo processes form (each reads only its shards). ``dtype`` "auto" keeps
+    bf16 checkpoints in bf16 and stores anything else as fp32. Bad input is one ConfigError,
+    raised before any process starts."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    log = _log if verbose else (lambda msg: None)
+    cfg = check_hf_checkpoint(hf_dir)
+    if dtype == "auto":
+        dtype = _hf_dtype(hf_dir)
+    _check_layout(cfg, tp, pp, dtype)
+    _check_out_dir(out_dir, hf_dir, overwrite)
+    log(f"{hf_dir}: {cfg.arch}, {cfg.num_layers} layers, hidden {cfg.hidden_size}, "
+        f"{cfg.num_heads}/{cfg.num_kv_heads} heads; converting at tp={tp}, pp={pp} in {dtype} "
+        f"({tp * pp} process{'es' if tp * pp > 1 else ''})")
+    _spawn(_hf_to_megatron_worker, tp * pp, str(hf_dir), str(out_dir), cfg, tp, pp, dtype, verbose)
+    log(f"done: {out_dir}")
+    return out_dir
+
+
+def _hf_dtype(hf_dir: Path) -> str:
+    from hybridflow.models.hf import _safetensors_header, _weight_map
+    path = _weight_map(hf_dir)["model.embed_tokens.weight"]
+    return "bf16" if _safetensors_header(path)["model.embed_tokens.weight"]["dtype"] == "BF16" \
+        else "fp32"
+
+
+def megatron_to_hf_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
+                              hf_config_from: str | os.PathLike | None = None, tp: int = 1,
+                              pp: int = 1, overwrite: bool = False, verbose: bool = True) -> Path:
+    """Megatron distributed checkpoint -> HF checkpoint, loaded at (tp, pp) in ``tp*pp`` local
+    gloo processes and written by rank 0 in the checkpoint's dtype. The model comes from
+    ``hybridflow_model.json``, or from ``hf_config_from`` (an HF directory whose config.json, and
+    tokenizer, to use; it must agree with the stored config when both exist)."""
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    log = _log if verbose else (lambda msg: None)
+    check_is_megatron_checkpoint(ckpt_dir)
+    tokenizer_dir = ckpt_dir / TOKENIZER_DIR
+    if hf_config_from is not None:
+        from hybridflow.models.hf import load_hf_config
+        hf_config_from = Path(hf_config_from)
+        if not hf_config_from.is_dir():
+            raise ConfigError(str(hf_config_from), "is not a directory; give an HF checkpoint "
+                                                   "directory (its config.json is used)")
+        cfg = load_hf_config(hf_config_from)
+        if (ckpt_dir / MODEL_FILE).exists():
+            check_same_model(read_checkpoint_model(ckpt_dir), cfg, str(hf_config_from))
+        tokenizer_dir = hf_config_from
+    else:
+        cfg = read_checkpoint_model(ckpt_dir)
+    tokenizer = str(tokenizer_dir) if _has_tokenizer(tokenizer_dir) else None
+    dtype = checkpoint_dtype(ckpt_dir)
+    _check_layout(cfg, tp, pp, dtype)
+    _check_out_dir(out_dir, ckpt_dir, overwrite)
+    log(f"{ckpt_dir}: {cfg.arch}, {cfg.num_layers} layers, {dtype}; loading at tp={tp}, pp={pp} "
+        f"({tp * pp} process{'es' if tp * pp > 1 else ''})"
+        + ("" if tokenizer else "; no tokenizer to copy"))
+    _spawn(_megatron_to_hf_worker, tp * pp, str(ckpt_dir), str(out_dir), cfg, tp, pp, dtype,
+           tokenizer, verbose)
+    log(f"done: {out_dir}")
+    return out_dir
