@@ -13,30 +13,45 @@ from hybridflow.config.errors import ConfigError
 from hybridflow.parallel.layout import LayoutError
 
 
+JOBS = ("train", "lm-demo")
+
+
 def _jobs():
     # Imported lazily: `hybridflow --help` should not pay for torch and megatron.
+    from hybridflow import trainer
     from hybridflow.training import lm_demo
-    return {"lm-demo": (lm_demo.LMDemoConfig, lm_demo.run,
-                        "train a tiny Llama on a copy task with Megatron-Core at a TP/PP/DP layout")}
+    return {"train": (trainer.RLConfig, _train), "lm-demo": (lm_demo.LMDemoConfig, lm_demo.run)}
+
+
+def _train(cfg) -> None:
+    from hybridflow.trainer import RLTrainer
+    trainer = RLTrainer(cfg)
+    try:
+        trainer.fit()
+    finally:
+        trainer.close()
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    run_p = sub.add_parser("lm-demo", help="Megatron-Core copy-task training demo (CPU or GPU)")
-    run_p.add_argument("config", nargs="?", help="YAML config (optional)")
-    run_p.add_argument("overrides", nargs="*", help="key=value, e.g. layout.tp=1 steps=20")
+    helps = {"train": "RL post-training (PPO, GRPO, ReMax, RLOO, REINFORCE++, Safe-RLHF)",
+             "lm-demo": "Megatron-Core copy-task training demo at a TP/PP/DP layout"}
+    for job in JOBS:
+        run_p = sub.add_parser(job, help=helps[job])
+        run_p.add_argument("config", nargs="?", help="YAML config (optional)")
+        run_p.add_argument("overrides", nargs="*", help="key=value, e.g. steps=20 actor.layout.pp=2")
     defaults_p = sub.add_parser("defaults", help="print a command's default config as YAML")
-    defaults_p.add_argument("job", choices=["lm-demo"])
+    defaults_p.add_argument("job", choices=JOBS)
     args = parser.parse_args(argv)
 
     from hybridflow.config import load_config, to_yaml
     try:
         if args.command == "defaults":
-            cls, _, _ = _jobs()[args.job]
+            cls, _ = _jobs()[args.job]
             print(to_yaml(cls()), end="")
             return 0
-        cls, run, _ = _jobs()[args.command]
+        cls, run = _jobs()[args.command]
         config, overrides = args.config, list(args.overrides)
         if config is not None and "=" in config:  # no file given, only overrides
             config, overrides = None, [config, *overrides]

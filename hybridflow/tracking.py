@@ -66,3 +66,22 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
     """The rows of a metrics.jsonl file."""
     with open(path) as f:
         return [json.loads(line) for line in f if line.strip()]
+
+
+def plot_metric(metrics_path: str | os.PathLike, key: str, out_png: str | os.PathLike,
+                title: str = "") -> None:
+    """A PNG of ``key`` against ``step`` from a metrics.jsonl file."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [r for r in read_metrics(metrics_path) if key in r]
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    ax.plot([r["step"] for r in rows], [r[key] for r in rows], marker="o")
+    ax.set_xlabel("step")
+    ax.set_ylabel(key)
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(out_png, dpi=100)
+    plt.close(fig)

@@ -96,6 +96,9 @@ PATCHES: tuple[SourcePatch, ...] = (
     _patch("dist_checkpointing.strategies.state_dict_saver:save_state_dict_async_finalize",
            "a checkpoint save broadcasts its write-failure flag in a tensor on the current CUDA "
            "device.", CUDA_DEVICE),
+    _patch("transformer.attention:Attention._allocate_memory",
+           "inference (rollout/megatron.py's StaticInferenceContext) allocates the KV cache on "
+           "the current CUDA device.", CUDA_DEVICE),
 )
 
 def apply() -> None:

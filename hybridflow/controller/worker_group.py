@@ -69,10 +69,17 @@ class Worker:
         return self.rank
 
 
-def _free_port() -> int:
+def _free_port(host: str = "127.0.0.1") -> int:
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
+
+
+def _node_address() -> tuple[str, int]:
+    """This node's address and a free port on it (runs where rank 0 will run)."""
+    import ray
+    ip = ray.util.get_node_ip_address()
+    return ip, _free_port("")
 
 
 class WorkerGroup:
@@ -85,10 +92,23 @@ class WorkerGroup:
         init_ray(cfg)
         actor_cls = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker)(
             worker_cls)
-        addr = "127.0.0.1" if cfg.address == "local" else ray.util.get_node_ip_address()
-        port = _free_port()
         self.name, self.world_size = name, world_size
-        self.actors = [actor_cls.options(name=f"{name}-{r}-{port}").remote(
+        placement = [{} for _ in range(world_size)]
+        if cfg.address == "local":
+            addr, port = "127.0.0.1", _free_port()
+        else:
+            # On a cluster rank 0 may land on any node: reserve one bundle per rank, ask the node
+            # of bundle 0 for its address and a free port, then pin each rank to its bundle.
+            from ray.util.placement_group import placement_group
+            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+            bundle = {"CPU": max(cfg.cpus_per_worker, 0.01), "GPU": cfg.gpus_per_worker}
+            pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
+            ray.get(pg.ready())
+            placement = [{"scheduling_strategy": PlacementGroupSchedulingStrategy(
+                placement_group=pg, placement_group_bundle_index=r)} for r in range(world_size)]
+            probe = ray.remote(num_cpus=0.01)(_node_address).options(**placement[0])
+            addr, port = ray.get(probe.remote())
+        self.actors = [actor_cls.options(name=f"{name}-{r}-{port}", **placement[r]).remote(
             r, world_size, addr, port, *args, **kwargs) for r in range(world_size)]
         ray.get([a.ping.remote() for a in self.actors])  # surfaces constructor errors here
         self._dispatch: dict[str, list[tuple[int, bool]]] = {}

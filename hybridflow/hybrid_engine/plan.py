@@ -23,18 +23,24 @@ Bucketing. Parameters are arranged in *rows* aligned across the merged stages: r
 holds the ``k``-th parameter of local layer ``slot`` of every stage, which has the same shape on
 every stage, so member segments are equally full and layer rows need no padding. Parameters outside
 the layers (embedding on the first stage; final norm and output layer on the last) form extra rows,
-largest first, so that the embedding and the output layer share a row when both are in the group.
-Consecutive rows fill a bucket up to ``bucket_bytes`` (a row larger than that is a bucket alone;
-parameters are never split across buckets).
+TP-split and replicated ones apart, largest first, so that the embedding and the output layer share
+a row when both are in the group.
+
+Direct rows. A row whose all-gather reaches ``min_view_bytes`` gets a bucket of its own in which
+every member's segment is one contiguous slice of one training shard (the whole shard, or one half
+of a SwiGLU ``linear_fc1`` shard): the executor all-gathers straight from the training tensor, so
+nothing is packed, and where the rank's shard already lives in its own segment (``resident_offsets``)
+the all-gather is in place and the shard is not duplicated. Smaller rows (norms, tiny layers) are
+packed: consecutive rows fill a bucket up to ``bucket_bytes``.
 
 Views. A generation tensor is a view into the gathered storage when its chunks, taken in
 generation order, are adjacent there. With ``s == 1`` every generation tensor is one chunk: all are
 views. With ``s > 1`` a tensor split along dim 0 is adjacent only if it is alone in its segments,
-so such a row (``linear_qkv``, embedding, output layer; ``linear_fc1`` split into a gate row and an
-up row when ``q == 1``) gets a bucket of its own when its gathered size reaches
-``min_view_bytes``; smaller ones are packed with the rest. Row-parallel weights (``tp_dim=1``:
-``linear_proj``, ``linear_fc2``) interleave and are copied, as are packed parameters and fc1 when
-``q > 1``; buckets holding only copied parameters are transient (``storage_offset is None``).
+which a direct row is (``linear_qkv``, embedding, output layer; ``linear_fc1`` as a gate row and an
+up row when ``q == 1``). Row-parallel weights (``tp_dim=1``: ``linear_proj``, ``linear_fc2``)
+interleave, and so does fc1 when ``q > 1``: their direct rows land in transient buffers
+(``storage_offset is None``) and one strided copy per tensor puts them into the storage (mode
+"concat"); packed parameters are copied likewise (fc1 packed with ``q > 1``: "rearrange").
 
 Communication. ``recv_bytes`` of a rank is the payload of the other members' segments: its
 generation shard minus its own training shard (plus, when ``q > 1`` and ``s > 1``, the
@@ -93,6 +99,14 @@ class Bucket:
 
     def payload(self, member: int) -> int:
         return sum(p.numel for p in self.pieces[member])
+
+    def direct(self, member: int) -> Piece | None:
+        """The one piece that fills ``member``'s segment, which it can send straight from its
+        training shard; None when it packs several pieces or pads."""
+        pieces = self.pieces[member]
+        if len(pieces) == 1 and pieces[0].dst == 0 and pieces[0].numel == self.seg_numel:
+            return pieces[0]
+        return None
 
 
 @dataclass(frozen=True)
@@ -195,6 +209,9 @@ class _Row:
 
     slices: list[list[tuple[str, int, int]]]
     solo: bool
+    """A direct row: a bucket of its own, each member's slice sent as it is."""
+    keep: bool = False
+    """For a solo row: its gathered buffer is part of the generation storage (views into it)."""
 
     @property
     def sizes(self) -> list[int]:
@@ -205,9 +222,10 @@ def plan_reshard(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int, bucke
                  min_view_bytes: int | None = None) -> ReshardPlan:
     """Plan the train -> generation reshard of the parameters ``metas`` (full model, model order).
 
-    ``bucket_bytes`` bounds one all-gather's output (all segments, padding included);
-    ``min_view_bytes`` (default ``bucket_bytes // 8``) is the gathered size from which a
-    dim-0-split parameter gets a bucket of its own so that it can be a view when ``t/tg > 1``.
+    ``bucket_bytes`` bounds the output of one all-gather of packed rows (all segments, padding
+    included); ``min_view_bytes`` (default ``min(bucket_bytes, 1 MiB)``) is the gathered size from
+    which a row is direct: an all-gather of its own, straight from the training shards (a view
+    into the storage when the layouts allow, see the module docstring).
     """
     train = gen.train
     if train.vpp not in (None, 1):
@@ -229,7 +247,7 @@ def plan_reshard(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int, bucke
         stage_layers(num_layers, train.pp, 0)  # a clear error naming layout.pp
     stage_of = {m.name: owner_stage(m, train.pp, num_layers) for m in metas}
     if min_view_bytes is None:
-        min_view_bytes = bucket_bytes // 8
+        min_view_bytes = min(bucket_bytes, 1 << 20)
 
     stages = tuple(_plan_stage(gen, metas, stage_of, gp, num_layers, dtype_bytes, bucket_bytes,
                                min_view_bytes) for gp in range(gen.pp))
@@ -248,6 +266,27 @@ def plan_reshard(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int, bucke
                                                 for b in st.buckets for k in others))
     return ReshardPlan(gen=gen, metas=tuple(metas), dtype_bytes=dtype_bytes,
                        bucket_bytes=bucket_bytes, stages=stages, ranks=tuple(ranks))
+
+
+def resident_offsets(plan: ReshardPlan, rank: int) -> dict[str, int]:
+    """Training shards of ``rank`` that can live inside its generation storage, and where:
+    {name: element offset}. A shard qualifies when it is one whole piece of a bucket that is part
+    of the storage; kept there (its training parameter a view of the storage), the all-gather of
+    that bucket is in place and the generation weights hold no second copy of it."""
+    rp = plan.ranks[rank]
+    metas = {m.name: m for m in plan.metas}
+    tp = plan.gen.train.tp
+    found: dict[str, list[int | None]] = {}
+    for bucket in rp.stage.buckets:
+        for p in bucket.pieces[rp.member]:
+            m = metas[p.name]
+            whole = p.offset == 0 and p.numel == (math.prod(m.shard_shape(tp))
+                                                  if m.tp_dim is not None else m.numel)
+            at = None
+            if whole and bucket.storage_offset is not None:
+                at = bucket.storage_offset + rp.member * bucket.seg_numel + p.dst
+            found.setdefault(p.name, []).append(at)
+    return {name: at[0] for name, at in found.items() if len(at) == 1 and at[0] is not None}
 
 
 def _split(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -280,45 +319,58 @@ def _aligned_rows(metas: list[ParamMeta], stage_of: dict[str, int], stages: list
         else:
             extras[i].append(m)
     extra_rows: list[dict[int, ParamMeta]] = []
-    for i, ms in extras.items():
-        for k, m in enumerate(sorted(ms, key=lambda m: -m.numel)):
-            if k == len(extra_rows):
-                extra_rows.append({})
-            extra_rows[k][i] = m
+    for split in (True, False):  # TP-split with TP-split, so that such a row can be direct
+        rows: list[dict[int, ParamMeta]] = []
+        for i, ms in extras.items():
+            ms = [m for m in ms if (m.tp_dim is not None) == split]
+            for k, m in enumerate(sorted(ms, key=lambda m: -m.numel)):
+                if k == len(rows):
+                    rows.append({})
+                rows[k][i] = m
+        extra_rows += rows
     return extra_rows + [layer_rows[k] for k in sorted(layer_rows)]
 
 
 def _row_units(row: dict[int, ParamMeta], t: int, s: int, q: int, dtype_bytes: int,
                min_view_bytes: int) -> list[_Row]:
-    """Split one aligned row into packing units (several only for fc1 given its own buckets)."""
+    """Split one aligned row into packing units: one direct unit (two for fc1 when ``s > 1``: a
+    gate row and an up row), or one packed unit."""
     n = s * q
 
     def member(i: int, j: int) -> int:
         return i * s + j
 
+    def shard_numel(m: ParamMeta) -> int:
+        return math.prod(m.shard_shape(t)) if m.tp_dim is not None else m.numel
+
     split = [m for m in row.values() if m.tp_dim is not None]
-    chunks = {m.tp_chunks for m in split}
-    viewable = (s > 1 and len(split) == len(row) and all(m.tp_dim == 0 for m in split)
-                and len(chunks) == 1 and (q == 1 or chunks == {1}))
-    if viewable:
-        seg = max(math.prod(m.shard_shape(t)) for m in split)
-        viewable = n * seg * dtype_bytes >= min_view_bytes
-    if viewable:
-        (c,) = chunks
+    big = n * max(shard_numel(m) // (s if m.tp_dim is None else 1)
+                  for m in row.values()) * dtype_bytes >= min_view_bytes
+    if big and s == 1:  # every member sends its stage's tensor whole; every tensor is a view
+        slices: list[list[tuple[str, int, int]]] = [[] for _ in range(n)]
+        for i, m in row.items():
+            slices[member(i, 0)].append((m.name, 0, shard_numel(m)))
+        return [_Row(slices, solo=True, keep=True)]
+    kinds = {(m.tp_dim, m.tp_chunks) for m in split}
+    if big and s > 1 and len(split) == len(row) and len(kinds) == 1:
+        ((dim, c),) = kinds
+        # dim-0 splits are views (fc1 too, as adjacent gate and up rows, unless the stages'
+        # fc1s interleave: q > 1); row-parallel weights are copied out of a transient buffer.
+        keep = dim == 0 and (c == 1 or q == 1)
         units = []
-        for part in range(c):  # fc1: a gate row, then an up row (adjacent in storage)
-            slices: list[list[tuple[str, int, int]]] = [[] for _ in range(n)]
+        for part in range(c):
+            slices = [[] for _ in range(n)]
             for i, m in row.items():
-                sub = math.prod(m.shard_shape(t)) // c
+                sub = shard_numel(m) // c
                 for j in range(s):
                     slices[member(i, j)].append((m.name, part * sub, sub))
-            units.append(_Row(slices, solo=True))
+            units.append(_Row(slices, solo=True, keep=keep))
         return units
     slices = [[] for _ in range(n)]
     for i, m in row.items():
         for j in range(s):
             if m.tp_dim is not None:
-                slices[member(i, j)].append((m.name, 0, math.prod(m.shard_shape(t))))
+                slices[member(i, j)].append((m.name, 0, shard_numel(m)))
             elif q > 1:
                 off, size = _split(m.numel, s)[j]
                 if size:
@@ -356,8 +408,8 @@ def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int]
     if cur:
         grouped.append(cur)
 
-    # Place the slices; kept buckets (all of them when s == 1, solo ones otherwise) go first in
-    # the generation storage.
+    # Place the slices; kept buckets (all of them when s == 1, the direct rows that hold views
+    # otherwise) go first in the generation storage.
     where: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}  # -> (bucket, dst, off, n)
     buckets: list[Bucket] = []
     storage = 0
@@ -371,7 +423,7 @@ def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int]
                     where.setdefault((name, k), []).append((b, fill[k], off, numel))
                     fill[k] += numel
         seg = max(fill)
-        keep = s == 1 or rows[0].solo
+        keep = s == 1 or (rows[0].solo and rows[0].keep)
         buckets.append(Bucket(seg_numel=seg, pieces=tuple(tuple(ps) for ps in pieces),
                               storage_offset=storage if keep else None))
         storage += n * seg if keep else 0

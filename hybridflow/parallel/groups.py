@@ -57,3 +57,27 @@ def destroy_megatron_parallel() -> None:
     from megatron.core import parallel_state
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
+
+
+def generation_process_groups(gen):
+    """A ProcessGroupCollection for a model at the generation layout ``gen`` (pg = 1): its TP group
+    is this rank's generation TP group (ranks at stride t/tg), its PP and CP groups are the rank
+    alone. Collective over the world: every rank creates every group, in the same order."""
+    from megatron.core.process_groups_config import ProcessGroupCollection
+
+    if gen.pp != 1:
+        raise ValueError("generation.pp > 1 is not supported by the generation model; use pp=1")
+    rank = dist.get_rank()
+    tp_group = alone = None
+    for ranks in sorted(gen.tp_groups()):
+        group = dist.new_group(ranks)
+        if rank in ranks:
+            tp_group = group
+    for r in range(dist.get_world_size()):
+        group = dist.new_group([r])
+        if r == rank:
+            alone = group
+    pgs = ProcessGroupCollection()
+    pgs.tp, pgs.pp, pgs.cp, pgs.tp_cp, pgs.mp = tp_group, alone, alone, tp_group, tp_group
+    pgs.embd = pgs.pos_embd = None  # one stage: no embedding sharing between stages
+    return pgs

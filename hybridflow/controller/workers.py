@@ -1,0 +1,264 @@
+"""The workers the RL controller drives, one Ray actor per rank.
+
+``ActorRolloutRefWorker`` colocates the actor (Megatron training engine), its rollout engine and
+the reference model in the same processes: the 3D-HybridEngine moves the actor's weights from the
+training layout into the rollout engine for each generation and gives the memory back after.
+``CriticWorker`` holds a value-head model (the critic; reward and cost models are the same class
+scoring at the last token).
+"""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.batch import Batch
+from hybridflow.controller.worker_group import Worker
+
+if TYPE_CHECKING:
+    from hybridflow.trainer import RLConfig
+
+# Fields each engine call needs from a Batch; everything else stays on the controller.
+_MODEL_INPUTS = ("input_ids", "attention_mask")
+
+
+def _train_view(layout, rank: int) -> tuple[int, bool]:
+    d, p, t = layout.coords(rank)
+    return d, t == 0 and p == layout.pp - 1
+
+
+def _engine_batch(batch: Batch, *keys: str) -> dict[str, torch.Tensor]:
+    return {k: batch[k] for k in (*_MODEL_INPUTS, *keys)}
+
+
+def _global_count(x: torch.Tensor, group) -> float:
+    """Sum of ``x`` over the data-parallel group (the global denominator of a loss)."""
+    total = x.detach().sum().reshape(1).to(torch.float64)
+    dist.all_reduce(total, group=group)
+    return max(total.item(), 1.0)
+
+
+def _denominator(mask: torch.Tensor, agg: str, group) -> float:
+    counted = mask if agg == "token-mean" else mask.bool().any(-1).float()
+    return _global_count(counted, group)
+
+
+def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
+
+
+class ActorRolloutRefWorker(Worker):
+    """Actor + rollout + reference on one rank."""
+
+    def __init__(self, rank: int, world_size: int, addr: str, port: int, cfg: "RLConfig",
+                 model_dir: str):
+        super().__init__(rank, world_size, addr, port)
+        from hybridflow.hybrid_engine.switch import HybridEngine
+        from hybridflow.models.hf import load_hf_config
+        from hybridflow.models.loading import load_hf_into_engine
+        from hybridflow.training.engine import TrainEngine
+
+        self.cfg, self.model_dir = cfg, model_dir
+        self.model_config = load_hf_config(model_dir)
+        layout = cfg.actor.layout
+        self.actor = TrainEngine(self.model_config, layout, cfg.actor.engine)
+        load_hf_into_engine(self.actor, model_dir)
+        # The reference is always there: its KL to the actor is logged every step.
+        self.ref = TrainEngine(self.model_config, layout, cfg.actor.engine, build_optimizer=False)
+        load_hf_into_engine(self.ref, model_dir)
+        if cfg.ref.offload:
+            self.ref.offload_weights()
+        self.hybrid = HybridEngine(self.actor, gen_tp=cfg.rollout.tp,
+                                   bucket_mb=cfg.rollout.bucket_mb, mode=cfg.hybrid_engine.mode,
+                                   offload_optimizer=cfg.hybrid_engine.offload_optimizer)
+        self.rollout = self._make_rollout()
+        self.dp_group = self.actor.pg.dp
+
+    def _make_rollout(self):
+        from hybridflow.rollout.base import eos_token_ids, rollout_backend
+        r = self.cfg.rollout
+        backend = rollout_backend(r.backend)
+        max_len = self.cfg.data.max_prompt_tokens + r.sampling.max_tokens
+        if r.backend == "megatron":
+            from hybridflow.parallel.groups import generation_process_groups
+            # Weights arrive from the switch; the model is built at the generation layout.
+            return backend(self.model_config, dtype=self.cfg.actor.engine.dtype,
+                           max_model_len=max_len, seed=self.cfg.seed + self.rank,
+                           eos_token_ids=eos_token_ids(self.model_dir),
+                           pg_collection=generation_process_groups(self.hybrid.gen))
+        kwargs = dict(dtype=self.cfg.actor.engine.dtype, max_model_len=max_len,
+                      seed=self.cfg.seed + self.rank)
+        if r.backend == "vllm":
+            kwargs["kv_cache_bytes"] = int(r.kv_cache_mb * 2**20)
+        return backend(self.model_dir, **kwargs)
+
+    def dispatch_info(self, view: str) -> tuple[int, bool]:
+        if view == "gen":
+            gen = self.hybrid.gen
+            return self.hybrid.replica, (self.hybrid.gen_tp_rank == 0
+                                         and self.hybrid.gen_pp_rank == gen.pp - 1)
+        return _train_view(self.cfg.actor.layout, self.rank)
+
+    def describe(self) -> str:
+        return self.hybrid.summary
+
+    # ----------------------------------------------------------------------------- generation
+    def generate(self, batch: Batch, sampling=None) -> Batch:
+        """Switch to the generation layout, sample ``sampling.n`` responses per prompt of this
+        replica's share, switch back. Returns left-padded prompts + right-padded responses."""
+        from hybridflow.hybrid_engine.convert import to_hf
+        sampling = sampling or self.cfg.rollout.sampling
+        start = time.perf_counter()
+        weights = self.hybrid.to_generation()
+        if self.cfg.rollout.backend == "megatron":
+            self.rollout.load_generation_weights(weights.tensors)
+        else:
+            self.rollout.update_weights_hf(to_hf(weights.tensors, self.model_config,
+                                                 self.cfg.rollout.tp))
+        self.rollout.wake()
+        loaded = time.perf_counter()
+        outputs = self.rollout.generate(batch["prompt_ids"], sampling)
+        self.rollout.sleep()
+        generated = time.perf_counter()
+        self.hybrid.to_training()
+        out = self._pack(outputs, batch, sampling)
+        out.meta.update({
+            "timing/reshard_s": weights.seconds, "timing/weight_load_s": loaded - start
+            - weights.seconds, "timing/generate_s": generated - loaded,
+            "timing/back_to_train_s": time.perf_counter() - generated,
+            "reshard/bytes_received": weights.bytes_received,
+            "reshard/naive_bytes": weights.naive_bytes})
+        return out
+
+    def _pack(self, outputs, batch: Batch, sampling) -> Batch:
+        P, R = self.cfg.data.max_prompt_tokens, sampling.max_tokens
+        pad = self.cfg.pad_token_id
+        n = len(outputs)
+        ids = torch.full((n, P + R), pad, dtype=torch.long)
+        attention = torch.zeros(n, P + R, dtype=torch.long)
+        response = torch.zeros(n, P + R, dtype=torch.float32)
+        logprobs = torch.zeros(n, P + R, dtype=torch.float32)
+        for i, o in enumerate(outputs):
+            p, r = o.prompt_token_ids, o.response_token_ids
+            ids[i, P - len(p):P] = torch.tensor(p)
+            ids[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
+            attention[i, P - len(p):P + len(r)] = 1
+            response[i, P:P + len(r)] = 1
+            logprobs[i, P:P + len(r)] = torch.tensor(o.logprobs, dtype=torch.float32)
+        index = [o.prompt_index for o in outputs]
+        lists = {k: [v[j] for j in index] for k, v in batch.lists.items()}
+        lists["finish_reason"] = [o.finish_reason for o in outputs]
+        return Batch({"input_ids": ids, "attention_mask": attention, "response_mask": response,
+                      "rollout_logprobs": logprobs}, lists)
+
+    # ----------------------------------------------------------------------------- scoring
+    def compute_log_prob(self, batch: Batch) -> Batch:
+        return Batch({"old_logprobs": self.actor.compute_logprobs(_engine_batch(batch))})
+
+    def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        if self.cfg.ref.offload:
+            self.ref.reload_weights()
+        logprobs = self.ref.compute_logprobs(_engine_batch(batch))
+        if self.cfg.ref.offload:
+            self.ref.offload_weights()
+        return Batch({"ref_logprobs": logprobs})
+
+    # ----------------------------------------------------------------------------- update
+    def update_actor(self, batch: Batch) -> Batch:
+        """PPO epochs over mini-batches of this DP rank's share; metrics averaged."""
+        from hybridflow.algorithms import aggregate_loss, kl_penalty, policy_loss
+        a = self.cfg.actor
+        keys = ["old_logprobs", "advantages", "response_mask"]
+        if a.kl_loss_coef:
+            keys.append("ref_logprobs")
+        data = _engine_batch(batch, *keys)
+        rows = []
+        for _ in range(a.ppo_epochs):
+            for part in Batch(data).split(a.mini_batches):
+                mb_all = part.tensors
+                denom = _denominator(mb_all["response_mask"], a.loss_agg_mode, self.dp_group)
+
+                def loss_fn(logprobs, mb):
+                    mask = mb["response_mask"]
+                    loss, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
+                                          a.clip_ratio_low, a.clip_ratio_high, a.dual_clip_c,
+                                          a.loss_agg_mode, denom)
+                    metrics = {"actor/pg_loss": loss, "actor/clip_frac": m["clip_frac"],
+                               "actor/approx_kl": m["approx_kl"],
+                               "actor/dual_clip_frac": m["dual_clip_frac"]}
+                    if a.kl_loss_coef:
+                        kl = aggregate_loss(kl_penalty(logprobs, mb["ref_logprobs"], a.kl_loss_type),
+                                            mask, a.loss_agg_mode, denom)
+                        loss = loss + a.kl_loss_coef * kl
+                        metrics["actor/kl_loss"] = kl
+                    return loss, metrics
+                step = self.actor.train_step(mb_all, loss_fn)
+                step["actor/grad_norm"] = step.pop("grad_norm")
+                step["actor/loss"] = step.pop("loss")
+                rows.append(step)
+        return Batch(meta=_mean_metrics(rows))
+
+    def state_for_test(self) -> dict[str, torch.Tensor]:
+        """Full actor weights (tests check that training moved them)."""
+        return self.actor.full_weights()
+
+
+class CriticWorker(Worker):
+    """A value-head model on one rank: the critic (values, clipped value loss) or, with
+    ``trainable=False``, a reward/cost model scoring each sequence at its last token."""
+
+    def __init__(self, rank: int, world_size: int, addr: str, port: int, cfg: "RLConfig",
+                 model_dir: str, trainable: bool = True):
+        super().__init__(rank, world_size, addr, port)
+        from hybridflow.models.hf import load_hf_config
+        from hybridflow.models.loading import load_hf_into_engine
+        from hybridflow.training.engine import TrainEngine
+
+        self.cfg = cfg
+        model_config = load_hf_config(model_dir)
+        self.engine = TrainEngine(model_config, cfg.critic.layout, cfg.critic.engine,
+                                  build_optimizer=trainable, head="value")
+        load_hf_into_engine(self.engine, model_dir)
+        self.dp_group = self.engine.pg.dp
+
+    def dispatch_info(self, view: str) -> tuple[int, bool]:
+        return _train_view(self.cfg.critic.layout, self.rank)
+
+    @staticmethod
+    def _state_values(raw: torch.Tensor) -> torch.Tensor:
+        # The head at position i has read token i; the value of the state *before* token i
+        # (what GAE pairs with token i's reward) is the head's output at i - 1.
+        return torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1)
+
+    def compute_values(self, batch: Batch) -> Batch:
+        raw = self.engine.compute_values(_engine_batch(batch))
+        return Batch({"values": self._state_values(raw)})
+
+    def compute_scores(self, batch: Batch) -> Batch:
+        """Reward-model score per sequence: the head's output at the last real token."""
+        raw = self.engine.compute_values(_engine_batch(batch))
+        last = batch["attention_mask"].cumsum(-1).argmax(-1)
+        return Batch({"scores": raw[torch.arange(len(last)), last]})
+
+    def update_critic(self, batch: Batch) -> Batch:
+        from hybridflow.algorithms import value_loss
+        c = self.cfg.critic
+        data = _engine_batch(batch, "values", "returns", "response_mask")
+        rows = []
+        for _ in range(c.ppo_epochs):
+            for part in Batch(data).split(c.mini_batches):
+                mb_all = part.tensors
+                denom = _denominator(mb_all["response_mask"], "token-mean", self.dp_group)
+
+                def loss_fn(raw, mb):
+                    loss, m = value_loss(self._state_values(raw), mb["values"], mb["returns"],
+                                         mb["response_mask"], c.value_clip, "token-mean", denom)
+                    return loss, {"critic/vf_loss": loss, "critic/vf_clip_frac": m["vf_clip_frac"]}
+                step = self.engine.train_step(mb_all, loss_fn)
+                step["critic/grad_norm"] = step.pop("grad_norm")
+                step.pop("loss")
+                rows.append(step)
+        return Batch(meta=_mean_metrics(rows))

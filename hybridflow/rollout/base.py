@@ -1,0 +1,268 @@
+"""What every rollout (generation) backend takes and returns, and the registry that picks one.
+
+A backend generates from token-id prompts and takes new weights in place, without a restart:
+
+* ``generate(prompt_token_ids, sampling) -> list[RolloutOutput]``, prompt-major: the ``n``
+  samples of prompt 0, then those of prompt 1, ...;
+* ``update_weights_hf(weights)``: full (unsharded) HF-named tensors, e.g. what the
+  3D-HybridEngine's gather + convert produce; any subset of the model, as long as each fused
+  parameter's parts come together (q, k, v; gate, up);
+* ``sleep()`` / ``wake()``: free and restore what generation holds between calls (the KV cache);
+* ``close()``.
+
+Log-probs are always the model's own: ``log softmax(logits)`` at temperature 1, before top-k/top-p,
+of the token that was sampled -- the quantity the training engine recomputes for PPO's ratio
+(``TrainEngine.compute_logprobs``), not the log-prob under the tempered/truncated distribution the
+token was actually drawn from.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from hybridflow.config.errors import ConfigError
+from hybridflow.models.config import ModelConfig
+
+@dataclass(kw_only=True)
+class SamplingConfig:
+    """How to sample responses; the same meaning in every backend."""
+
+    temperature: float = 1.0
+    """Softmax temperature; 0 samples greedily (argmax)."""
+    top_p: float = 1.0
+    """Nucleus sampling: keep the fewest most likely tokens whose probability reaches top_p; 1
+    keeps all."""
+    top_k: int = 0
+    """Keep the k most likely tokens; 0 keeps all."""
+    max_tokens: int = 64
+    """Most tokens generated per sample (the stop token included)."""
+    n: int = 1
+    """Samples per prompt."""
+    seed: int | None = None
+    """Seed of the sampling RNG (prompt i's samples use seed + i*n + j where a backend seeds per
+    sample); None draws a fresh one."""
+    stop_token_ids: tuple[int, ...] = ()
+    """Tokens that end a sample besides the model's EOS; the stop token is kept in the response."""
+    ignore_eos: bool = False
+    """Do not stop at the model's EOS (stop_token_ids still stop), e.g. for benchmarks."""
+
+    def __post_init__(self) -> None:
+        self.stop_token_ids = tuple(self.stop_token_ids)
+        if not self.temperature >= 0:
+            raise ConfigError("sampling.temperature", f"must be >= 0 (0 = greedy), got "
+                                                      f"{self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError("sampling.top_p", f"must be in (0, 1] (1 disables), got {self.top_p}")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ConfigError("sampling.top_k", f"must be an integer >= 0 (0 disables), got "
+                                                f"{self.top_k!r}")
+        for name in ("max_tokens", "n"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"sampling.{name}", f"must be a positive integer, got {value!r}")
+        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
+            raise ConfigError("sampling.seed", f"must be a non-negative integer or null, got "
+                                               f"{self.seed!r}")
+        bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
+        if bad:
+            raise ConfigError("sampling.stop_token_ids",
+                              f"must be non-negative token ids, got {bad}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def stop_ids(self, eos_token_ids: Iterable[int]) -> list[int]:
+        """The token ids that end a sample: the model's EOS (unless ignore_eos) and
+        stop_token_ids."""
+        eos = () if self.ignore_eos else tuple(eos_token_ids)
+        return sorted(set(eos) | set(self.stop_token_ids))
+
+
+@dataclass(kw_only=True)
+class RolloutOutput:
+    """One sampled response."""
+
+    prompt_index: int
+    """Index of its prompt in the ``generate`` call."""
+    sample_index: int
+    """Which of the prompt's ``n`` samples (0..n-1)."""
+    prompt_token_ids: list[int]
+    """The prompt, unpadded."""
+    response_token_ids: list[int]
+    """Generated tokens, the stop token (if any) included."""
+    logprobs: list[float]
+    """Per response token: log p(token | prompt, earlier tokens) under the raw model (temperature
+    1, no top-k/top-p), as the training engine computes it."""
+    finish_reason: str
+    """"stop" (EOS or a stop token) or "length" (max_tokens reached)."""
+
+
+class RolloutBackend(ABC):
+    """A generation engine that takes new weights in place (see the module docstring)."""
+
+    @abstractmethod
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+                 ) -> list[RolloutOutput]:
+        """``sampling.n`` samples per prompt, prompt-major."""
+
+    @abstractmethod
+    def update_weights_hf(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Load full HF-named tensors; bad names/shapes or a fused parameter with a part missing
+        raise ConfigError before anything is loaded."""
+
+    @abstractmethod
+    def sleep(self) -> None:
+        """Free the memory generation holds between calls (KV cache); a no-op where none is held
+        or the platform cannot (logged once)."""
+
+    @abstractmethod
+    def wake(self) -> None:
+        """Undo ``sleep``."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Release the engine; the object is unusable afterwards."""
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+# The plug point: backend name -> "module:Class", imported on first use (vLLM alone takes 15-30 s
+# to import, and is absent on machines that generate with Megatron-Core).
+ROLLOUT_BACKENDS: dict[str, str | type[RolloutBackend]] = {
+    "vllm": "hybridflow.rollout.vllm:VLLMRollout",
+    "megatron": "hybridflow.rollout.megatron:MegatronRollout",
+    "hf": "hybridflow.rollout.hf:HFRollout",
+}
+
+
+def rollout_backend(name: str) -> type[RolloutBackend]:
+    """The backend class registered as ``name``."""
+    if name not in ROLLOUT_BACKENDS:
+        raise ConfigError("rollout.backend", f"unknown backend {name!r}; one of "
+                                             f"{sorted(ROLLOUT_BACKENDS)}")
+    entry = ROLLOUT_BACKENDS[name]
+    if isinstance(entry, str):
+        module, cls = entry.split(":")
+        try:
+            entry = getattr(importlib.import_module(module), cls)
+        except ImportError as e:
+            hint = " (install the [vllm] extra)" if name == "vllm" else ""
+            raise ConfigError("rollout.backend", f"backend {name!r} cannot be imported: {e}"
+                                                 f"{hint}") from e
+    return entry
+
+
+# ------------------------------------------------------------------------------------------------
+# helpers the backends share
+
+
+def eos_token_ids(model_dir: str | os.PathLike) -> tuple[int, ...]:
+    """The EOS ids of an HF checkpoint: generation_config.json's eos_token_id (an id or a list),
+    else config.json's; () when neither has one."""
+    for file in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / file
+        if path.exists():
+            eos = json.loads(path.read_text()).get("eos_token_id")
+            if eos is not None:
+                return tuple(eos) if isinstance(eos, list) else (int(eos),)
+    return ()
+
+
+def check_prompts(prompt_token_ids: list[list[int]], max_tokens: int, max_model_len: int,
+                  vocab_size: int | None = None) -> None:
+    """Prompts are non-empty lists of token ids that leave room for ``max_tokens``."""
+    if not prompt_token_ids:
+        raise ConfigError("prompt_token_ids", "no prompts given")
+    for i, p in enumerate(prompt_token_ids):
+        if len(p) == 0:
+            raise ConfigError(f"prompt_token_ids[{i}]", "is empty")
+        if len(p) + max_tokens > max_model_len:
+            raise ConfigError("sampling.max_tokens", f"prompt {i} has {len(p)} tokens; with "
+                              f"max_tokens={max_tokens} it exceeds max_model_len={max_model_len}")
+        if vocab_size is not None and not all(0 <= t < vocab_size for t in p):
+            raise ConfigError(f"prompt_token_ids[{i}]", f"holds ids outside [0, {vocab_size})")
+
+
+def rollout_batch(outputs: list[RolloutOutput], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+    """Rollout outputs -> the tensors training works on, one row per sample, [B, P + R]: the
+    prompt left-padded to P, the response right-padded to R.
+
+    ``input_ids``, ``attention_mask`` (1 = real token), ``response_mask`` (1 = response token),
+    and ``rollout_logprobs`` (the backend's log-probs at the response positions, 0 elsewhere),
+    aligned so that ``rollout_logprobs[b, i]`` compares with ``TrainEngine.compute_logprobs``'s
+    ``out[b, i] = log p(input_ids[b, i] | input_ids[b, :i])``.
+    """
+    width = max(len(o.prompt_token_ids) for o in outputs)
+    resp = max(len(o.response_token_ids) for o in outputs)
+    shape = (len(outputs), width + resp)
+    ids = torch.full(shape, pad_token_id, dtype=torch.long)
+    mask, response = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
+    logprobs = torch.zeros(shape, dtype=torch.float32)
+    for b, o in enumerate(outputs):
+        p, r = len(o.prompt_token_ids), len(o.response_token_ids)
+        ids[b, width - p:width] = torch.tensor(o.prompt_token_ids)
+        ids[b, width:width + r] = torch.tensor(o.response_token_ids, dtype=torch.long)
+        mask[b, width - p:width + r] = 1
+        response[b, width:width + r] = 1
+        logprobs[b, width:width + r] = torch.tensor(o.logprobs, dtype=torch.float32)
+    return {"input_ids": ids, "attention_mask": mask, "response_mask": response,
+            "rollout_logprobs": logprobs}
+
+
+def left_pad(prompts: list[list[int]], pad_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(ids [B, P], mask [B, P] 1 = real token), prompts right-aligned."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for b, p in enumerate(prompts):
+        ids[b, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[b, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def group_hf_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConfig
+                     ) -> dict[str, dict[str, torch.Tensor]]:
+    """Check HF-named tensors against ``cfg`` and group them by the Megatron parameter they make.
+
+    Returns {Megatron name: {HF name: tensor}} in model order, leaving out tensors that carry no
+    weights (RoPE inv_freq, the lm_head of a tied model). Raises ConfigError naming the tensor for
+    an unknown name, a wrong shape, a name given twice, or a fused parameter with a part missing
+    (a partly loaded fused module would silently keep uninitialised rows in vLLM).
+    """
+    from hybridflow.models.hf import (hf_param_shapes, hf_sources, megatron_name_for_hf,
+                                      megatron_param_names)
+
+    shapes = hf_param_shapes(cfg)
+    groups: dict[str, dict[str, torch.Tensor]] = {}
+    for name, tensor in weights:
+        mg = megatron_name_for_hf(name, cfg)
+        if mg is None:
+            continue
+        want, why = shapes[name]
+        if tuple(tensor.shape) != want:
+            raise ConfigError(f"weights[{name}]", f"has shape {list(tensor.shape)}, expected "
+                                                  f"{list(want)} for {why}")
+        if name in groups.setdefault(mg, {}):
+            raise ConfigError(f"weights[{name}]", "given twice in one update")
+        groups[mg][name] = tensor
+    for mg, parts in groups.items():
+        missing = [n for n in hf_sources(mg, cfg) if n not in parts]
+        if missing:
+            raise ConfigError(f"weights[{missing[0]}]",
+                              f"missing: {mg} is fused from {hf_sources(mg, cfg)}, which must be "
+                              f"updated together (got only {sorted(parts)})")
+    order = {n: i for i, n in enumerate(megatron_param_names(cfg))}
+    return dict(sorted(groups.items(), key=lambda kv: order[kv[0]]))

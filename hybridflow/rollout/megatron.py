@@ -1,0 +1,297 @@
+"""Megatron-Core rollout: generation with a GPTModel at the generation TP layout, for machines
+without vLLM (and CPU tests).
+
+The 3D-HybridEngine gives each rank its generation shard under Megatron names
+(``load_generation_weights``); the model's parameters then *are* those tensors (no copy where
+dtype and device already match). HF-named full weights also work (``update_weights_hf``).
+
+Decoding is static batching with Megatron-Core's KV cache (``StaticInferenceContext``): one
+prefill over the left-padded prompts, then one token per step for the whole batch. Left padding
+follows the training engine's convention (``batch_attention_mask``: padding keys are masked; RoPE
+is relative, so the slots the padding takes do not change the real tokens' attention), so the
+log-probs here are the ones ``TrainEngine.compute_logprobs`` recomputes.
+
+Tensor parallelism: the model takes its groups from a ``ProcessGroupCollection``; by default
+Megatron's global groups (``init_megatron_parallel``), which a single process gets from a
+1-process gloo group. At TP > 1 every rank runs ``generate`` with the same prompts and sampling;
+logits are gathered over TP and every rank draws from an identically seeded generator, so all
+ranks sample the same tokens.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import os
+import re
+from pathlib import Path
+from typing import Iterable
+
+import torch
+
+from hybridflow.config.errors import ConfigError
+from hybridflow.models.config import ModelConfig
+from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, check_prompts,
+                                     group_hf_weights, left_pad)
+from hybridflow.rollout.base import eos_token_ids as checkpoint_eos_ids
+
+log = logging.getLogger(__name__)
+
+_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
+                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """One sampling step on the logits' device. logits [B, V] (any float dtype) ->
+    (tokens [B] int64, log-probs of those tokens under the raw model [B] fp32)."""
+    logits = logits.float()
+    raw = torch.log_softmax(logits, dim=-1)
+    if sampling.greedy:
+        tokens = logits.argmax(dim=-1)
+    else:
+        scores = logits / sampling.temperature
+        if sampling.top_k and sampling.top_k < scores.shape[-1]:
+            kth = scores.topk(sampling.top_k, dim=-1).values[:, -1:]
+            scores = scores.masked_fill(scores < kth, float("-inf"))
+        if sampling.top_p < 1.0:
+            sorted_scores, order = scores.sort(dim=-1, descending=True)
+            probs = sorted_scores.softmax(dim=-1)
+            # Drop a token when the ones before it already reach top_p (the first always stays).
+            drop = probs.cumsum(dim=-1) - probs >= sampling.top_p
+            sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+            scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+        probs = scores.softmax(dim=-1)
+        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1)
+
+
+class MegatronRollout(RolloutBackend):
+    """A Megatron-Core GPTModel that generates (static batching, KV cache)."""
+
+    def __init__(self, model: str | os.PathLike | ModelConfig, *, dtype: str = "fp32",
+                 max_model_len: int = 2048, max_batch_size: int = 256, seed: int = 0,
+                 eos_token_ids: Iterable[int] | None = None, pad_token_id: int = 0,
+                 pg_collection=None):
+        """``model``: an HF checkpoint directory (config and weights loaded from it) or a
+        ModelConfig (weights arrive later through ``load_generation_weights``).
+        ``max_batch_size``: most sequences (prompts x n) decoded together; larger calls run in
+        chunks. ``eos_token_ids`` default: the checkpoint's, none for a bare ModelConfig.
+        ``pg_collection``: the generation groups (Megatron's ProcessGroupCollection, pp = 1);
+        default Megatron's global groups, initialised for a 1-process world if they are not."""
+        from hybridflow.models.hf import load_hf_config, load_hf_state_dict
+
+        if dtype not in _DTYPES:
+            raise ConfigError("rollout.dtype", f"unknown dtype {dtype!r}; one of {sorted(_DTYPES)}")
+        model_dir = None
+        if not isinstance(model, ModelConfig):
+            model_dir = Path(model)
+            model = load_hf_config(model_dir)
+            if eos_token_ids is None:
+                eos_token_ids = checkpoint_eos_ids(model_dir)
+        self.model_config, self.model_dir = model, model_dir
+        self.dtype, self.max_model_len, self.seed = _DTYPES[dtype], max_model_len, seed
+        self.max_batch_size, self.pad_token_id = max_batch_size, pad_token_id
+        self.eos_token_ids = tuple(eos_token_ids or ())
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        self.pg = pg_collection if pg_collection is not None else self._default_groups()
+        self.tp = self.pg.tp.size()
+        self.tp_rank = self.pg.tp.rank()
+        if self.pg.pp.size() != 1:
+            raise ConfigError("rollout.pp", "generation with pipeline parallelism is not "
+                                            "supported; use pp=1 for the generation layout")
+        self.model = self._build()
+        self.params = dict(self._named_params())
+        self._unloaded = set(self.params)
+        self._warned_sleep = False
+        if model_dir is not None:
+            self.update_weights_hf(load_hf_state_dict(model_dir, cfg=model).items())
+
+    # ------------------------------------------------------------------------------ model
+    def _default_groups(self):
+        import torch.distributed as dist
+
+        from hybridflow.parallel.groups import init_megatron_parallel
+        from hybridflow.parallel.layout import TrainLayout
+        import megatron_patches
+        megatron_patches.apply()
+        from megatron.core import parallel_state
+        from megatron.core.process_groups_config import ProcessGroupCollection
+
+        if not dist.is_initialized():
+            raise RuntimeError(
+                "MegatronRollout needs torch.distributed: call dist.init_process_group first (one "
+                "process: a 1-process gloo group, as hybridflow.parallel.spawn sets up) or pass "
+                "pg_collection")
+        if not parallel_state.model_parallel_is_initialized():
+            init_megatron_parallel(TrainLayout(tp=dist.get_world_size()), seed=self.seed)
+        return ProcessGroupCollection.use_mpu_process_groups()
+
+    def _build(self):
+        from megatron.core.models.gpt import GPTModel
+        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+        from hybridflow.parallel.layout import TrainLayout
+        from hybridflow.training.engine import (EngineConfig, check_model_fits_layout,
+                                                transformer_config)
+
+        layout = TrainLayout(tp=self.tp)
+        engine = EngineConfig(dtype="bf16" if self.dtype == torch.bfloat16 else "fp32")
+        check_model_fits_layout(self.model_config, layout, engine)
+        tf_config = transformer_config(self.model_config, layout, engine)
+        # Weights always come from outside: skip the random init (and its RNG-tracker needs).
+        tf_config.perform_initialization = False
+        tf_config.use_cpu_initialization = self.device.type == "cpu"
+        model = GPTModel(
+            config=tf_config,
+            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            vocab_size=self.model_config.vocab_size, max_sequence_length=self.max_model_len,
+            pre_process=True, post_process=True,
+            share_embeddings_and_output_weights=self.model_config.tie_embeddings,
+            position_embedding_type="rope", rotary_base=int(self.model_config.rope_theta),
+            pg_collection=self.pg)
+        return model.to(self.device).eval()
+
+    def _named_params(self):
+        for name, param in self.model.named_parameters():
+            m = _LAYER.match(name)
+            if m:  # global layer index (layer_number is 1-based)
+                layer = self.model.decoder.layers[int(m.group(1))]
+                name = f"decoder.layers.{layer.layer_number - 1}." + name[m.end():]
+            yield name, param
+
+    # ------------------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load_generation_weights(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Set parameters from this rank's generation shards, Megatron names with global layer
+        indices (any subset). A tensor of the parameter's dtype and device becomes the parameter
+        (``param.data = tensor``: no copy; the caller must not change it while generating);
+        others are converted. Everything is checked before anything is set."""
+        for name, t in tensors.items():
+            if name not in self.params:
+                hint = (" (tied embeddings: there is no output_layer)"
+                        if name == "output_layer.weight" else "")
+                raise ConfigError(f"weights[{name}]", f"not a parameter of the generation model"
+                                                      f"{hint}")
+            want = tuple(self.params[name].shape)
+            if tuple(t.shape) != want:
+                raise ConfigError(f"weights[{name}]", f"shard of shape {list(t.shape)}, the model "
+                                  f"holds {list(want)} at generation tp={self.tp}")
+        for name, t in tensors.items():
+            self.params[name].data = t.to(device=self.device, dtype=self.dtype)
+            self._unloaded.discard(name)
+
+    def update_weights_hf(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        """Full HF-named tensors -> Megatron layout -> this rank's TP shard -> the model."""
+        from hybridflow.hybrid_engine.meta import llama_param_metas, shard
+        from hybridflow.models.hf import merge_hf_to_megatron
+
+        metas = {m.name: m for m in llama_param_metas(self.model_config)}
+        groups = group_hf_weights(weights, self.model_config)
+        local = {}
+        for mg, parts in groups.items():
+            full = merge_hf_to_megatron(mg, parts, self.model_config)
+            local[mg] = shard(full, metas[mg], self.tp, self.tp_rank)
+        self.load_generation_weights(local)
+
+    # ------------------------------------------------------------------------------ generate
+    @torch.no_grad()
+    def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
+                 ) -> list[RolloutOutput]:
+        if self._unloaded:
+            raise RuntimeError(f"{len(self._unloaded)} parameters were never loaded, e.g. "
+                               f"{sorted(self._unloaded)[0]}; call load_generation_weights or "
+                               "update_weights_hf first")
+        check_prompts(prompt_token_ids, sampling.max_tokens, self.max_model_len,
+                      self.model_config.vocab_size)
+        rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(sampling.n)]
+        generator = None
+        if not sampling.greedy:
+            generator = torch.Generator(device=self.device)
+            generator.manual_seed(sampling.seed if sampling.seed is not None else
+                                  int(torch.randint(2**62, (1,))))
+        out: list[RolloutOutput] = []
+        for start in range(0, len(rows), self.max_batch_size):
+            chunk = rows[start:start + self.max_batch_size]
+            prompts = [prompt_token_ids[i] for i, _ in chunk]
+            tokens, logprobs, reasons = self._decode(prompts, sampling, generator)
+            for (i, j), toks, lps, reason in zip(chunk, tokens, logprobs, reasons):
+                out.append(RolloutOutput(prompt_index=i, sample_index=j,
+                                         prompt_token_ids=list(prompt_token_ids[i]),
+                                         response_token_ids=toks, logprobs=lps,
+                                         finish_reason=reason))
+        return out
+
+    def _forward(self, ids, mask, context) -> torch.Tensor:
+        """Logits [B, V] at the last of the ``s`` new positions ``ids`` [B, s]; ``mask`` [B, S]
+        (1 = real token) covers the cache so far, the new positions included."""
+        from hybridflow.training.engine import batch_attention_mask, batch_position_ids
+
+        s = ids.shape[1]
+        if s == mask.shape[1]:  # prefill: causal + padding, as the training engine masks
+            attn = batch_attention_mask(mask)
+        else:  # decode (s == 1): only padding keys are blocked (True = blocked)
+            attn = ~mask.bool()[:, None, None, :].expand(-1, 1, s, -1)
+        logits = self.model(ids, batch_position_ids(mask)[:, -s:], attn,
+                            inference_context=context, runtime_gather_output=True)
+        context.sequence_len_offset += s
+        return logits[:, -1, :]
+
+    def _decode(self, prompts: list[list[int]], sampling: SamplingConfig,
+                generator: torch.Generator | None):
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        stops = torch.tensor(sampling.stop_ids(self.eos_token_ids), dtype=torch.long,
+                             device=self.device)
+        ids, mask = left_pad(prompts, self.pad_token_id, self.device)
+        batch, width = ids.shape
+        steps = sampling.max_tokens
+        context = StaticInferenceContext(batch, width + steps)
+        new_tokens = torch.full((batch, steps), self.pad_token_id, dtype=torch.long,
+                                device=self.device)
+        new_logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
+        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
+        lengths = torch.full((batch,), steps, dtype=torch.long, device=self.device)
+        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
+
+        logits = self._forward(ids, mask, context)
+        context.enable_decode_mode()
+        for t in range(steps):
+            tokens, logprobs = sample_tokens(logits, sampling, generator)
+            tokens = torch.where(done, self.pad_token_id, tokens)
+            new_tokens[:, t], new_logprobs[:, t] = tokens, logprobs
+            hit = ~done & torch.isin(tokens, stops)
+            lengths = torch.where(hit, t + 1, lengths)
+            stopped |= hit
+            done |= hit
+            # One host sync every 16 steps to stop early, not one per step.
+            if t == steps - 1 or (t % 16 == 15 and bool(done.all())):
+                break
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
+            logits = self._forward(tokens[:, None], mask, context)
+        del context  # the KV cache
+        tokens, logprobs = new_tokens.cpu(), new_logprobs.cpu()
+        lengths, stopped = lengths.tolist(), stopped.tolist()
+        return ([tokens[b, :lengths[b]].tolist() for b in range(batch)],
+                [logprobs[b, :lengths[b]].tolist() for b in range(batch)],
+                ["stop" if stopped[b] else "length" for b in range(batch)])
+
+    # ------------------------------------------------------------------------------ memory
+    def sleep(self) -> None:
+        """The KV cache lives only inside ``generate``; this returns cached blocks to the device
+        (GPU) and is otherwise a no-op."""
+        gc.collect()
+        if self.device.type == "cuda":
+            torch.cuda.empty_cache()
+        elif not self._warned_sleep:
+            log.info("MegatronRollout.sleep: the KV cache is freed after every generate call; "
+                     "nothing to release on CPU")
+            self._warned_sleep = True
+
+    def wake(self) -> None:
+        """Nothing to restore: the KV cache is allocated by each ``generate`` call."""
+
+    def close(self) -> None:
+        self.model = None
+        self.params = {}
+        gc.collect()
