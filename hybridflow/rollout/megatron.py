@@ -165,8 +165,9 @@ class MegatronRollout(RolloutBackend):
     def load_generation_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set parameters from this rank's generation shards, Megatron names with global layer
         indices (any subset). A tensor of the parameter's dtype and device becomes the parameter
-        (``param.data = tensor``: no copy; the caller must not change it while generating);
-        others are converted. Everything is checked before anything is set."""
+        (``param.data = tensor``: no copy; the caller must not change it while generating, and
+        must load again after freeing it, as ``HybridEngine.to_training`` does); others are
+        converted. Everything is checked before anything is set."""
         for name, t in tensors.items():
             if name not in self.params:
                 hint = (" (tied embeddings: there is no output_layer)"

