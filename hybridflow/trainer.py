@@ -187,8 +187,13 @@ class RLConfig:
     """Prompts."""
     reward: str = "reasoning_gym"
     """Reward function: math, reasoning_gym, module:function or path.py:function."""
+    reward_model: str | None = None
+    """A reward model (HF checkpoint; a scalar head ``score.weight`` if it has one) scoring at
+    the last token, in place of ``reward``; it runs at critic.layout in its own worker group."""
     cost: str | None = None
     """Safe-RLHF cost function (same forms as reward)."""
+    cost_model: str | None = None
+    """Safe-RLHF cost model, in place of ``cost`` (like reward_model)."""
     train_batch_size: int = 8
     """Prompts per step (each sampled rollout.sampling.n times)."""
     steps: int = 10
@@ -223,8 +228,8 @@ class RLConfig:
         if self.algorithm.name in ("grpo", "rloo") and self.rollout.sampling.n < 2:
             raise ConfigError("rollout.sampling.n", f"{self.algorithm.name} compares samples of "
                               "the same prompt: use n >= 2")
-        if self.algorithm.name == "safe_rlhf" and self.cost is None:
-            raise ConfigError("cost", "safe_rlhf needs a cost function (same forms as reward)")
+        if self.algorithm.name == "safe_rlhf" and self.cost is None and self.cost_model is None:
+            raise ConfigError("cost", "safe_rlhf needs a cost function or cost_model")
 
     @property
     def sampling(self) -> SamplingConfig:
@@ -309,6 +314,12 @@ class RLTrainer:
         if cfg.algorithm.name == "ppo":
             self.critic = WorkerGroup(CriticWorker, cfg.critic.layout.world_size, cfg,
                                       str(self.model_dir), ray_config=cfg.ray, name="critic")
+        self.scorers = {}  # "scores" / "costs" -> worker group of a reward / cost model
+        for key, path in (("scores", cfg.reward_model), ("costs", cfg.cost_model)):
+            if path is not None:
+                self.scorers[key] = WorkerGroup(
+                    CriticWorker, cfg.critic.layout.world_size, cfg, str(resolve_model(path)),
+                    trainable=False, ray_config=cfg.ray, name=key)
         a = cfg.algorithm
         self.kl_ctrl = (AdaptiveKLController(init_coef=a.kl_coef, target=a.kl_target,
                                              horizon=a.kl_horizon)
@@ -359,9 +370,10 @@ class RLTrainer:
         cfg, a = self.config, self.config.algorithm
         timing: dict[str, float] = {}
         with _timer(timing, "timing/reward_s"):
-            scores = torch.tensor([self.reward_fn(item, text) for item, text
-                                   in zip(batch["item"], batch["response_text"])])
-        batch.tensors["scores"] = scores
+            batch.tensors["scores"] = self._scores(batch, "scores", self.reward_fn)
+            if a.name == "safe_rlhf":
+                batch.tensors["costs"] = self._scores(batch, "costs", self.cost_fn)
+        scores = batch["scores"]
         with _timer(timing, "timing/old_logprobs_s"):
             batch = batch.update(self.actor.run_by_dp("compute_log_prob", batch))
         with _timer(timing, "timing/ref_logprobs_s"):
@@ -382,12 +394,9 @@ class RLTrainer:
                       norm_by_std=a.norm_by_std)
         with _timer(timing, "timing/advantages_s"):
             if a.name == "safe_rlhf":
-                costs = torch.tensor([self.cost_fn(item, text) for item, text
-                                      in zip(batch["item"], batch["response_text"])])
-                batch.tensors["costs"] = costs
                 grpo = ADVANTAGE_ESTIMATORS["grpo"]
                 reward_adv, _ = grpo(AdvantageInputs(**inputs))
-                cost_adv, _ = grpo(AdvantageInputs(**{**inputs, "scores": costs}))
+                cost_adv, _ = grpo(AdvantageInputs(**{**inputs, "scores": batch["costs"]}))
                 advantages, returns = safe_rlhf_combined_advantage(
                     reward_adv, cost_adv, self.lagrange.value), None
             else:
@@ -400,6 +409,13 @@ class RLTrainer:
         batch.meta["kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
         batch.meta.update(timing)
         return batch
+
+    def _scores(self, batch: Batch, key: str, fn) -> torch.Tensor:
+        """Per-sample scores from the model group for ``key`` if there is one, else ``fn``."""
+        if key in self.scorers:
+            return self.scorers[key].run_by_dp("compute_scores", batch)["scores"].float()
+        return torch.tensor([float(fn(item, text)) for item, text
+                             in zip(batch["item"], batch["response_text"])])
 
     def _remax_baseline(self, batch: Batch) -> torch.Tensor:
         """ReMax: each prompt's greedy response's reward, broadcast to its samples."""
@@ -496,7 +512,9 @@ class RLTrainer:
 
     def close(self) -> None:
         import ray
-        for group in (getattr(self, "actor", None), getattr(self, "critic", None)):
+        groups = [getattr(self, "actor", None), getattr(self, "critic", None),
+                  *getattr(self, "scorers", {}).values()]
+        for group in groups:
             if group is not None:
                 group.shutdown()
         self._workers_started = False

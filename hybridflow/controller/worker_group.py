@@ -37,7 +37,9 @@ def init_ray(cfg: RayConfig) -> None:
     if ray.is_initialized():
         return
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                        "PYTHONWARNINGS": "ignore::FutureWarning,ignore::UserWarning"}}
+                        "PYTHONWARNINGS": "ignore::FutureWarning,ignore::UserWarning",
+                        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                        "RAY_DEDUP_LOGS": "1"}}
     if cfg.address == "local":
         ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
                  runtime_env=env, logging_level="WARNING", log_to_driver=True)

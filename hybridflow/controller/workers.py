@@ -9,7 +9,9 @@ scoring at the last token).
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
@@ -93,6 +95,13 @@ class ActorRolloutRefWorker(Worker):
                       seed=self.cfg.seed + self.rank)
         if r.backend == "vllm":
             kwargs["kv_cache_bytes"] = int(r.kv_cache_mb * 2**20)
+            if not torch.cuda.is_available():
+                # vLLM's CPU engine pins its threads to cores; left to itself every replica on
+                # this machine picks core 0.
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                      str(self.rank % (os.cpu_count() or 1)))
+            # The engine in this process: it starts faster and takes the weights as tensors.
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         return backend(self.model_dir, **kwargs)
 
     def dispatch_info(self, view: str) -> tuple[int, bool]:
@@ -222,7 +231,29 @@ class CriticWorker(Worker):
         self.engine = TrainEngine(model_config, cfg.critic.layout, cfg.critic.engine,
                                   build_optimizer=trainable, head="value")
         load_hf_into_engine(self.engine, model_dir)
+        self._load_score_head(model_dir)
         self.dp_group = self.engine.pg.dp
+
+    def _load_score_head(self, model_dir: str) -> None:
+        """A reward model saved as transformers' *ForSequenceClassification keeps its scalar head
+        as ``score.weight`` [1, hidden]; an LM checkpoint has none and keeps the fresh head."""
+        from hybridflow.models.hf import _weight_map
+        from hybridflow.training.engine import VALUE_HEAD
+        from safetensors import safe_open
+        files = _weight_map(Path(model_dir))
+        if "score.weight" not in files:
+            return
+        with safe_open(str(files["score.weight"]), "pt") as f:
+            head = f.get_tensor("score.weight")
+        for name, param in self.engine.named_local_params():
+            if name == VALUE_HEAD:
+                if head.shape != param.shape:
+                    from hybridflow.config.errors import ConfigError
+                    raise ConfigError(f"{files['score.weight']}: score.weight",
+                                      f"shape {list(head.shape)}, expected {list(param.shape)} "
+                                      "(one label)")
+                with torch.no_grad():
+                    param.copy_(head)
 
     def dispatch_info(self, view: str) -> tuple[int, bool]:
         return _train_view(self.cfg.critic.layout, self.rank)

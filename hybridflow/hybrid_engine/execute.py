@@ -1,12 +1,22 @@
 """Run a reshard plan: bucketed all-gathers in the micro-DP groups build the generation weights.
 
-Each rank packs its pieces of a bucket into its own segment of the bucket's output buffer and
-all-gathers in place (``all_gather_single``; a list ``all_gather`` into views of the same buffer
-where the backend lacks it). The next bucket is packed while the current one is on the wire, and
-no more than that one is in flight beyond it. Generation tensors are views into one flat storage
-per rank wherever the plan allows (see ``plan.py``); the rest are assembled into that storage from
-transient buffers. The training shards are only read, so going back to training is dropping the
-storage (``back_to_training``).
+Each bucket is one all-gather of equal segments into a flat buffer. A member whose segment is one
+slice of a training shard (a direct row, see ``plan.py``) sends that slice as it is; where the
+shard lives in its own segment of the storage (``resident_offsets``; the caller passes that
+``storage``) the all-gather is in place and nothing is copied at all. Other members pack their
+pieces into their own segment first. Consecutive buckets are launched together (one coalesced
+NCCL group of up to ``coalesce_bytes``), so the wire sees few, large launches.
+
+Generation tensors are views into one flat storage per rank wherever the plan allows; the rest
+(row-parallel weights, packed parameters) are gathered into transient buffers and copied into the
+storage, one ``cat`` per tensor, on a side CUDA stream, so the copies of one launch overlap the
+all-gathers of the next. The transient buffers are regions of one ring buffer sized for two
+launches: a region is reused once the copies that read it are done, which the next all-gather
+into it waits for on the device (the host never waits). Launches grow from ``coalesce_bytes/8``
+to ``coalesce_bytes`` (the wire starts early, the bulk goes in few launches) and, when there are
+copies, shrink again at the end, so that little copying is left after the last all-gather.
+The training shards are only read, so going back to training is dropping the storage
+(``back_to_training``).
 
 ``naive_gather`` is the baseline (verl's path): all-gather every tensor over the training TP
 group, broadcast it over the training PP group from its owner stage, then cut the generation shard.
@@ -14,13 +24,16 @@ group, broadcast it over the training PP group from its owner stage, then cut th
 
 from __future__ import annotations
 
+from collections import deque
+from contextlib import nullcontext
 from typing import Callable, Mapping, Union
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _coalescing_manager
 
 from hybridflow.hybrid_engine.meta import ParamMeta, num_layers_of, owner_stage, shard, unshard
-from hybridflow.hybrid_engine.plan import Bucket, GenParam, ReshardPlan
+from hybridflow.hybrid_engine.plan import Bucket, GenParam, ReshardPlan, StagePlan
 from hybridflow.parallel.layout import GenLayout, TrainLayout
 
 Groups = Union[Mapping[tuple[int, ...], "dist.ProcessGroup | None"],
@@ -48,7 +61,9 @@ def create_train_groups(train: TrainLayout) -> dict[tuple[int, ...], dist.Proces
 
 def gather_generation_weights(plan: ReshardPlan, rank: int,
                               train_shards: Mapping[str, torch.Tensor], group_of: Groups, *,
-                              single: bool | None = None) -> dict[str, torch.Tensor]:
+                              single: bool | None = None, storage: torch.Tensor | None = None,
+                              coalesce_bytes: int = 2 << 30,
+                              stats: dict | None = None) -> dict[str, torch.Tensor]:
     """This rank's generation weights {name: tensor}, in model order (full parameters when the
     generation layout is tg=1, pg=1).
 
@@ -57,40 +72,34 @@ def gather_generation_weights(plan: ReshardPlan, rank: int,
     very tensors. ``group_of`` maps the micro-DP group's ranks to its process group (the dict of
     ``create_micro_dp_groups``, or a callable). ``single`` forces (True) or avoids (False) the
     single-tensor all-gather; by default it is used unless the backend refuses it.
+
+    ``storage``: the generation storage to fill (``new_storage``; by default a new one). Training
+    shards that are views of it at their ``resident_offsets`` are gathered in place.
+    ``coalesce_bytes`` bounds the gathered bytes of one launch (a larger bucket is a launch of its
+    own). ``stats``, if given, receives ``launches`` and ``transient_bytes`` (the ring's size).
     """
     rp = plan.ranks[rank]
     st = plan.stages[rp.gen_pp_rank]
     dtype, device = _check_shards(plan, rank, train_shards)
     group = _lookup(group_of, rp.group) if st.buckets else None
-    storage = torch.empty(st.storage_numel, dtype=dtype, device=device)
+    if storage is None:
+        storage = new_storage(plan, rank, device, dtype)
+    elif (storage.numel() != st.storage_numel or storage.dtype != dtype
+          or storage.device != device or storage.dim() != 1):
+        raise ValueError(f"storage: a flat {dtype} tensor of {st.storage_numel} elements on "
+                         f"{device} expected (new_storage), got {storage.dtype} "
+                         f"{tuple(storage.shape)} on {storage.device}")
     flat = {name: t.reshape(-1) for name, t in train_shards.items()}
-    # When its last bucket is in, a copied parameter is assembled; a transient buffer is dropped.
-    build_at: dict[int, list[GenParam]] = {}
-    last_use: dict[int, int] = {}
-    for p in st.params.values():
-        if p.mode in ("concat", "rearrange"):
-            done = max(c.bucket for c in p.chunks)
-            build_at.setdefault(done, []).append(p)
-            for c in p.chunks:
-                last_use[c.bucket] = max(last_use.get(c.bucket, c.bucket), done)
-
-    gatherer = _Gatherer(single)
-    live: dict[int, torch.Tensor] = {}
-    in_flight: tuple[int, object] | None = None
-    for b, bucket in enumerate(st.buckets):
-        if bucket.storage_offset is None:
-            buf = torch.empty(bucket.numel, dtype=dtype, device=device)
-        else:
-            buf = storage.narrow(0, bucket.storage_offset, bucket.numel)
-        own = buf.narrow(0, rp.member * bucket.seg_numel, bucket.seg_numel)
-        _pack(own, bucket, rp.member, flat)  # overlaps the previous bucket's all-gather
-        live[b] = buf
-        work = gatherer(buf, own, group)
-        if in_flight is not None:
-            _finish(*in_flight, st.buckets, live, build_at, last_use, storage)
-        in_flight = (b, work)
-    if in_flight is not None:
-        _finish(*in_flight, st.buckets, live, build_at, last_use, storage)
+    transient = [b.storage_offset is None for b in st.buckets]
+    launches = _launches([b.numel for b in st.buckets], max(1, coalesce_bytes // plan.dtype_bytes),
+                         ramp_down=any(transient))
+    run = _Run(st, rp.member, storage, flat, group, _Gatherer(single),
+               _ring_numel(st.buckets, launches))
+    for launch in launches:
+        run.launch(launch)
+    run.finish()
+    if stats is not None:
+        stats.update(launches=len(launches), transient_bytes=run.ring.nbytes)
 
     out: dict[str, torch.Tensor] = {}
     for name, p in st.params.items():
@@ -99,6 +108,13 @@ def gather_generation_weights(plan: ReshardPlan, rank: int,
         else:
             out[name] = storage.narrow(0, p.storage_offset, p.numel).view(p.shape)
     return out
+
+
+def new_storage(plan: ReshardPlan, rank: int, device: torch.device | str,
+                dtype: torch.dtype) -> torch.Tensor:
+    """An (uninitialised) generation storage for ``rank``: what ``gather_generation_weights`` fills."""
+    numel = plan.stages[plan.ranks[rank].gen_pp_rank].storage_numel
+    return torch.empty(numel, dtype=dtype, device=device)
 
 
 def back_to_training(gen_weights: dict[str, torch.Tensor],
@@ -164,44 +180,219 @@ def naive_gather(gen: GenLayout, metas: list[ParamMeta], rank: int,
 
 
 class _Gatherer:
-    """All-gather of a flat buffer whose ``own`` slice is this rank's segment, asynchronously."""
+    """Asynchronous all-gathers of flat buffers, ``ops`` = [(out, inp)]: several at once as one
+    coalesced launch (one NCCL group)."""
 
     def __init__(self, single: bool | None):
         self.single = single
 
-    def __call__(self, out: torch.Tensor, own: torch.Tensor, group):
+    def __call__(self, ops: list[tuple[torch.Tensor, torch.Tensor]], group):
         if self.single is not False:
             fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             try:
-                return fn(out, own, group=group, async_op=True)
+                if len(ops) == 1:
+                    return fn(ops[0][0], ops[0][1], group=group, async_op=True)
+                # Private, but what Megatron's and FSDP's bucketed all-gathers use.
+                with _coalescing_manager(group, async_ops=True) as cm:
+                    for out, inp in ops:
+                        fn(out, inp, group=group, async_op=True)
+                return cm
             except (RuntimeError, NotImplementedError):
                 # Older gloo raises here, on every rank alike, before anything is sent.
                 if self.single:
                     raise
                 self.single = False
-        return dist.all_gather(list(out.split(own.numel())), own, group=group, async_op=True)
+        return _Works([dist.all_gather(list(out.split(inp.numel())), inp, group=group,
+                                       async_op=True) for out, inp in ops])
+
+
+class _Works:
+    def __init__(self, works: list):
+        self.works = works
+
+    def wait(self) -> None:
+        for w in self.works:
+            w.wait()
+
+
+def _launches(sizes: list[int], cap: int, ramp_down: bool) -> list[list[int]]:
+    """Consecutive buckets (their gathered ``sizes``) grouped into launches of at most ``cap``
+    elements: the first of about ``cap/8``, each next one twice the last; with ``ramp_down`` the
+    last ones shrink the same way. A bucket larger than its launch's limit is a launch alone."""
+
+    def limits():
+        limit = max(1, cap // 8)
+        while True:
+            yield min(limit, cap)
+            limit *= 2
+
+    def greedy(order: list[int], stop_at_cap: bool) -> tuple[list[list[int]], list[int]]:
+        out: list[list[int]] = []
+        lim = limits()
+        limit, size = next(lim), 0
+        for k, b in enumerate(order):
+            if out and size + sizes[b] <= limit:
+                out[-1].append(b)
+                size += sizes[b]
+                continue
+            if out:
+                limit = next(lim)
+                if stop_at_cap and limit >= cap:  # the rest goes to the front pass
+                    return out, order[k:]
+            out.append([b])
+            size = sizes[b]
+        return out, []
+
+    order = list(range(len(sizes)))
+    back: list[list[int]] = []
+    if ramp_down and cap > 1:
+        back, rest = greedy(order[::-1], stop_at_cap=True)
+        order = rest[::-1]
+        if not order:  # everything fitted in the shrinking launches: plain front pass instead
+            back, order = [], list(range(len(sizes)))
+    front, _ = greedy(order, stop_at_cap=False)
+    return front + [launch[::-1] for launch in back[::-1]]
+
+
+def _ring_numel(buckets: tuple[Bucket, ...], launches: list[list[int]]) -> int:
+    """Transient elements of two consecutive launches at most, plus the largest transient bucket
+    (what wrapping around may waste): the next launch never overwrites the last one's buffers,
+    whose copies it overlaps."""
+    per_launch = [sum(buckets[b].numel for b in launch if buckets[b].storage_offset is None)
+                  for launch in launches]
+    if not any(per_launch):
+        return 0
+    pairs = max(a + b for a, b in zip(per_launch, per_launch[1:] + [0]))
+    return pairs + max(b.numel for b in buckets if b.storage_offset is None)
+
+
+class _Ring:
+    """Transient buffers carved in a circle out of one flat buffer. A region is reused once it
+    is retired (the copies that read it are enqueued, ``event`` recorded after them): the
+    current stream, hence the next all-gather, waits for that event on the device."""
+
+    def __init__(self, numel: int, like: torch.Tensor):
+        self.buf = torch.empty(numel, dtype=like.dtype, device=like.device)
+        self.nbytes = numel * like.element_size()
+        self.head = 0
+        self.busy: deque[list] = deque()  # [start, end, retired, event]
+        self.spare: list[torch.Tensor] = []  # buffers outside the ring (not expected)
+
+    def take(self, numel: int) -> tuple[torch.Tensor, list | None]:
+        cap = self.buf.numel()
+        if numel <= cap:
+            start = self.head if self.head + numel <= cap else 0
+            end = start + numel
+
+            def overlapped() -> bool:
+                return any(r[0] < end and start < r[1] for r in self.busy)
+
+            while overlapped() and self.busy[0][2]:  # oldest first, retired ones only
+                event = self.busy.popleft()[3]
+                if event is not None:
+                    torch.cuda.current_stream(self.buf.device).wait_event(event)
+            if not overlapped():
+                region = [start, end, False, None]
+                self.busy.append(region)
+                self.head = end
+                return self.buf.narrow(0, start, numel), region
+        # Larger than the ring, or over a region still to be read: memory outside the ring.
+        self.spare.append(torch.empty(numel, dtype=self.buf.dtype, device=self.buf.device))
+        return self.spare[-1], None
+
+
+class _Run:
+    """One rank's run of a stage plan: launches, copies on a side stream, the transient ring."""
+
+    def __init__(self, st: StagePlan, member: int, storage: torch.Tensor,
+                 flat: Mapping[str, torch.Tensor], group, gatherer: _Gatherer, ring_numel: int):
+        self.st, self.member, self.storage, self.flat = st, member, storage, flat
+        self.group, self.gatherer = group, gatherer
+        self.side = torch.cuda.Stream(storage.device) if storage.is_cuda else None
+        self.ring = _Ring(ring_numel, storage)
+        # A copied parameter is assembled once its last bucket is launched; a transient region
+        # is retired once every parameter that reads it is.
+        self.build_at: dict[int, list[GenParam]] = {}
+        self.last_use: dict[int, int] = {}
+        for p in st.params.values():
+            if p.mode in ("concat", "rearrange"):
+                done = max(c.bucket for c in p.chunks)
+                self.build_at.setdefault(done, []).append(p)
+                for c in p.chunks:
+                    self.last_use[c.bucket] = max(self.last_use.get(c.bucket, c.bucket), done)
+        self.bufs: dict[int, torch.Tensor] = {}
+        self.regions: dict[int, list | None] = {}
+        self.work_of: dict[int, object] = {}
+        self.works: list = []
+        self.side_waits: set[int] = set()
+
+    def launch(self, buckets: list[int]) -> None:
+        ops = []
+        for b in buckets:
+            bucket = self.st.buckets[b]
+            if bucket.storage_offset is None:
+                buf, self.regions[b] = self.ring.take(bucket.numel)
+            else:
+                buf = self.storage.narrow(0, bucket.storage_offset, bucket.numel)
+            own = buf.narrow(0, self.member * bucket.seg_numel, bucket.seg_numel)
+            piece = bucket.direct(self.member)
+            if piece is not None:  # sent as it is (in place when the shard lives in ``own``)
+                src = self.flat[piece.name].narrow(0, piece.offset, piece.numel)
+            else:
+                _pack(own, bucket, self.member, self.flat)
+                src = own
+            self.bufs[b] = buf
+            ops.append((buf, src))
+        work = self.gatherer(ops, self.group)
+        self.works.append(work)
+        for b in buckets:
+            self.work_of[b] = work
+        for b in buckets:
+            for p in self.build_at.get(b, ()):
+                self._assemble(p)
+        last = max(buckets)
+        event = None
+        for x in [x for x in self.bufs if self.last_use.get(x, x) <= last]:
+            del self.bufs[x]
+            region = self.regions.pop(x, None)
+            if region is not None:
+                if event is None and self.side is not None:
+                    event = torch.cuda.Event()
+                    event.record(self.side)
+                region[2], region[3] = True, event
+
+    def _assemble(self, p: GenParam) -> None:
+        st = self.st
+        parts = [self.bufs[c.bucket].narrow(0, c.member * st.buckets[c.bucket].seg_numel
+                                            + c.offset, c.numel).view(c.shape) for c in p.chunks]
+        dst = self.storage.narrow(0, p.storage_offset, p.numel).view(p.cat_shape)
+        with torch.cuda.stream(self.side) if self.side is not None else nullcontext():
+            for c in p.chunks:
+                work = self.work_of[c.bucket]
+                if id(work) not in self.side_waits:  # the side stream waits for the gather
+                    self.side_waits.add(id(work))
+                    work.wait()
+            torch.cat(parts, dim=p.cat_dim, out=dst)
+
+    def finish(self) -> None:
+        for work in self.works:
+            work.wait()  # the current stream waits for every all-gather (the views)
+        if self.side is not None:
+            # After this the ring is freed in the current stream's order, after the copies.
+            torch.cuda.current_stream(self.storage.device).wait_stream(self.side)
+        self.bufs.clear()
 
 
 def _pack(own: torch.Tensor, bucket: Bucket, member: int, flat: Mapping[str, torch.Tensor]) -> None:
     end = 0
     for p in bucket.pieces[member]:
-        own.narrow(0, p.dst, p.numel).copy_(flat[p.name].narrow(0, p.offset, p.numel))
+        dst = own.narrow(0, p.dst, p.numel)
+        src = flat[p.name].narrow(0, p.offset, p.numel)
+        if dst.data_ptr() != src.data_ptr():  # a resident shard is already in place
+            dst.copy_(src)
         end = p.dst + p.numel
     if end < own.numel():
         own.narrow(0, end, own.numel() - end).zero_()  # padding: deterministic, never read
-
-
-def _finish(b: int, work, buckets: tuple[Bucket, ...], live: dict[int, torch.Tensor],
-            build_at: dict[int, list[GenParam]], last_use: dict[int, int],
-            storage: torch.Tensor) -> None:
-    work.wait()
-    for p in build_at.get(b, ()):
-        parts = [live[c.bucket].narrow(0, c.member * buckets[c.bucket].seg_numel + c.offset,
-                                       c.numel).view(c.shape) for c in p.chunks]
-        dst = storage.narrow(0, p.storage_offset, p.numel).view(p.cat_shape)
-        torch.cat(parts, dim=p.cat_dim, out=dst)
-    for x in [x for x in live if buckets[x].storage_offset is None and last_use.get(x, x) <= b]:
-        del live[x]
 
 
 def _lookup(group_of: Groups, ranks: tuple[int, ...]):

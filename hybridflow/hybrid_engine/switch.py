@@ -106,22 +106,32 @@ def naive_recv_bytes(gen: GenLayout, metas: list[ParamMeta], rank: int, dtype_by
 
 def redundant_bytes(tensors: dict[str, torch.Tensor], train_shards: dict[str, torch.Tensor],
                     metas: list[ParamMeta], gen: GenLayout, rank: int) -> int:
-    """Bytes of ``rank``'s generation ``tensors`` whose content it already holds in its training
-    shards: its own TP shard of each TP-split parameter of its training stage, all of each
-    replicated one. Tensors that share storage with a training shard (aliases) count nothing."""
+    """Bytes of ``rank``'s generation ``tensors`` whose content it also holds elsewhere, in its
+    training shards: its own TP shard of each TP-split parameter of its training stage, all of
+    each replicated one. A tensor whose memory holds the training shard itself (an alias, or a
+    shard resident in the generation storage) counts nothing."""
     train = gen.train
     _, pp_rank, _ = train.coords(rank)
     num_layers = num_layers_of(metas)
     by_name = {m.name: m for m in metas}
-    own = {t.untyped_storage().data_ptr() for t in train_shards.values()}
     total = 0
     for name, t in tensors.items():
         m = by_name[name]
-        if t.untyped_storage().data_ptr() in own or owner_stage(m, train.pp, num_layers) != pp_rank:
+        if owner_stage(m, train.pp, num_layers) != pp_rank:
+            continue
+        own = train_shards.get(name)
+        if own is not None and _inside(own, t):
             continue
         numel = math.prod(m.shard_shape(train.tp)) if m.tp_dim is not None else m.numel
         total += numel * t.element_size()
     return total
+
+
+def _inside(part: torch.Tensor, whole: torch.Tensor) -> bool:
+    """Whether ``part``'s memory lies within ``whole``'s (both contiguous)."""
+    start, end = whole.data_ptr(), whole.data_ptr() + whole.numel() * whole.element_size()
+    return (part.device == whole.device and start <= part.data_ptr()
+            and part.data_ptr() + part.numel() * part.element_size() <= end)
 
 
 class HybridEngine:

@@ -5,11 +5,18 @@ The 3D-HybridEngine gives each rank its generation shard under Megatron names
 (``load_generation_weights``); the model's parameters then *are* those tensors (no copy where
 dtype and device already match). HF-named full weights also work (``update_weights_hf``).
 
-Decoding is static batching with Megatron-Core's KV cache (``StaticInferenceContext``): one
-prefill over the left-padded prompts, then one token per step for the whole batch. Left padding
-follows the training engine's convention (``batch_attention_mask``: padding keys are masked; RoPE
-is relative, so the slots the padding takes do not change the real tokens' attention), so the
-log-probs here are the ones ``TrainEngine.compute_logprobs`` recomputes.
+Decoding is static batching: one prefill over the left-padded prompts, then one token per step
+for the whole batch. Left padding follows the training engine's convention
+(``batch_attention_mask``: padding keys are masked; RoPE is relative, so the slots the padding
+takes do not change the real tokens' attention), so the log-probs here are the ones
+``TrainEngine.compute_logprobs`` recomputes. Two paths compute the steps, on the same parameters
+and with the same sampling loop (``decode``), so they give the same tokens:
+
+* ``fast_decode`` (default on GPU at TP = 1): ``hybridflow.rollout.fast_decode.FastDecoder``, a
+  static KV cache and fixed-shape steps replayed as CUDA graphs; the cache and graphs stay
+  allocated between ``generate`` calls until ``sleep``;
+* otherwise Megatron-Core's own forward with its KV cache (``StaticInferenceContext``), freed
+  after every call; launch-bound on GPU (~10x more host time per step than GPU time).
 
 Tensor parallelism: the model takes its groups from a ``ProcessGroupCollection``; by default
 Megatron's global groups (``init_megatron_parallel``), which a single process gets from a
@@ -39,6 +46,58 @@ log = logging.getLogger(__name__)
 
 _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
+
+
+class _MegatronSteps:
+    """The eager path: GPTModel's forward over Megatron's StaticInferenceContext."""
+
+    def __init__(self, rollout: "MegatronRollout"):
+        self.rollout, self.context, self.mask = rollout, None, None
+
+    def begin(self, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> torch.Tensor:
+        from megatron.core.inference.contexts import StaticInferenceContext
+
+        self.context = StaticInferenceContext(ids.shape[0], ids.shape[1] + steps)
+        self.mask = mask
+        logits = self.rollout._forward(ids, mask, self.context)
+        self.context.enable_decode_mode()
+        return logits
+
+    def step(self, tokens: torch.Tensor) -> torch.Tensor:
+        self.mask = torch.cat([self.mask, torch.ones_like(self.mask[:, :1])], dim=1)
+        return self.rollout._forward(tokens[:, None], self.mask, self.context)
+
+
+def decode(steps_impl, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig,
+           generator: torch.Generator | None, stop_ids: list[int], pad_token_id: int):
+    """The sampling loop of both paths. ``steps_impl.begin(ids, mask, max_tokens)`` prefills the
+    left-padded prompts ids/mask [B, P] and returns the first logits [B, V];
+    ``steps_impl.step(tokens [B])`` feeds one token per row and returns the next logits.
+
+    Returns (tokens [B, max_tokens] int64, log-probs [B, max_tokens] fp32, lengths [B], stopped
+    [B] bool), on the device; positions after a row's stop hold pad_token_id."""
+    device, steps = ids.device, sampling.max_tokens
+    stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
+    batch = ids.shape[0]
+    new_tokens = torch.full((batch, steps), pad_token_id, dtype=torch.long, device=device)
+    new_logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
+    done = torch.zeros(batch, dtype=torch.bool, device=device)
+    lengths = torch.full((batch,), steps, dtype=torch.long, device=device)
+
+    logits = steps_impl.begin(ids, mask, steps)
+    for t in range(steps):
+        tokens, logprobs = sample_tokens(logits, sampling, generator)
+        tokens = torch.where(done, pad_token_id, tokens)
+        new_tokens[:, t], new_logprobs[:, t] = tokens, logprobs
+        if stop_ids:
+            hit = ~done & torch.isin(tokens, stops)
+            lengths = torch.where(hit, t + 1, lengths)
+            done |= hit
+        # One host sync every 16 steps to stop early, not one per step (none without stops).
+        if t == steps - 1 or (stop_ids and t % 16 == 15 and bool(done.all())):
+            break
+        logits = steps_impl.step(tokens)
+    return new_tokens, new_logprobs, lengths, done
 
 
 def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
@@ -72,13 +131,17 @@ class MegatronRollout(RolloutBackend):
     def __init__(self, model: str | os.PathLike | ModelConfig, *, dtype: str = "fp32",
                  max_model_len: int = 2048, max_batch_size: int = 256, seed: int = 0,
                  eos_token_ids: Iterable[int] | None = None, pad_token_id: int = 0,
-                 pg_collection=None):
+                 pg_collection=None, fast_decode: bool | None = None):
         """``model``: an HF checkpoint directory (config and weights loaded from it) or a
         ModelConfig (weights arrive later through ``load_generation_weights``).
         ``max_batch_size``: most sequences (prompts x n) decoded together; larger calls run in
         chunks. ``eos_token_ids`` default: the checkpoint's, none for a bare ModelConfig.
         ``pg_collection``: the generation groups (Megatron's ProcessGroupCollection, pp = 1);
-        default Megatron's global groups, initialised for a 1-process world if they are not."""
+        default Megatron's global groups, initialised for a 1-process world if they are not.
+        ``fast_decode``: decode with ``FastDecoder`` (CUDA graphs on GPU, eager on CPU) instead of
+        Megatron's forward; None = on for a CUDA device at TP = 1 (TP > 1 works eagerly and is
+        checked on CPU, but its graphs have not been run on GPUs yet, so it is opt-in). The
+        attribute of that name may be switched between ``generate`` calls."""
         from hybridflow.models.hf import load_hf_config, load_hf_state_dict
 
         if dtype not in _DTYPES:
@@ -102,6 +165,9 @@ class MegatronRollout(RolloutBackend):
                                             "supported; use pp=1 for the generation layout")
         self.model = self._build()
         self.params = dict(self._named_params())
+        self.fast_decode = (self.device.type == "cuda" and self.tp == 1) if fast_decode is None \
+            else bool(fast_decode)
+        self._fast = None  # the FastDecoder, built on first use
         self._unloaded = set(self.params)
         self._warned_sleep = False
         if model_dir is not None:
@@ -238,40 +304,26 @@ class MegatronRollout(RolloutBackend):
         context.sequence_len_offset += s
         return logits[:, -1, :]
 
+    def fast_decoder(self):
+        """The FastDecoder over this model's parameters (built on first use)."""
+        from hybridflow.rollout.fast_decode import FastDecoder
+
+        if self._fast is None:
+            self._fast = FastDecoder(self.model_config, self.params, dtype=self.dtype,
+                                     device=self.device, tp_group=self.pg.tp,
+                                     inv_freq=self.model.rotary_pos_emb.inv_freq)
+        return self._fast
+
     def _decode(self, prompts: list[list[int]], sampling: SamplingConfig,
                 generator: torch.Generator | None):
-        from megatron.core.inference.contexts import StaticInferenceContext
-
-        stops = torch.tensor(sampling.stop_ids(self.eos_token_ids), dtype=torch.long,
-                             device=self.device)
         ids, mask = left_pad(prompts, self.pad_token_id, self.device)
-        batch, width = ids.shape
-        steps = sampling.max_tokens
-        context = StaticInferenceContext(batch, width + steps)
-        new_tokens = torch.full((batch, steps), self.pad_token_id, dtype=torch.long,
-                                device=self.device)
-        new_logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=self.device)
-        done = torch.zeros(batch, dtype=torch.bool, device=self.device)
-        lengths = torch.full((batch,), steps, dtype=torch.long, device=self.device)
-        stopped = torch.zeros(batch, dtype=torch.bool, device=self.device)
-
-        logits = self._forward(ids, mask, context)
-        context.enable_decode_mode()
-        for t in range(steps):
-            tokens, logprobs = sample_tokens(logits, sampling, generator)
-            tokens = torch.where(done, self.pad_token_id, tokens)
-            new_tokens[:, t], new_logprobs[:, t] = tokens, logprobs
-            hit = ~done & torch.isin(tokens, stops)
-            lengths = torch.where(hit, t + 1, lengths)
-            stopped |= hit
-            done |= hit
-            # One host sync every 16 steps to stop early, not one per step.
-            if t == steps - 1 or (t % 16 == 15 and bool(done.all())):
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], dim=1)
-            logits = self._forward(tokens[:, None], mask, context)
-        del context  # the KV cache
-        tokens, logprobs = new_tokens.cpu(), new_logprobs.cpu()
+        batch = ids.shape[0]
+        steps_impl = self.fast_decoder() if self.fast_decode else _MegatronSteps(self)
+        tokens, logprobs, lengths, stopped = decode(
+            steps_impl, ids, mask, sampling, generator, sampling.stop_ids(self.eos_token_ids),
+            self.pad_token_id)
+        del steps_impl  # Megatron's path: its KV cache
+        tokens, logprobs = tokens.cpu(), logprobs.cpu()
         lengths, stopped = lengths.tolist(), stopped.tolist()
         return ([tokens[b, :lengths[b]].tolist() for b in range(batch)],
                 [logprobs[b, :lengths[b]].tolist() for b in range(batch)],
@@ -279,20 +331,25 @@ class MegatronRollout(RolloutBackend):
 
     # ------------------------------------------------------------------------------ memory
     def sleep(self) -> None:
-        """The KV cache lives only inside ``generate``; this returns cached blocks to the device
-        (GPU) and is otherwise a no-op."""
+        """Frees the fast path's KV cache and CUDA graphs (Megatron's path frees its cache after
+        every call) and returns cached blocks to the device (GPU)."""
+        if self._fast is not None:
+            self._fast.release()
         gc.collect()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()
-        elif not self._warned_sleep:
-            log.info("MegatronRollout.sleep: the KV cache is freed after every generate call; "
-                     "nothing to release on CPU")
+        elif not self._warned_sleep and self._fast is None:
+            log.info("MegatronRollout.sleep: Megatron's path frees its KV cache after every "
+                     "generate call; nothing to release on CPU")
             self._warned_sleep = True
 
     def wake(self) -> None:
-        """Nothing to restore: the KV cache is allocated by each ``generate`` call."""
+        """Nothing to restore: the next ``generate`` call allocates the KV cache."""
 
     def close(self) -> None:
+        if self._fast is not None:
+            self._fast.release()
+        self._fast = None
         self.model = None
         self.params = {}
         gc.collect()

@@ -89,12 +89,14 @@ class VLLMRollout(RolloutBackend):
     def __init__(self, model_dir: str | os.PathLike, *, tp: int = 1, dtype: str = "fp32",
                  max_model_len: int = 2048, kv_cache_bytes: int | None = None,
                  gpu_memory_utilization: float = 0.5, seed: int = 0, enforce_eager: bool = True,
-                 bucket_bytes: int = 256 << 20, transport: str = "bytes",
+                 bucket_bytes: int = 256 << 20, transport: str = "auto",
                  external_launcher: bool = False, engine_kwargs: dict | None = None):
         """``kv_cache_bytes``: KV-cache size (required in effect on CPU, where vLLM's memory
         profiling fails; default 256 MiB there); on GPU None leaves it to
         ``gpu_memory_utilization``. ``bucket_bytes``: most bytes per weight-update RPC (fused
-        groups are never split). ``transport``: "bytes" (safetensors in the RPC) or "file" (a
+        groups are never split). ``transport``: "direct" (the tensors themselves: the engine runs in
+        this process, VLLM_ENABLE_V1_MULTIPROCESSING=0, at tp=1), "bytes" (safetensors in the RPC),
+        "file" (a
         safetensors file in a temporary directory, for payloads too large for the RPC socket).
         ``external_launcher``: the engine runs inside the caller's processes (SPMD: every rank
         of an initialised torch.distributed world of ``tp`` ranks builds it and makes the same
@@ -104,8 +106,12 @@ class VLLMRollout(RolloutBackend):
 
         if dtype not in _DTYPES:
             raise ConfigError("rollout.dtype", f"unknown dtype {dtype!r}; one of {sorted(_DTYPES)}")
-        if transport not in ("bytes", "file"):
-            raise ConfigError("rollout.transport", f"{transport!r}; use bytes or file")
+        if transport == "auto":
+            in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
+            transport = "direct" if in_process and tp == 1 and not external_launcher else "bytes"
+        if transport not in ("direct", "bytes", "file"):
+            raise ConfigError("rollout.transport", f"{transport!r}; use auto, direct, bytes or "
+                                                   "file")
         if not isinstance(tp, int) or tp < 1:
             raise ConfigError("rollout.tp", f"must be a positive integer, got {tp!r}")
         self.model_dir = Path(model_dir)
@@ -288,8 +294,11 @@ class VLLMRollout(RolloutBackend):
     def _push(self, buckets: list[dict[str, torch.Tensor]], zero_kv_cache: bool) -> None:
         for k, bucket in enumerate(buckets):
             self._failing = (k, len(buckets), list(bucket))
-            payload = _serialize(bucket)
             last = k == len(buckets) - 1
+            if self.transport == "direct":  # same process: no serialisation
+                self._rpc(bucket, zero_kv_cache and last)
+                continue
+            payload = _serialize(bucket)
             if self.transport == "file":
                 with tempfile.TemporaryDirectory(prefix="hybridflow-weights-") as tmp:
                     path = os.path.join(tmp, "weights.safetensors")
@@ -300,7 +309,7 @@ class VLLMRollout(RolloutBackend):
                 self._rpc(payload, zero_kv_cache and last)
         self._failing = None
 
-    def _rpc(self, payload: bytes | str, zero_kv_cache: bool) -> None:
+    def _rpc(self, payload: bytes | str | dict, zero_kv_cache: bool) -> None:
         loaded = self.llm.collective_rpc("hybridflow_reload_weights", args=(payload, zero_kv_cache))
         if len(set(loaded)) != 1:
             raise RuntimeError(f"workers loaded different tensor counts: {loaded}")

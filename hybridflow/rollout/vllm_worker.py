@@ -35,18 +35,25 @@ def _quiet_partial_reload():
 class WeightUpdateExtension:
     """Methods added to vLLM's worker (``self`` is the worker)."""
 
-    def hybridflow_reload_weights(self, payload: bytes | str, zero_kv_cache: bool = False) -> int:
+    def hybridflow_reload_weights(self, payload: bytes | str | dict, zero_kv_cache: bool = False
+                                  ) -> int:
         """Load HF-named full tensors into the running model; returns how many were loaded.
 
-        ``payload`` is a safetensors blob (bytes) or the path of a safetensors file: across
-        processes tensors must travel serialised, and one format serves both cases. Every fused
+        ``payload`` is a safetensors blob (bytes) or the path of a safetensors file -- across
+        processes tensors must travel serialised -- or, with the engine in the caller's process,
+        the {name: tensor} dict itself. Every fused
         module's inputs (q, k, v; gate, up) must be in the same payload: vLLM reloads a module
         once all of its parts have arrived, and processes a partly loaded one with the rest left
         uninitialised.
         """
         from safetensors.torch import load, load_file
 
-        tensors = load(payload) if isinstance(payload, (bytes, bytearray)) else load_file(payload)
+        if isinstance(payload, dict):
+            tensors = payload
+        elif isinstance(payload, (bytes, bytearray)):
+            tensors = load(payload)
+        else:
+            tensors = load_file(payload)
         # reload_weights, not model.load_weights: on CPU the linear weights are re-packed for the
         # kernels after loading, and only the reload path redoes that processing.
         current = []

@@ -101,9 +101,12 @@ def _check_equal(rollout, reference, weights):
     return summary(ours)
 
 
-def test_weight_update_in_place(rollout, reference, hf_sd, first_outputs):
+@pytest.mark.parametrize("transport", ["direct", "bytes"])
+def test_weight_update_in_place(rollout, reference, hf_sd, first_outputs, monkeypatch, transport):
     from hybridflow.models.hf import hf_to_megatron, megatron_to_hf
 
+    assert rollout.transport == "direct"  # "auto" with the engine in this process
+    monkeypatch.setattr(rollout, "transport", transport)
     new = perturbed(hf_sd)
     # As the hybrid engine hands them over: split from Megatron's fused tensors (views).
     rollout.update_weights_hf(megatron_to_hf(hf_to_megatron(new, CFG), CFG).items())
@@ -138,6 +141,7 @@ def test_invalid_update_is_refused_before_sending(rollout, hf_sd, first_outputs)
 def test_failed_rpc_restarts_and_pushes_again(rollout, reference, hf_sd, monkeypatch, caplog):
     import hybridflow.rollout.vllm as mod
 
+    monkeypatch.setattr(rollout, "transport", "bytes")  # a payload that can arrive corrupt
     real, calls = mod._serialize, []
 
     def flaky(tensors):  # the first payload arrives corrupt, as from a broken transport

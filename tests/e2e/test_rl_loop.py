@@ -68,11 +68,14 @@ def test_grpo_vllm(tmp_path):
     assert (tmp_path / "grpo" / "reward_curve.png").stat().st_size > 0
 
 
-def test_ppo_megatron_backend(tmp_path):
+def test_ppo_megatron_backend_reward_model(tmp_path):
+    # The reward comes from a (random, tiny, Qwen2-shaped) reward model scoring the last token.
     history, before, after = run(config(tmp_path, "algorithm.name=ppo", "rollout.backend=megatron",
-                                        "algorithm.kl_in_reward=true", "name=ppo"))
+                                        "algorithm.kl_in_reward=true", "name=ppo",
+                                        "reward_model=tiny-qwen2"))
     check_run(history, before, after, ["reward/mean", "critic/vf_loss", "critic/grad_norm",
                                        "actor/pg_loss", "timing/values_s", "timing/reshard_s"])
+    assert history[0]["reward/std"] > 0  # model scores, not the constant of a missing head
 
 
 @pytest.mark.parametrize("use_3d_hybrid", [True, False], ids=["3d", "naive"])
@@ -83,7 +86,9 @@ def test_python_api_and_stepwise(tmp_path, capsys, use_3d_hybrid):
     from hybridflow.models.tiny import tiny_llama_config
     from hybridflow.parallel.layout import GenLayout, TrainLayout
 
-    trainer = RLTrainer(model="tiny-llama", reward_fn=length_reward, algorithm="grpo",
+    # ReMax in the naive mode: its greedy baseline is one more generation (and switch) per step.
+    algorithm = "grpo" if use_3d_hybrid else "remax"
+    trainer = RLTrainer(model="tiny-llama", reward_fn=length_reward, algorithm=algorithm,
                         max_steps=2, per_device_train_batch_size=1,
                         gradient_accumulation_steps=2, learning_rate=1e-3,
                         use_3d_hybrid=use_3d_hybrid, num_generations=2, max_new_tokens=8,
