@@ -478,6 +478,11 @@ class RLTrainer:
         plot = run_dir / "reward_curve.png"
         from hybridflow.tracking import plot_metric
         plot_metric(tracker.metrics_path, "reward/mean", plot, title=cfg.name)
+        k = max(1, len(history) // 3)
+        first = sum(h["reward/mean"] for h in history[:k]) / k
+        last = sum(h["reward/mean"] for h in history[-k:]) / k
+        print(f"reward/mean: {first:.3f} over the first {k} steps -> {last:.3f} over the last {k}",
+              flush=True)
         print(f"wrote {tracker.metrics_path} and {plot}", flush=True)
         return history
 
