@@ -33,18 +33,26 @@ ALGORITHMS = ("grpo", "ppo", "remax", "rloo", "reinforce_plus_plus", "safe_rlhf"
 
 
 @dataclass(kw_only=True)
-class ActorConfig:
-    """The policy: where it trains and how it is updated."""
+class UpdateConfig:
+    """What every trained model of the loop has: a layout, an engine, and its update schedule."""
 
     layout: TrainLayout = field(default_factory=TrainLayout)
     """Training layout (world size = tp * pp * dp Ray actors)."""
-    engine: EngineConfig = field(default_factory=lambda: EngineConfig(
-        micro_batch_size=2, optim=OptimConfig(name="adam", lr=1e-6, clip_grad=1.0)))
+    engine: EngineConfig = field(default_factory=EngineConfig)
     """Precision, micro-batching and optimizer."""
     ppo_epochs: int = 1
     """Passes over each step's samples."""
     mini_batches: int = 1
     """Optimizer steps per pass (each on 1/mini_batches of the samples)."""
+
+
+@dataclass(kw_only=True)
+class ActorConfig(UpdateConfig):
+    """The policy: where it trains and how it is updated."""
+
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(
+        micro_batch_size=2, optim=OptimConfig(name="adam", lr=1e-6, clip_grad=1.0)))
+    """Precision, micro-batching and optimizer."""
     clip_ratio_low: float = 0.2
     """PPO ratio clip below 1."""
     clip_ratio_high: float = 0.2
@@ -60,18 +68,13 @@ class ActorConfig:
 
 
 @dataclass(kw_only=True)
-class CriticConfig:
-    """The value model of PPO (GAE), in its own worker group (its own Ray actors)."""
+class CriticConfig(UpdateConfig):
+    """The value model of PPO (GAE), in its own worker group (its own Ray actors); reward and
+    cost models run at its layout too."""
 
-    layout: TrainLayout = field(default_factory=TrainLayout)
-    """Training layout of the critic."""
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(
         micro_batch_size=2, optim=OptimConfig(name="adam", lr=1e-5, clip_grad=1.0)))
     """Precision, micro-batching and optimizer."""
-    ppo_epochs: int = 1
-    """Passes over each step's samples."""
-    mini_batches: int = 1
-    """Optimizer steps per pass."""
     value_clip: float | None = 0.2
     """Clip of the value update around the old values; null disables it."""
 

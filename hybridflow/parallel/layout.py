@@ -160,18 +160,19 @@ class GenLayout:
 
     def tp_groups(self) -> list[list[int]]:
         """Generation TP groups: ranks at stride t/tg inside a training TP group."""
-        groups: dict[tuple[int, int], list[int]] = {}
-        for r in range(self.train.world_size):
-            rep, gp, gt = self.coords(r)
-            groups.setdefault((rep, gp), []).append(r)
-        return [sorted(g, key=lambda r: self.coords(r)[2]) for g in groups.values()]
+        return self._groups_along(2)
 
     def pp_groups(self) -> list[list[int]]:
-        groups: dict[tuple[int, int], list[int]] = {}
+        """Generation PP groups: ranks at stride p/pg, in stage order."""
+        return self._groups_along(1)
+
+    def _groups_along(self, axis: int) -> list[list[int]]:
+        """Ranks that differ only in coordinate ``axis`` of (replica, pp, tp), ordered by it."""
+        groups: dict[tuple[int, ...], list[int]] = {}
         for r in range(self.train.world_size):
-            rep, gp, gt = self.coords(r)
-            groups.setdefault((rep, gt), []).append(r)
-        return [sorted(g, key=lambda r: self.coords(r)[1]) for g in groups.values()]
+            c = self.coords(r)
+            groups.setdefault(c[:axis] + c[axis + 1:], []).append(r)
+        return [sorted(g, key=lambda r: self.coords(r)[axis]) for g in groups.values()]
 
     def __str__(self) -> str:
         return f"tp={self.tp}, pp={self.pp}, micro-dp={self.micro_dp}"
