@@ -1,18 +1,26 @@
 """Benchmark the 3D-HybridEngine's train -> generation switch against its floor and two baselines.
 
     torchrun --nproc-per-node N tools/bench_reshard.py --model llama-7b --train-tp 4 --gen-tp 2
+    torchrun --nproc-per-node 2 tools/bench_reshard.py --model llama-7b --layout 2,1,1,1 \
+        --layout 1,2,1,1          # several layouts (train tp,pp -> generation tp,pp), one launch
 
-gloo on CPU, NCCL on GPU (one GPU per process, ``cuda:LOCAL_RANK``). One run measures, each as the
-median over ``--iters`` after ``--warmup`` iterations of the slowest rank's time:
+gloo on CPU, NCCL on GPU (one GPU per process, ``cuda:LOCAL_RANK``). For each layout one run
+measures, each as the median over ``--iters`` after ``--warmup`` iterations of the slowest rank's
+time:
 
-* ``transition_s``: ours, ``gather_generation_weights`` (bucketed all-gathers in the micro-DP
-  groups, the generation storage allocated inside), and ``back_s``: ``back_to_training``;
+* ``transition_s``: ours, ``gather_generation_weights`` (direct and packed all-gathers in the
+  micro-DP groups, coalesced launches, the generation storage allocated inside), and ``back_s``:
+  ``back_to_training``;
+* ``resident_s``: the same with the training shards that can live in the generation storage
+  placed there (``resident_offsets``) and that storage kept across switches: their all-gathers
+  are in place;
 * ``floor_s``: one all-gather, in the same micro-DP groups, of as many bytes as our buckets carry
   (padding included), from a ready buffer into a ready buffer: no packing, no allocation;
 * ``per_tensor_s``: verl's path (``naive_gather``): all-gather every tensor over the training TP
   group, broadcast it over the training PP group, cut the generation shard;
 * ``via_host_s``: the same segments packed into pinned host memory, all-gathered by gloo on the
-  host, and copied back to the device in one piece.
+  host, and copied back to the device in one piece (``--via-host-iters`` runs, no warm-up: it
+  takes seconds).
 
 Weights are random but no rank ever holds the full model: every element's value is a function of
 its position in the full tensor (and the tensor's name and ``--seed``), so each rank fills its own
@@ -21,14 +29,15 @@ generation layout) is computed the same way, on every rank, with no communicatio
 therefore need no Megatron model and only shard-sized memory.
 
 Memory: ``peak_weight_bytes`` is, on CUDA, ``torch.cuda.max_memory_allocated`` minus the memory
-allocated before the switch (the generation storage plus the transient buckets at their peak);
-on CPU it is the same quantity computed from the plan in the order ``execute`` allocates (the
-generation storage, plus the transient buckets alive at once), since the CPU allocator keeps no
-statistics. ``redundant_bytes`` are the bytes of generation tensors that repeat this rank's own
-training shard (its own pieces, copied into the gathered buffers while the training shard lives
-on). Byte figures are the maximum over ranks.
+allocated before the switch (the generation storage plus the transient ring);
+on CPU, whose allocator keeps no statistics, it is the storage plus the executor's transient
+ring. ``redundant_bytes`` are the bytes of generation tensors that repeat this rank's
+own training shard (a copy of it, while the training shard lives on); ``resident_*`` are the same
+figures with the resident storage, which, allocated before the switch, is not in its peak:
+``resident_train_extra_bytes`` is what that storage holds beyond the training shards, i.e. what
+the resident layout costs during training. Byte figures are the maximum over ranks.
 
-Only rank 0 prints: readable lines, then, as the LAST line of stdout, one JSON object.
+Only rank 0 prints: readable lines, then, as the last lines of stdout, one JSON object per layout.
 """
 
 from __future__ import annotations
@@ -52,10 +61,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridflow.hybrid_engine.execute import (  # noqa: E402
     back_to_training, create_micro_dp_groups, create_train_groups, gather_generation_weights,
-    naive_gather)
+    naive_gather, new_storage)
 from hybridflow.hybrid_engine.meta import (  # noqa: E402
     ParamMeta, llama_param_metas, num_layers_of, owner_stage)
-from hybridflow.hybrid_engine.plan import ReshardPlan, plan_reshard  # noqa: E402
+from hybridflow.hybrid_engine.plan import ReshardPlan, plan_reshard, resident_offsets  # noqa: E402
 from hybridflow.hybrid_engine.switch import (TIED_OUTPUT, generation_metas,  # noqa: E402
                                              naive_recv_bytes, redundant_bytes)
 from hybridflow.models.config import ModelConfig  # noqa: E402
@@ -179,28 +188,6 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 # ----------------------------------------------------------------------------- the paths
 
 
-def modelled_peak_bytes(plan: ReshardPlan, rank: int) -> int:
-    """Generation storage + the most transient bucket bytes alive at once, in the order of
-    ``execute.gather_generation_weights`` (bucket b is allocated before bucket b-1 is finished;
-    finishing drops the transient buckets whose parameters are all assembled)."""
-    st = plan.stages[plan.ranks[rank].gen_pp_rank]
-    last_use: dict[int, int] = {}
-    for p in st.params.values():
-        if p.mode in ("concat", "rearrange"):
-            done = max(c.bucket for c in p.chunks)
-            for c in p.chunks:
-                last_use[c.bucket] = max(last_use.get(c.bucket, c.bucket), done)
-    live: dict[int, int] = {}
-    peak = 0
-    for b, bucket in enumerate(st.buckets):
-        if bucket.storage_offset is None:
-            live[b] = bucket.numel
-        peak = max(peak, sum(live.values()))
-        if b > 0:  # bucket b-1 finishes
-            live = {x: n for x, n in live.items() if last_use.get(x, x) > b - 1}
-    return (st.storage_numel + peak) * plan.dtype_bytes
-
-
 class ViaHost:
     """The segments of our buckets packed into (pinned) host memory, all-gathered by gloo, copied
     back to the device in one piece."""
@@ -241,14 +228,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--train-pp", type=int, default=1)
     ap.add_argument("--gen-tp", type=int, default=1)
     ap.add_argument("--gen-pp", type=int, default=1)
+    ap.add_argument("--layout", action="append", default=[], metavar="TP,PP,TG,PG",
+                    help="a layout to measure (repeatable); replaces --train-tp/pp, --gen-tp/pp")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
-    ap.add_argument("--bucket-mb", type=float, default=256.0)
+    ap.add_argument("--bucket-mb", type=float, default=256.0,
+                    help="the largest all-gather of packed (small) parameters")
+    ap.add_argument("--min-view-mb", type=float, default=None,
+                    help="gathered size from which a row is a direct all-gather (plan default)")
+    ap.add_argument("--coalesce-mb", type=float, default=None,
+                    help="gathered MB per coalesced launch at most (executor default)")
     ap.add_argument("--iters", type=int, default=5)
     ap.add_argument("--warmup", type=int, default=2)
+    ap.add_argument("--via-host-iters", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma-separated paths not to time: "
-                    "floor,per_tensor,via_host")
-    return ap.parse_args(argv)
+                    "resident,floor,per_tensor,via_host")
+    args = ap.parse_args(argv)
+    layouts = args.layout or [f"{args.train_tp},{args.train_pp},{args.gen_tp},{args.gen_pp}"]
+    try:
+        args.layouts = [tuple(int(x) for x in lay.split(",")) for lay in layouts]
+        assert all(len(lay) == 4 for lay in args.layouts)
+    except (ValueError, AssertionError):
+        ap.error(f"--layout takes TP,PP,TG,PG (four integers), got {layouts}")
+    return args
 
 
 def main(argv=None) -> None:
@@ -262,28 +264,40 @@ def main(argv=None) -> None:
         device = torch.device("cpu")
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
+    results = []
     try:
-        result = run(args, device)
+        for layout in args.layouts:
+            results.append(run(args, device, *layout))
+            if cuda:
+                torch.cuda.empty_cache()
     finally:
         dist.destroy_process_group()
     if rank == 0:
-        print(json.dumps(result), flush=True)
+        for result in results:
+            print(json.dumps(result), flush=True)
 
 
-def run(args: argparse.Namespace, device: torch.device) -> dict:
+def _mb(x: float | None) -> int | None:
+    return None if x is None else max(1, int(x * 2**20))
+
+
+def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp: int,
+        gen_tp: int, gen_pp: int) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
     say = (lambda *a: print(*a, flush=True)) if rank == 0 else (lambda *a: None)
     skip = {s for s in args.skip.split(",") if s}
-    mp = args.train_tp * args.train_pp
+    mp = train_tp * train_pp
     if world % mp:
-        raise SystemExit(f"--train-tp x --train-pp = {mp} must divide the world size {world}")
-    train = TrainLayout(tp=args.train_tp, pp=args.train_pp, dp=world // mp)
-    gen = GenLayout(train=train, tp=args.gen_tp, pp=args.gen_pp)
+        raise SystemExit(f"train tp x pp = {mp} must divide the world size {world}")
+    train = TrainLayout(tp=train_tp, pp=train_pp, dp=world // mp)
+    gen = GenLayout(train=train, tp=gen_tp, pp=gen_pp)
     cfg = ModelConfig(arch="llama", max_position_embeddings=4096, **PRESETS[args.model])
     dtype = DTYPES[args.dtype]
     esz = torch.empty((), dtype=dtype).element_size()
     metas = generation_metas(llama_param_metas(cfg), cfg.tie_embeddings, gen)
-    plan = plan_reshard(gen, metas, esz, bucket_bytes=max(1, int(args.bucket_mb * 2**20)))
+    plan = plan_reshard(gen, metas, esz, bucket_bytes=_mb(args.bucket_mb),
+                        min_view_bytes=_mb(args.min_view_mb))
+    knobs = {} if args.coalesce_mb is None else {"coalesce_bytes": _mb(args.coalesce_mb)}
     rp = plan.ranks[rank]
     st = plan.stages[rp.gen_pp_rank]
     _, pp_rank, tp_rank = train.coords(rank)
@@ -306,11 +320,13 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
                                                                 cfg.tie_embeddings), dtype, device)
               for m in metas if owner_stage(m, train.pp, num_layers) == pp_rank}
     layout = (f"t{train.tp}p{train.pp}d{train.dp}->tg{gen.tp}pg{gen.pp}")
+    direct = sum(all(b.direct(k) is not None for k in range(b.members)) for b in st.buckets)
+    kept = sum(b.storage_offset is not None for b in st.buckets)
     say(f"bench_reshard: {args.model} {args.dtype}, train ({train}) -> generation ({gen}), "
-        f"world {world}, {dist.get_backend()} on {device.type}, {len(st.buckets)} bucket(s) of "
-        f"<= {args.bucket_mb:g} MB")
+        f"world {world}, {dist.get_backend()} on {device.type}; {len(st.buckets)} all-gathers "
+        f"({direct} direct, {kept} into the storage), packed ones <= {args.bucket_mb:g} MB")
 
-    # ---- one instrumented switch: correctness and memory
+    # ---- correctness and memory of one instrumented switch
     def check(tensors: dict[str, torch.Tensor]) -> float:
         want = [m for m in metas if owner_stage(m, train.pp, num_layers) // gen.pp_stride == gen_pp]
         if [m.name for m in want] != list(tensors):
@@ -325,31 +341,65 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
             err = max(err, float((got.float() - ref.float()).abs().max()))
         return err
 
-    timer.barrier()
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-        base = torch.cuda.memory_allocated(device)
-    gen_weights = gather_generation_weights(plan, rank, shards, groups)
-    timer.sync()
-    if device.type == "cuda":
-        peak = torch.cuda.max_memory_allocated(device) - base
-    else:
-        peak = modelled_peak_bytes(plan, rank)
-    err = check(gen_weights)
-    gen_bytes = sum(t.numel() * t.element_size() for t in gen_weights.values())
-    redundant = redundant_bytes(gen_weights, shards, metas, gen, rank)
-    back_to_training(gen_weights, shards)
+    def instrumented(train_shards, storage=None) -> tuple[float, int, int, int]:
+        """(max_abs_err, peak bytes, redundant bytes, launches) of one switch."""
+        timer.barrier()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        stats: dict = {}
+        weights = gather_generation_weights(plan, rank, train_shards, groups, storage=storage,
+                                            stats=stats, **knobs)
+        timer.sync()
+        if device.type == "cuda":
+            peak = torch.cuda.max_memory_allocated(device) - base
+        else:
+            peak = stats["transient_bytes"] + (0 if storage is not None
+                                               else st.storage_numel * esz)
+        err = check(weights)
+        redundant = redundant_bytes(weights, train_shards, metas, gen, rank)
+        back_to_training(weights, train_shards)
+        return err, peak, redundant, stats["launches"]
+
+    err, peak, redundant, launches = instrumented(shards)
+    gen_bytes = sum(math.prod(p.shape) for p in st.params.values()) * esz
 
     # ---- ours
-    transition_s = median_of(timer, lambda: gather_generation_weights(plan, rank, shards, groups),
-                             args.warmup, args.iters, after=lambda w: back_to_training(w, shards))
+    def ours():
+        return gather_generation_weights(plan, rank, shards, groups, **knobs)
+
+    transition_s = median_of(timer, ours, args.warmup, args.iters,
+                             after=lambda w: back_to_training(w, shards))
     back_times = []
     for i in range(args.warmup + args.iters):
-        w = gather_generation_weights(plan, rank, shards, groups)
+        w = ours()
         dt, _ = timer(lambda: back_to_training(w, shards))
         if i >= args.warmup:
             back_times.append(dt)
     back_s = statistics.median(back_times)
+
+    # ---- resident: the shards that can live in the storage are placed there, once
+    resident = {}
+    offsets = resident_offsets(plan, rank)
+    if "resident" not in skip and all_max(len(offsets), device):
+        storage = new_storage(plan, rank, device, dtype)
+        placed = dict(shards)
+        for name, at in offsets.items():
+            t = shards[name]
+            placed[name] = storage.narrow(0, at, t.numel()).view(t.shape).copy_(t)
+        r_err, r_peak, r_redundant, _ = instrumented(placed, storage)
+        r_s = median_of(timer, lambda: gather_generation_weights(
+            plan, rank, placed, groups, storage=storage, **knobs), args.warmup, args.iters,
+            after=lambda w: back_to_training(w, placed))
+        resident = {
+            "resident_s": r_s, "resident_max_abs_err": all_max(r_err, device),
+            "resident_peak_weight_bytes": int(all_max(r_peak, device)),
+            "resident_redundant_bytes": int(all_max(r_redundant, device)),
+            "resident_train_extra_bytes": int(all_max(
+                (st.storage_numel - sum(placed[n].numel() for n in offsets)) * esz, device)),
+            "resident_params": int(all_max(len(offsets), device)),
+        }
+        del storage, placed
 
     # ---- floor: the same bytes, one all-gather, ready buffers
     floor_s = 0.0
@@ -382,7 +432,7 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
         via_host_s = 0.0
         if group is not None:
             via = ViaHost(plan, rank, shards, host_group, device)
-            via_host_s = median_of(timer, via, args.warmup, args.iters)
+            via_host_s = median_of(timer, via, 0, max(1, args.via_host_iters))
             del via
 
     # ---- report (bytes and errors: the maximum over ranks)
@@ -393,16 +443,25 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     naive_recv = int(all_max(naive_recv_bytes(gen, metas, rank, esz), device))
     result = {
         "layout": layout, "model": args.model, "dtype": args.dtype, "world": world,
-        "backend": dist.get_backend(), "bucket_mb": args.bucket_mb, "buckets": len(st.buckets),
+        "backend": dist.get_backend(),
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "torch": torch.__version__,
+        "bucket_mb": args.bucket_mb, "min_view_mb": args.min_view_mb,
+        "coalesce_mb": args.coalesce_mb,
+        "buckets": len(st.buckets), "direct_buckets": direct, "launches": launches,
         "iters": args.iters,
         "transition_s": transition_s, "back_s": back_s, "floor_s": floor_s,
         "ratio_to_floor": transition_s / floor_s if floor_s else None,
+        **resident,
+        "resident_ratio_to_floor": (resident["resident_s"] / floor_s
+                                    if floor_s and resident else None),
         "per_tensor_s": per_tensor_s, "via_host_s": via_host_s,
+        "via_host_iters": max(1, args.via_host_iters) if via_host_s else None,
         "max_abs_err": err, "per_tensor_max_abs_err": per_tensor_err,
         "gen_weight_bytes": int(all_max(gen_bytes, device)),
         "peak_weight_bytes": int(all_max(peak, device)),
         "peak_source": ("cuda.max_memory_allocated" if device.type == "cuda"
-                        else "modelled from the plan"),
+                        else "storage + the executor's transient ring"),
         "per_tensor_peak_bytes": (int(all_max(per_tensor_peak, device))
                                   if per_tensor_peak is not None else None),
         "redundant_bytes": int(all_max(redundant, device)),
@@ -416,10 +475,16 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     def b(x):
         return f"{x / GiB:.3f} GiB" if x >= GiB / 10 else f"{x / 2**20:.2f} MiB"
 
+    def vs_floor(x):
+        return f"{x / floor_s:.2f}x floor" if floor_s else "nothing to move"
+
     say(f"  generation weights {b(result['gen_weight_bytes'])}/rank; receives {b(recv)} "
         f"(per-tensor path: {b(naive_recv)}), padding {b(result['padding_bytes'])}")
-    ratio = f"{transition_s / floor_s:.2f}x floor" if floor_s else "nothing to move"
-    say(f"  train->gen  ours        {s(transition_s)}   ({ratio})")
+    say(f"  train->gen  ours        {s(transition_s)}   ({vs_floor(transition_s)}, "
+        f"{launches} launches)")
+    if resident:
+        say(f"  train->gen  resident    {s(resident['resident_s'])}   "
+            f"({vs_floor(resident['resident_s'])}, {resident['resident_params']} shards in place)")
     say(f"  floor       all-gather  {s(floor_s)}")
     if per_tensor_s is not None:
         say(f"  per-tensor  (verl)      {s(per_tensor_s)}   "
@@ -430,6 +495,11 @@ def run(args: argparse.Namespace, device: torch.device) -> dict:
     say(f"  max_abs_err {err:g} (per-tensor {per_tensor_err}), peak "
         f"{b(result['peak_weight_bytes'])} ({result['peak_source']}), redundant "
         f"{b(result['redundant_bytes'])}")
+    if resident:
+        say(f"  resident: max_abs_err {resident['resident_max_abs_err']:g}, peak "
+            f"{b(resident['resident_peak_weight_bytes'])}, redundant "
+            f"{b(resident['resident_redundant_bytes'])}, storage beyond the shards "
+            f"{b(resident['resident_train_extra_bytes'])} (held during training)")
     return result
 
 

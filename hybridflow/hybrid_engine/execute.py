@@ -112,7 +112,8 @@ def gather_generation_weights(plan: ReshardPlan, rank: int,
 
 def new_storage(plan: ReshardPlan, rank: int, device: torch.device | str,
                 dtype: torch.dtype) -> torch.Tensor:
-    """An (uninitialised) generation storage for ``rank``: what ``gather_generation_weights`` fills."""
+    """An (uninitialised) generation storage for ``rank``, which ``gather_generation_weights``
+    fills."""
     numel = plan.stages[plan.ranks[rank].gen_pp_rank].storage_numel
     return torch.empty(numel, dtype=dtype, device=device)
 
@@ -257,13 +258,13 @@ def _launches(sizes: list[int], cap: int, ramp_down: bool) -> list[list[int]]:
 def _ring_numel(buckets: tuple[Bucket, ...], launches: list[list[int]]) -> int:
     """Transient elements of two consecutive launches at most, plus the largest transient bucket
     (what wrapping around may waste): the next launch never overwrites the last one's buffers,
-    whose copies it overlaps."""
+    whose copies it overlaps. No more than all transient buckets together (then it never wraps)."""
     per_launch = [sum(buckets[b].numel for b in launch if buckets[b].storage_offset is None)
                   for launch in launches]
     if not any(per_launch):
         return 0
     pairs = max(a + b for a, b in zip(per_launch, per_launch[1:] + [0]))
-    return pairs + max(b.numel for b in buckets if b.storage_offset is None)
+    return min(sum(per_launch), pairs + max(b.numel for b in buckets if b.storage_offset is None))
 
 
 class _Ring:

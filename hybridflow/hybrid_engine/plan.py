@@ -13,8 +13,9 @@ and pads the rest. What member ``(i, j)`` contributes:
 * a TP-split parameter of stage ``i``: its whole training shard. The generation shard at gen tp
   rank ``g`` is the concatenation along ``tp_dim`` of training shards ``g*s .. g*s+s-1``, except
   ``tp_chunks=2`` (SwiGLU ``linear_fc1``), whose generation shard is [gate_g; up_g] with gate_g the
-  concatenation of the ``s`` gate halves: the chunks come out of the buffer as
-  [gate_0; up_0; gate_1; up_1; ...] and need a local re-arrangement (mode ``"rearrange"``).
+  concatenation of the ``s`` gate halves: packed, the chunks come out of the buffer as
+  [gate_0; up_0; gate_1; up_1; ...] and need a local re-arrangement (mode ``"rearrange"``); a
+  direct row sends the gate halves and the up halves in two all-gathers instead (see Views).
 * a replicated parameter (norms) of stage ``i``: nothing when ``q == 1`` (every member already has
   it, the generation tensor is the training tensor: mode ``"alias"``); else the ``j``-th of ``s``
   near-equal flat slices, so the ``s`` TP peers of stage ``i`` share the sending.
@@ -29,9 +30,9 @@ a row when both are in the group.
 Direct rows. A row whose all-gather reaches ``min_view_bytes`` gets a bucket of its own in which
 every member's segment is one contiguous slice of one training shard (the whole shard, or one half
 of a SwiGLU ``linear_fc1`` shard): the executor all-gathers straight from the training tensor, so
-nothing is packed, and where the rank's shard already lives in its own segment (``resident_offsets``)
-the all-gather is in place and the shard is not duplicated. Smaller rows (norms, tiny layers) are
-packed: consecutive rows fill a bucket up to ``bucket_bytes``.
+nothing is packed, and where the rank's shard already lives in its own segment
+(``resident_offsets``) the all-gather is in place and the shard is not duplicated. Smaller rows
+(norms, tiny layers) are packed: consecutive rows fill a bucket up to ``bucket_bytes``.
 
 Views. A generation tensor is a view into the gathered storage when its chunks, taken in
 generation order, are adjacent there. With ``s == 1`` every generation tensor is one chunk: all are

@@ -14,6 +14,15 @@ every rank in the same order), and the memory handoff:
   left alone), gives the grad buffers back zeroed and brings the optimizer state home. The
   training parameters are only ever read, so nothing is copied back.
 
+Resident parameters (``resident=True``, the paper's zero redundancy). The training parameters that
+the plan can place in the generation storage (``plan.resident_offsets``: every one when only
+pipeline stages merge, ``t == tg``) are moved there once, at construction (``param.data`` becomes
+a view of the storage), so their all-gathers are in place and the generation weights hold no
+second copy of them. The price: the storage stays allocated during training, the other stages'
+part of it idle. Megatron's distributed optimizer keeps the parameters in its own contiguous
+buffer, which they cannot leave: resident needs it off. Without it, Megatron reads ``param.data``
+afresh at every step (the fp16 optimizer copies its fp32 main weights into it), so the move is safe.
+
 Tied embeddings. With ``tie_embeddings`` the vLLM model ties ``lm_head`` to ``embed_tokens``, so a
 generation pipeline of one stage needs only the embedding. With a generation pipeline of several
 stages the last one needs the embedding as its output layer too: the last *training* stage holds
@@ -35,9 +44,10 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.hybrid_engine.execute import (back_to_training, create_micro_dp_groups,
-                                              gather_generation_weights, naive_gather)
+                                              gather_generation_weights, naive_gather,
+                                              new_storage)
 from hybridflow.hybrid_engine.meta import ParamMeta, num_layers_of, owner_stage
-from hybridflow.hybrid_engine.plan import plan_reshard
+from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
 from hybridflow.parallel.layout import GenLayout
 
 if TYPE_CHECKING:
@@ -138,9 +148,13 @@ class HybridEngine:
     """Switches one rank's actor between its training layout and a generation layout."""
 
     def __init__(self, engine: TrainEngine, gen_tp: int = 1, gen_pp: int = 1,
-                 bucket_mb: float = 256, mode: str = "3d", offload_optimizer: bool = False):
+                 bucket_mb: float = 256, mode: str = "3d", offload_optimizer: bool = False,
+                 resident: bool = False):
         if mode not in MODES:
             raise ValueError(f"hybrid_engine.mode: unknown mode {mode!r}; use one of {MODES}")
+        if resident and mode != "3d":
+            raise ValueError("hybrid_engine.resident: needs mode '3d' (the naive path gathers "
+                             "every tensor anew); set resident to false or mode to '3d'")
         if not bucket_mb > 0:
             raise ValueError(f"hybrid_engine.bucket_mb: must be > 0, got {bucket_mb}")
         self.engine, self.mode, self.offload_optimizer = engine, mode, offload_optimizer
@@ -161,11 +175,13 @@ class HybridEngine:
         self.groups = create_micro_dp_groups(self.gen) if mode == "3d" else None
         self.replica, self.gen_pp_rank, self.gen_tp_rank = self.gen.coords(self.rank)
         self.naive_bytes = naive_recv_bytes(self.gen, self.metas, self.rank, self.dtype_bytes)
-        self._weights: GenerationWeights | None = None
         self._grad_buffers: list[tuple[object, int]] = []  # (Megatron grad buffer, bytes)
+        self._storage = self._make_resident() if resident else None
+        self._weights: GenerationWeights | None = None
         self._host: dict[tuple, torch.Tensor] = {}  # pinned homes of offloaded optimizer state
         self.summary = (f"HybridEngine: train view ({engine.layout}) -> generation view "
-                        f"({self.gen}); mode {mode}, buckets of {bucket_mb:g} MB")
+                        f"({self.gen}); mode {mode}, buckets of {bucket_mb:g} MB"
+                        + (", resident parameters" if resident else ""))
         if self.rank == 0:
             log.info(self.summary)
 
@@ -187,7 +203,8 @@ class HybridEngine:
         shards = self._train_shards()
         try:
             if self.mode == "3d":
-                tensors = gather_generation_weights(self.plan, self.rank, shards, self.groups)
+                tensors = gather_generation_weights(self.plan, self.rank, shards, self.groups,
+                                                    storage=self._storage)
                 received = self.plan.ranks[self.rank].recv_bytes
             else:
                 tensors = naive_gather(self.gen, self.metas, self.rank, shards, self._train_group)
@@ -212,7 +229,7 @@ class HybridEngine:
 
     def to_training(self) -> int:
         """Drop the generation weights, give back grads (zeroed) and optimizer state. Returns the
-        generation bytes freed."""
+        generation bytes freed (none with resident parameters: their storage stays)."""
         if self._weights is None:
             raise RuntimeError("HybridEngine.to_training: not in the generation layout; call "
                                "to_generation() first")
@@ -223,6 +240,23 @@ class HybridEngine:
         return freed
 
     # ----------------------------------------------------------------------------- helpers
+    def _make_resident(self) -> torch.Tensor:
+        """Allocate the generation storage for good and move the training parameters that can
+        live in it there (see the module docstring)."""
+        for buf in self.grad_buffers():
+            if getattr(buf, "param_data", None) is not None:
+                raise ValueError("hybrid_engine.resident: the parameters live in Megatron's "
+                                 "contiguous param buffer (distributed optimizer) and cannot move; "
+                                 "set resident to false or actor.optim.distributed to false")
+        offsets = resident_offsets(self.plan, self.rank)
+        storage = new_storage(self.plan, self.rank, self.engine.device, self.dtype)
+        with torch.no_grad():
+            for name, param in self.engine.named_local_params():
+                if name in offsets:
+                    view = storage.narrow(0, offsets[name], param.numel()).view(param.shape)
+                    param.data = view.copy_(param.data)
+        return storage
+
     def _train_shards(self) -> dict[str, torch.Tensor]:
         # Every local parameter, also those outside the plan (the last stage's tied output layer
         # when the generation pipeline has one stage): back_to_training must know them all.

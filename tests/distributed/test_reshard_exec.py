@@ -2,7 +2,9 @@
 shards cut from the full weights, bit for bit, and so do the naive baseline's.
 
 One launch per world size runs several layouts in the same processes (groups are created for each
-layout by all ranks), which keeps the process start-up cost to once per world size.
+layout by all ranks), which keeps the process start-up cost to once per world size. Every layout
+runs three ways: coalesced launches (all buckets in one or a few); one launch per bucket; and
+with the training shards resident in the generation storage (in place).
 """
 
 from __future__ import annotations
@@ -11,26 +13,27 @@ import torch
 
 from hybridflow.hybrid_engine.execute import (back_to_training, create_micro_dp_groups,
                                               create_train_groups, gather_generation_weights,
-                                              naive_gather)
+                                              naive_gather, new_storage)
 from hybridflow.hybrid_engine.meta import llama_param_metas, num_layers_of, owner_stage, shard
-from hybridflow.hybrid_engine.plan import plan_reshard
+from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.parallel.spawn import spawn
 
 MODEL = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=4, num_heads=8,
              num_kv_heads=4, head_dim=8)
-# ((tp, pp, dp), [(tg, pg), ...], qwen2?, single-tensor all-gather?)
+# ((tp, pp, dp), [(tg, pg), ...], qwen2?, single-tensor all-gather?, min_view_bytes)
+DIRECT = 16 * 1024  # all but the norms and the smallest layers are direct rows
 CASES_4 = [
-    ((4, 1, 1), [(1, 1), (2, 1)], False, None),
-    ((2, 2, 1), [(1, 1), (2, 1), (1, 2), (2, 2)], True, None),
-    ((2, 2, 1), [(1, 1)], False, False),  # the list all_gather path
-    ((1, 4, 1), [(1, 1)], True, None),
-    ((2, 1, 2), [(1, 1)], False, None),
+    ((4, 1, 1), [(1, 1), (2, 1)], False, None, DIRECT),
+    ((2, 2, 1), [(1, 1), (2, 1), (1, 2), (2, 2)], True, None, DIRECT),
+    ((2, 2, 1), [(1, 1)], False, False, 1 << 30),  # list all_gather, everything packed
+    ((1, 4, 1), [(1, 1)], True, None, DIRECT),
+    ((2, 1, 2), [(1, 1)], False, None, DIRECT),
 ]
 CASES_2 = [
-    ((2, 1, 1), [(1, 1)], True, None),
-    ((1, 2, 1), [(1, 1)], False, None),
+    ((2, 1, 1), [(1, 1)], True, None, DIRECT),
+    ((1, 2, 1), [(1, 1)], False, None, 1 << 30),
 ]
 
 
@@ -39,9 +42,25 @@ def _full_weights(metas, seed):
     return {m.name: torch.randn(m.shape, generator=g) for m in metas}
 
 
+def _check(got, want, plan, gen_pp, shards, what, modes=None) -> None:
+    assert list(got) == list(want), f"{what}: wrong parameters"
+    storage_ptr = None
+    for name, tensor in got.items():
+        assert torch.equal(tensor, want[name]), f"{what}: {name}"
+        mode = plan.stages[gen_pp].params[name].mode
+        if modes is not None:
+            modes.add(mode)
+        if mode == "alias":
+            assert tensor is shards[name]
+        else:  # views and copies all live in one flat storage
+            ptr = tensor.untyped_storage().data_ptr()
+            assert storage_ptr in (None, ptr), f"{what}: {name} outside the storage"
+            storage_ptr = ptr
+
+
 def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
     done, modes = [], set()
-    for (t, p, d), gens, qwen, single in cases:
+    for (t, p, d), gens, qwen, single, min_view_bytes in cases:
         model = ModelConfig(**MODEL, arch="qwen2" if qwen else "llama", qkv_bias=qwen,
                             tie_embeddings=qwen)
         metas = llama_param_metas(model)
@@ -55,32 +74,45 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
         train_groups = create_train_groups(train)
         for tg, pg in gens:
             gen = GenLayout(train=train, tp=tg, pp=pg)
-            what = f"train {train} -> generation {gen}"
+            what = f"train {train} -> generation {gen}, rank {rank}"
             _, gen_pp, gen_tp = gen.coords(rank)
             want = {m.name: shard(full[m.name], m, tg, gen_tp) for m in metas
                     if owner_stage(m, p, num_layers) // gen.pp_stride == gen_pp}
             plan = plan_reshard(gen, metas, dtype_bytes=4, bucket_bytes=48 * 1024,
-                                min_view_bytes=16 * 1024)
+                                min_view_bytes=min_view_bytes)
             groups = create_micro_dp_groups(gen)
             got = gather_generation_weights(plan, rank, shards, groups, single=single)
-            assert list(got) == list(want), f"{what}: rank {rank} has the wrong parameters"
-            storage_ptr = None
-            for name, tensor in got.items():
-                assert torch.equal(tensor, want[name]), f"{what}: rank {rank} {name}"
-                mode = plan.stages[gen_pp].params[name].mode
-                modes.add(mode)
-                if mode == "alias":
-                    assert tensor is shards[name]
-                else:  # views and copies all live in one flat storage
-                    ptr = tensor.untyped_storage().data_ptr()
-                    assert storage_ptr in (None, ptr), f"{what}: {name} outside the storage"
-                    storage_ptr = ptr
+            _check(got, want, plan, gen_pp, shards, what, modes)
             naive = naive_gather(gen, metas, rank, shards, train_groups)
             assert list(naive) == list(want)
             for name, tensor in naive.items():
-                assert torch.equal(tensor, want[name]), f"{what}: naive, rank {rank} {name}"
+                assert torch.equal(tensor, want[name]), f"{what}: naive, {name}"
             freed = back_to_training(got, shards)
             assert freed == 4 * plan.stages[gen_pp].storage_numel, what
+
+            # One launch per bucket: the transient ring wraps around many times.
+            got = gather_generation_weights(plan, rank, shards, groups, single=single,
+                                            coalesce_bytes=1)
+            _check(got, want, plan, gen_pp, shards, what + " (launch per bucket)")
+            back_to_training(got, shards)
+
+            # Resident: the shards that can live in the storage do; they are gathered in place.
+            storage = new_storage(plan, rank, "cpu", torch.float32)
+            resident = dict(shards)
+            for name, at in resident_offsets(plan, rank).items():
+                view = storage.narrow(0, at, shards[name].numel()).view(shards[name].shape)
+                resident[name] = view.copy_(shards[name])
+            got = gather_generation_weights(plan, rank, resident, groups, single=single,
+                                            storage=storage)
+            _check(got, want, plan, gen_pp, resident, what + " (resident)")
+            if gen.micro_dp > 1 and (tg == t or min_view_bytes == DIRECT):
+                assert resident_offsets(plan, rank), f"{what}: nothing resident"
+            for name in resident_offsets(plan, rank):
+                assert torch.equal(resident[name], shards[name]), f"{what}: resident {name}"
+            # The storage holds training shards now: going back frees nothing.
+            kept = 0 if resident_offsets(plan, rank) else 4 * plan.stages[gen_pp].storage_numel
+            assert back_to_training(got, resident) == kept, what
+
             for name, tensor in shards.items():
                 assert torch.equal(tensor, before[name]), f"{what}: training shard {name} changed"
             if any(b.storage_offset is None for b in plan.stages[gen_pp].buckets):
@@ -91,7 +123,7 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
 
 def test_reshard_world_4() -> None:
     results = spawn(run_cases, 4, CASES_4)
-    assert all(len(done) == sum(len(g) for _, g, _, _ in CASES_4) for done, _ in results)
+    assert all(len(done) == sum(len(c[1]) for c in CASES_4) for done, _ in results)
     # Every way of producing a generation tensor was exercised.
     assert set.union(*(modes for _, modes in results)) == {
         "alias", "view", "concat", "rearrange", "transient bucket"}
@@ -99,4 +131,18 @@ def test_reshard_world_4() -> None:
 
 def test_reshard_world_2() -> None:
     results = spawn(run_cases, 2, CASES_2)
-    assert all(len(done) == sum(len(g) for _, g, _, _ in CASES_2) for done, _ in results)
+    assert all(len(done) == sum(len(c[1]) for c in CASES_2) for done, _ in results)
+
+
+def test_launches_ramp_up_and_down() -> None:
+    from hybridflow.hybrid_engine.execute import _launches
+
+    sizes = [10] * 100  # 1000 elements in all, launches of at most 160
+    for ramp_down in (False, True):
+        launches = _launches(sizes, 160, ramp_down)
+        assert [b for launch in launches for b in launch] == list(range(100))
+        totals = [sum(sizes[b] for b in launch) for launch in launches]
+        assert max(totals) <= 160 and totals[:3] == [20, 40, 80]
+        assert (totals[-3:] == [80, 40, 20]) == ramp_down
+    assert _launches([5, 500, 5], 100, True) == [[0], [1], [2]]  # too big: a launch alone
+    assert _launches(sizes, 1, True) == [[b] for b in range(100)]

@@ -176,9 +176,9 @@ def test_modes_views_and_fc1_rearrangement() -> None:
     metas = llama_param_metas(LLAMA)
     layer = "decoder.layers.0."
 
-    def modes(t, p, tg, pg):
+    def modes(t, p, tg, pg, min_view_bytes=0):
         plan = plan_reshard(GenLayout(train=TrainLayout(tp=t, pp=p), tp=tg, pp=pg), metas,
-                            dtype_bytes=4, bucket_bytes=1 << 20, min_view_bytes=0)
+                            dtype_bytes=4, bucket_bytes=1 << 20, min_view_bytes=min_view_bytes)
         return {n.removeprefix(layer): gp.mode for n, gp in plan.stages[0].params.items()}
 
     # Only PP merges (t/tg = 1): every gathered tensor is a view.
@@ -190,10 +190,12 @@ def test_modes_views_and_fc1_rearrangement() -> None:
     assert m["embedding.word_embeddings.weight"] == m["output_layer.weight"] == "view"
     assert m["self_attention.linear_proj.weight"] == m["mlp.linear_fc2.weight"] == "concat"
     assert m["input_layernorm.weight"] == "alias"
-    # TP and PP merges together: fc1 needs the local [gate; up] re-arrangement.
+    # TP and PP merges together: the stages' fc1s interleave; gathered as a gate and an up row
+    # they are joined in order, packed they need the local [gate; up] re-arrangement.
     m = modes(2, 2, 1, 1)
-    assert m["mlp.linear_fc1.weight"] == "rearrange"
+    assert m["mlp.linear_fc1.weight"] == "concat"
     assert m["self_attention.linear_qkv.weight"] == "view"
+    assert modes(2, 2, 1, 1, min_view_bytes=1 << 30)["mlp.linear_fc1.weight"] == "rearrange"
     # Nothing to merge: everything is the training tensor.
     assert set(modes(2, 2, 2, 2).values()) == {"alias"}
 
