@@ -17,6 +17,8 @@ CUDA_DEVICE = ("torch.cuda.current_device()", "'cpu'")
 CUDA_LITERAL = ("device='cuda'", "device='cpu'")
 CUDA_LITERAL_DQ = ('device="cuda"', 'device="cpu"')
 CUDA_FLOAT_TYPE = ("'torch.cuda.FloatTensor'", "'torch.FloatTensor'")
+CUDA_HALF_TYPES = ("['torch.cuda.HalfTensor', 'torch.cuda.BFloat16Tensor']",
+                   "['torch.HalfTensor', 'torch.BFloat16Tensor']")
 
 
 def _patch(target: str, reason: str, *replacements: tuple[str, str]) -> SourcePatch:
@@ -42,8 +44,8 @@ PATCHES: tuple[SourcePatch, ...] = (
            "found_inf and loss-scale scalars are allocated on the literal device 'cuda'.",
            CUDA_LITERAL),
     _patch("optimizer.optimizer:Float16OptimizerWithFloat16Params.__init__",
-           "fp32 params are recognised by the type string 'torch.cuda.FloatTensor'.",
-           CUDA_FLOAT_TYPE),
+           "bf16/fp16 and fp32 params are recognised by 'torch.cuda.*Tensor' type strings.",
+           CUDA_HALF_TYPES, CUDA_FLOAT_TYPE),
     _patch("optimizer.optimizer:FP32Optimizer.__init__",
            "the unit loss scale is allocated on the literal device 'cuda'.", CUDA_LITERAL),
     _patch("optimizer.optimizer:ChainedOptimizer.get_loss_scale",
@@ -55,9 +57,12 @@ PATCHES: tuple[SourcePatch, ...] = (
            CUDA_FLOAT_TYPE, CUDA_LITERAL),
     _patch("optimizer.clip_grads:count_zeros_fp32",
            "the zero count is reduced through a tensor on the literal device 'cuda'.", CUDA_LITERAL),
+    _patch("optimizer.distrib_optimizer:DistributedOptimizer.__init__",
+           "bf16/fp16 params are recognised by 'torch.cuda.*Tensor' type strings.",
+           CUDA_HALF_TYPES),
     _patch("optimizer.distrib_optimizer:DistributedOptimizer._build_model_and_main_param_groups",
-           "fp32 params are recognised by the type string 'torch.cuda.FloatTensor'.",
-           CUDA_FLOAT_TYPE),
+           "bf16/fp16 and fp32 params are recognised by 'torch.cuda.*Tensor' type strings.",
+           CUDA_HALF_TYPES, CUDA_FLOAT_TYPE),
     _patch("utils:GlobalMemoryBuffer.get_tensor",
            "the attention score buffer is allocated on the current CUDA device.", CUDA_DEVICE),
     _patch("utils:local_multi_tensor_l2_norm",

@@ -38,7 +38,8 @@ def _engine_batch(batch: Batch, *keys: str) -> dict[str, torch.Tensor]:
 
 def _global_count(x: torch.Tensor, group) -> float:
     """Sum of ``x`` over the data-parallel group (the global denominator of a loss)."""
-    total = x.detach().sum().reshape(1).to(torch.float64)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces device tensors only
+    total = x.detach().sum().reshape(1).to(device, torch.float64)
     dist.all_reduce(total, group=group)
     return max(total.item(), 1.0)
 

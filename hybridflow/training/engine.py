@@ -182,8 +182,10 @@ def _build_chunks(model: ModelConfig, layout: TrainLayout, tf_config, pg_collect
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         )
-        if torch.cuda.is_available():
-            chunk.cuda()
+        # Megatron's local norms are built in fp32 whatever params_dtype says (Megatron-LM casts
+        # the whole model with Float16Module); one dtype keeps the reshard a single flat buffer.
+        chunk = chunk.to(device="cuda" if torch.cuda.is_available() else "cpu",
+                         dtype=tf_config.params_dtype)
         chunks.append(chunk)
     return chunks
 
@@ -359,7 +361,8 @@ class TrainEngine:
         pad = (-s) % self.layout.tp if self.config.sequence_parallel else 0
         out = []
         for i in range(0, n, mbs):
-            mb = {k: v[i:i + mbs] for k, v in batch.items()}
+            # Everything a loss function reads (advantages, old log-probs, ...) lives on the device.
+            mb = {k: v[i:i + mbs].to(self.device) for k, v in batch.items()}
             ids, mask = mb["input_ids"], mb["attention_mask"]
             if pad:
                 ids = torch.nn.functional.pad(ids, (0, pad))

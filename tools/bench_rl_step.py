@@ -1,0 +1,443 @@
+#!/usr/bin/env python
+"""Time whole RL iterations of ``RLTrainer`` (generate -> reward -> old/ref log-probs ->
+advantages -> actor update), phase by phase.
+
+    python tools/bench_rl_step.py --model tiny --device cpu          # smoke test, gloo, Ray
+    python3 tools/bench_rl_step.py --model llama-0.9b --device cuda  # 2 x H200 (one GPU per rank)
+
+A random Llama-shaped HF checkpoint is written into a temporary directory (``llama-0.9b``: 16
+layers, hidden 2048, 16 heads of 128, 8 KV groups, FFN 5632, vocab 32000, untied, bf16, with the
+tiny byte-level BPE tokenizer; ``tiny``: hybridflow's tiny Llama). The trainer runs with the actor
+at ``--tp`` (one Ray actor per rank, ``ray.gpus_per_worker=1`` on GPU), the Megatron rollout
+backend at ``--gen-tp`` (tp / gen_tp micro-DP replicas, the fast decode path on GPU), the given
+``--algorithm`` and a length-based reward; prompts are made up here (random words, chat template
+applied, ``--prompt-min``..``--prompt-max`` tokens). The steps are driven one by one
+(``trainer.generate``, ``trainer.score``, ``trainer.update_actor``; no tqdm or matplotlib
+needed): ``--warmup`` iterations, then ``--iters`` timed ones; each phase is the mean over the
+timed iterations.
+
+Phases (seconds): ``generate_call`` is the controller's wall time of ``trainer.generate``; inside
+it, as replica 0's worker measured them, ``reshard`` (the 3D-HybridEngine's all-gather into the
+generation layout), ``weight_load`` (handing those tensors to the rollout model), ``generate``
+(sampling, CUDA-graph capture after the previous ``sleep`` included), ``back_to_train``;
+``reward``, ``old_logprobs``, ``ref_logprobs``, ``advantages`` (from ``trainer.score``),
+``update_actor`` (``trainer.update_actor``; ``update_critic`` for PPO) and ``step`` (the whole
+iteration, controller wall time).
+
+Generation: ``gen_tokens_per_s`` = response tokens of all replicas / replica 0's ``generate``
+time (the replicas decode at once, one per GPU). The HBM roofline of the decode steps is, per
+replica, (decode steps x weight bytes a step reads + KV bytes all steps read) / the device copy
+bandwidth measured in this run (the same accounting as ``tools/bench_rollout.py``: every weight
+but the input embedding table each step; the KV cache of the left-padded prompt + the tokens so
+far), with decode steps = the replica's longest response - 1; ``gen_roofline_fraction`` = replica
+0's roofline time / its ``generate`` time (prefill, sampling, graph capture and the host-side
+unpacking are in the denominator, so this is below ``bench_rollout``'s decode-only fraction).
+
+Training MFU: achieved FLOPs / (ranks x the bf16 matmul rate measured here with one large
+``torch.matmul`` per GPU). FLOPs = 6 x N x tokens for ``update_actor`` (forward + backward, per
+PPO epoch), 2 x N x tokens for each forward-only pass (old and ref log-probs); N = the parameters
+that take part in matmuls (all but the input embedding table); attention's score/value FLOPs are
+not counted. ``tokens`` are the real (unpadded) prompt + response tokens (``mfu_*``); the engine
+computes every position of the [B, max_prompt_tokens + max_tokens] batch, so ``mfu_padded_*``
+counts those. On CPU the "matmul rate" is one thread's (the workers run one thread each) and
+there is no roofline.
+
+The last stdout line is one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import random
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # run from a checkout, uninstalled
+sys.path.insert(0, str(ROOT / "tools"))
+
+import torch  # noqa: E402
+
+from hybridflow.models.config import ModelConfig  # noqa: E402
+
+LLAMA_09B = dict(arch="llama", vocab_size=32000, hidden_size=2048, ffn_hidden_size=5632,
+                 num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128, tie_embeddings=False,
+                 rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096)
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_WORDS = ("the quick brown fox jumps over lazy dog answer question step think compute count "
+          "clips friends sold half many april may sun sleeps helpful assistant reward policy "
+          "model feedback human learning train hello fine today thank you final number").split()
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(prog="bench_rl_step", description=__doc__.split("\n")[0])
+    ap.add_argument("--model", choices=("tiny", "llama-0.9b"), default="tiny")
+    ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
+    ap.add_argument("--algorithm", default="grpo", help="grpo, ppo, rloo, ...")
+    ap.add_argument("--backend", choices=("megatron", "hf"), default="megatron",
+                    help="rollout backend")
+    ap.add_argument("--tp", type=int, default=2, help="actor (and critic) training TP")
+    ap.add_argument("--gen-tp", type=int, default=1, help="generation TP")
+    ap.add_argument("--dtype", choices=sorted(_TORCH_DTYPES), default=None,
+                    help="engine and checkpoint dtype (default: bf16 on GPU, fp32 on CPU)")
+    ap.add_argument("--batch", type=int, default=None, help="train_batch_size (prompts per step; "
+                    "default 32 on GPU, 4 on CPU)")
+    ap.add_argument("--n", type=int, default=4, help="samples per prompt")
+    ap.add_argument("--max-tokens", type=int, default=None,
+                    help="new tokens per sample (default 128 on GPU, 16 on CPU)")
+    ap.add_argument("--prompt-min", type=int, default=None, help="default 64 (GPU), 24 (CPU)")
+    ap.add_argument("--prompt-max", type=int, default=None, help="default 128 (GPU), 40 (CPU)")
+    ap.add_argument("--micro-batch", type=int, default=None, help="default 8 (GPU), 2 (CPU)")
+    ap.add_argument("--gpus-per-worker", type=float, default=None,
+                    help="Ray GPUs per rank (default 1 on GPU, 0 on CPU)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--iters", type=int, default=2)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--workdir", default=None)
+    ap.add_argument("--json-out", default=None, help="also write the JSON object to this file")
+    args = ap.parse_args(argv)
+    gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
+    if gpu and not torch.cuda.is_available():
+        ap.error("--device cuda but CUDA is not available")
+    args.device = "cuda" if gpu else "cpu"
+    defaults = dict(dtype="bf16" if gpu else "fp32", batch=32 if gpu else 4,
+                    max_tokens=128 if gpu else 16, prompt_min=64 if gpu else 24,
+                    prompt_max=128 if gpu else 40, micro_batch=8 if gpu else 2,
+                    gpus_per_worker=1.0 if gpu else 0.0)
+    for k, v in defaults.items():
+        if getattr(args, k) is None:
+            setattr(args, k, v)
+    if not 0 < args.prompt_min <= args.prompt_max:
+        ap.error("need 0 < --prompt-min <= --prompt-max")
+    if args.iters < 1 or args.warmup < 0:
+        ap.error("--iters >= 1, --warmup >= 0")
+    return args
+
+
+# ------------------------------------------------------------------------------ model and data
+def model_config(name: str) -> ModelConfig:
+    from hybridflow.models.tiny import tiny_llama_config
+    return tiny_llama_config() if name == "tiny" else ModelConfig(**LLAMA_09B)
+
+
+def write_checkpoint(name: str, dtype: str, workdir: Path, device: str, seed: int) -> Path:
+    """A random HF checkpoint (weights drawn on ``device``, which is fast on a GPU) with the tiny
+    BPE tokenizer (its ids all fall below the model's vocabulary)."""
+    from hybridflow.hybrid_engine.meta import llama_param_metas
+    from hybridflow.models.hf import megatron_to_hf, save_hf_checkpoint
+    from hybridflow.models.tiny import make_tiny_tokenizer
+
+    cfg = model_config(name)
+    dt = _TORCH_DTYPES[dtype]
+    gen = torch.Generator(device=device).manual_seed(seed)
+    full = {}
+    for m in llama_param_metas(cfg):
+        if len(m.shape) == 1 and m.tp_dim is None:  # norm weights
+            full[m.name] = torch.ones(m.shape, dtype=dt)
+        else:
+            full[m.name] = (torch.randn(m.shape, generator=gen, device=device) * 0.02
+                            ).to(dt).cpu()
+    tokenizer = make_tiny_tokenizer(min(cfg.vocab_size, 512))
+    return save_hf_checkpoint(workdir / name, megatron_to_hf(full, cfg), cfg, tokenizer=tokenizer)
+
+
+def make_records(tokenizer, count: int, lo: int, hi: int, seed: int) -> list[dict]:
+    """``count`` prompt records of random words whose chat-templated length is in [lo, hi]."""
+    rng = random.Random(seed)
+
+    def length(text: str) -> int:
+        chat = tokenizer.apply_chat_template([{"role": "user", "content": text}],
+                                             add_generation_prompt=True, tokenize=False)
+        return len(tokenizer(chat, add_special_tokens=False)["input_ids"])
+
+    records = []
+    for i in range(count):
+        target = rng.randint(lo, hi)
+        words = [f"Question {i}:"]
+        while length(" ".join(words)) < target:
+            words.append(rng.choice(_WORDS))
+        while len(words) > 1 and length(" ".join(words)) > target:
+            words.pop()
+        records.append({"prompt": " ".join(words)})
+    return records
+
+
+def length_reward(response: str) -> float:
+    """Longer answers score higher (the benchmark needs some spread, not a meaning)."""
+    return len(response) / 100.0
+
+
+# ------------------------------------------------------------------------------ device rates
+def matmul_rate(device: str, size: int, iters: int) -> float:
+    """FLOP/s of one large bf16 (GPU) / fp32 (CPU, one thread) ``torch.matmul``."""
+    dt = torch.bfloat16 if device.startswith("cuda") else torch.float32
+    a = torch.randn(size, size, device=device, dtype=dt)
+    b = torch.randn(size, size, device=device, dtype=dt)
+    if device.startswith("cuda"):
+        with torch.cuda.device(device):
+            for _ in range(3):
+                torch.matmul(a, b)
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(iters):
+                torch.matmul(a, b)
+            end.record()
+            torch.cuda.synchronize()
+            seconds = start.elapsed_time(end) / 1e3
+    else:
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        torch.matmul(a, b)
+        t0 = time.perf_counter()
+        for _ in range(iters):
+            torch.matmul(a, b)
+        seconds = time.perf_counter() - t0
+        torch.set_num_threads(threads)
+    del a, b
+    return 2 * size ** 3 * iters / seconds
+
+
+def device_rates(device: str, ranks: int) -> dict:
+    """Matmul rate of each GPU the ranks use (mean reported) and GPU 0's copy bandwidth; measured
+    in this process before Ray starts."""
+    out = {}
+    if device == "cuda":
+        from bench_rollout import copy_bandwidth
+        n = min(ranks, torch.cuda.device_count())
+        rates = [matmul_rate(f"cuda:{i}", 8192, 50) for i in range(n)]
+        with torch.cuda.device(0):
+            out["copy_bandwidth_gb_s"] = round(copy_bandwidth() / 1e9, 1)
+        out["matmul_tflops_per_gpu"] = [round(r / 1e12, 1) for r in rates]
+        out["matmul_tflops"] = round(statistics.mean(rates) / 1e12, 1)
+        out["device"] = torch.cuda.get_device_name(0)
+        out["gpus"] = torch.cuda.device_count()
+        for i in range(n):
+            with torch.cuda.device(i):
+                torch.cuda.empty_cache()
+    else:
+        out["matmul_tflops"] = round(matmul_rate("cpu", 1024, 5) / 1e12, 4)
+        out["copy_bandwidth_gb_s"] = None
+        out["device"] = "cpu"
+    return out
+
+
+# ------------------------------------------------------------------------------ accounting
+def matmul_params(cfg: ModelConfig) -> int:
+    from hybridflow.hybrid_engine.meta import llama_param_metas
+    n = sum(m.numel for m in llama_param_metas(cfg))
+    if not cfg.tie_embeddings:  # the input table is only indexed
+        n -= cfg.vocab_size * cfg.hidden_size
+    return n
+
+
+def generation_roofline(batch, replicas: int, cfg: ModelConfig, dtype_bytes: int,
+                        bandwidth: float) -> list[dict]:
+    """Per replica (rows in dispatch order): rows, padded prompt width, decode steps, bytes and
+    the roofline seconds of its decode steps."""
+    from bench_rollout import decode_bytes
+    response = batch["response_mask"].bool()
+    prompt = batch["attention_mask"].bool() & ~response
+    rows = response.shape[0] // replicas
+    out = []
+    for r in range(replicas):
+        sl = slice(r * rows, (r + 1) * rows)
+        width = int(prompt[sl].sum(-1).max())
+        longest = int(response[sl].sum(-1).max())
+        weights, kv = decode_bytes(cfg, dtype_bytes, rows, width, longest)
+        steps = max(longest - 1, 0)
+        out.append(dict(rows=rows, prompt_width=width, decode_steps=steps,
+                        weight_bytes_per_step=weights, kv_bytes_all_steps=kv,
+                        response_tokens=int(response[sl].sum()),
+                        roofline_s=(steps * weights + kv) / bandwidth if bandwidth else None))
+    return out
+
+
+def run_iteration(trainer, items) -> tuple[dict, object]:
+    """One RL iteration, phase by phase; (metrics, the scored batch)."""
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
+    sync()
+    t0 = time.perf_counter()
+    batch = trainer.generate(items)
+    t1 = time.perf_counter()
+    batch = trainer.score(batch)
+    t2 = time.perf_counter()
+    update = trainer.update_actor(batch)
+    t3 = time.perf_counter()
+    m = {"generate_call_s": t1 - t0, "score_call_s": t2 - t1, "update_call_s": t3 - t2,
+         "step_s": t3 - t0}
+    for k, v in {**batch.meta, **update}.items():
+        if k.startswith("timing/"):
+            m[k[len("timing/"):]] = v
+        elif isinstance(v, (int, float)) and not isinstance(v, bool):
+            m[k] = v
+    m["reward_mean"] = float(batch["scores"].mean())
+    m["response_length_mean"] = float(batch["response_mask"].sum(-1).float().mean())
+    return m, batch
+
+
+def make_config(args, path: Path):
+    """The run's RLConfig, built directly: ``load_config`` would first build every default, and
+    the default ``data.source`` (reasoning_gym) imports reasoning-gym, which the GPU machine
+    lacks; the prompts here come from the script, so ``data.source`` only names a file that is
+    never read."""
+    from dataclasses import replace
+
+    from hybridflow.controller.worker_group import RayConfig
+    from hybridflow.data.prompts import PromptDataConfig
+    from hybridflow.parallel.layout import TrainLayout
+    from hybridflow.rollout.base import SamplingConfig
+    from hybridflow.trainer import (ActorConfig, AlgorithmConfig, CriticConfig, RLConfig,
+                                    RolloutConfig)
+
+    actor, critic = ActorConfig(), CriticConfig()
+    return RLConfig(
+        name=f"bench-{args.algorithm}", model=str(path),
+        algorithm=AlgorithmConfig(name=args.algorithm),
+        actor=replace(actor, layout=TrainLayout(tp=args.tp), engine=replace(
+            actor.engine, dtype=args.dtype, micro_batch_size=args.micro_batch)),
+        critic=replace(critic, layout=TrainLayout(tp=args.tp), engine=replace(
+            critic.engine, dtype=args.dtype, micro_batch_size=args.micro_batch)),
+        rollout=RolloutConfig(backend=args.backend, tp=args.gen_tp, sampling=SamplingConfig(
+            temperature=1.0, max_tokens=args.max_tokens, n=args.n)),
+        data=PromptDataConfig(source="bench_prompts.jsonl", max_prompt_tokens=args.prompt_max),
+        train_batch_size=args.batch, steps=args.warmup + args.iters, seed=args.seed,
+        ray=RayConfig(num_cpus=None if args.device == "cuda" else 2,
+                      gpus_per_worker=args.gpus_per_worker))
+
+
+# ------------------------------------------------------------------------------ main
+def main(argv=None) -> dict:
+    args = parse_args(argv)
+    from hybridflow.trainer import RLTrainer
+
+    cfg_model = model_config(args.model)
+    replicas = args.tp // args.gen_tp
+    result = dict(bench="rl_step", model=args.model, algorithm=args.algorithm,
+                  backend=args.backend, dtype=args.dtype, actor_tp=args.tp, gen_tp=args.gen_tp,
+                  gen_replicas=replicas, train_batch_size=args.batch, n=args.n,
+                  max_tokens=args.max_tokens, prompt_tokens=[args.prompt_min, args.prompt_max],
+                  micro_batch_size=args.micro_batch, warmup=args.warmup, iters=args.iters,
+                  torch=torch.__version__)
+    start = time.perf_counter()
+    result.update(device_rates(args.device, args.tp))
+    result["rates_s"] = round(time.perf_counter() - start, 2)
+    print(f"device {result['device']}: matmul {result['matmul_tflops']} TFLOP/s per device, "
+          f"copy {result['copy_bandwidth_gb_s']} GB/s", flush=True)
+
+    with tempfile.TemporaryDirectory(prefix="bench-rl-", dir=args.workdir) as tmp:
+        t = time.perf_counter()
+        path = write_checkpoint(args.model, args.dtype, Path(tmp), args.device, args.seed)
+        result["checkpoint_s"] = round(time.perf_counter() - t, 2)
+        config = make_config(args, path)
+        trainer = RLTrainer(config, reward_fn=length_reward)
+        try:
+            records = make_records(trainer.tokenizer, args.batch, args.prompt_min,
+                                   args.prompt_max, args.seed)
+            items = trainer._prompts(records)
+            if len(items) != args.batch:
+                raise RuntimeError(f"{args.batch - len(items)} prompts were dropped")
+            lengths = [len(i.prompt_ids) for i in items]
+            result["prompt_tokens_seen"] = [min(lengths), round(statistics.mean(lengths), 1),
+                                            max(lengths)]
+            t = time.perf_counter()
+            trainer._start_workers()
+            result["workers_start_s"] = round(time.perf_counter() - t, 2)
+            rows = []
+            for it in range(args.warmup + args.iters):
+                m, batch = run_iteration(trainer, items)
+                timed = it >= args.warmup
+                if timed:
+                    roof = generation_roofline(batch, replicas, cfg_model,
+                                               _TORCH_DTYPES[args.dtype].itemsize,
+                                               result["copy_bandwidth_gb_s"] * 1e9
+                                               if result["copy_bandwidth_gb_s"] else None)
+                    m["gen_replicas"] = roof
+                    m["tokens_real"] = int(batch["attention_mask"].sum())
+                    m["tokens_padded"] = int(batch["attention_mask"].numel())
+                    m["response_tokens"] = int(batch["response_mask"].sum())
+                    rows.append(m)
+                print(("timed" if timed else "warm-up") + f" iteration {it + 1}: step "
+                      f"{m['step_s']:.3f}s, generate {m['generate_call_s']:.3f}s, score "
+                      f"{m['score_call_s']:.3f}s, update {m['update_call_s']:.3f}s, reward "
+                      f"{m['reward_mean']:.3f}", flush=True)
+        finally:
+            trainer.close()
+
+    summarize(result, rows, cfg_model, args)
+    print_table(result)
+    line = json.dumps(result)
+    if args.json_out:
+        Path(args.json_out).write_text(line + "\n")
+    print(line, flush=True)
+    return result
+
+
+def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
+    def mean(key):
+        vals = [r[key] for r in rows if key in r]
+        return statistics.mean(vals) if vals else None
+
+    phases = ["reshard_s", "weight_load_s", "generate_s", "back_to_train_s", "generate_call_s",
+              "reward_s", "old_logprobs_s", "ref_logprobs_s", "values_s", "advantages_s",
+              "update_critic_s", "update_actor_s", "step_s"]
+    result["phases_s"] = {k[:-2]: round(mean(k), 4) for k in phases if mean(k) is not None}
+    result["per_iteration"] = [{k: (round(v, 4) if isinstance(v, float) else v)
+                                for k, v in r.items() if k != "gen_replicas"} for r in rows]
+    # generation
+    gen_s = mean("generate_s")
+    resp = mean("response_tokens")
+    result["response_tokens"] = resp
+    result["gen_tokens_per_s"] = round(resp / gen_s, 1)
+    result["gen_tokens_per_s_per_replica"] = round(resp / gen_s / len(rows[0]["gen_replicas"]), 1)
+    result["gen_replica_detail"] = rows[-1]["gen_replicas"]
+    if rows[0]["gen_replicas"][0]["roofline_s"] is not None:
+        roof = statistics.mean(r["gen_replicas"][0]["roofline_s"] for r in rows)
+        result["gen_roofline_s"] = round(roof, 5)
+        result["gen_roofline_fraction"] = round(roof / gen_s, 4)
+    # training
+    n_params = matmul_params(cfg)
+    peak = args.tp * result["matmul_tflops"] * 1e12
+    result["matmul_params"] = n_params
+    result["peak_flops_all_ranks"] = peak
+    for tag, key in (("", "tokens_real"), ("padded_", "tokens_padded")):
+        tokens = mean(key)
+        result[f"tokens_{tag or 'real_'}per_step".replace("__", "_")] = tokens
+        upd_f = 6 * n_params * tokens
+        fwd_f = 2 * n_params * tokens
+        upd, old, ref = mean("update_actor_s"), mean("old_logprobs_s"), mean("ref_logprobs_s")
+        result[f"mfu_{tag}update_actor"] = round(upd_f / upd / peak, 4)
+        result[f"mfu_{tag}old_logprobs"] = round(fwd_f / old / peak, 4)
+        result[f"mfu_{tag}ref_logprobs"] = round(fwd_f / ref / peak, 4)
+        result[f"mfu_{tag}training"] = round((upd_f + 2 * fwd_f) / (upd + old + ref) / peak, 4)
+        result[f"tflops_{tag}update_actor"] = round(upd_f / upd / 1e12, 2)
+    result["reward_mean"] = round(mean("reward_mean"), 4)
+
+
+def print_table(r: dict) -> None:
+    p = r["phases_s"]
+    print(f"\n{r['algorithm']} on {r['model']} ({r['dtype']}, {r['device']}), actor TP={r['actor_tp']}"
+          f", generation TP={r['gen_tp']} x {r['gen_replicas']} replicas, {r['train_batch_size']} "
+          f"prompts x {r['n']}, {r['max_tokens']} new tokens; mean of {r['iters']} timed "
+          "iterations")
+    print("| phase | seconds |\n| --- | --- |")
+    for k, v in p.items():
+        print(f"| {k} | {v:.4f} |")
+    print(f"generation: {r['response_tokens']:.0f} response tokens, {r['gen_tokens_per_s']:.0f} "
+          f"tokens/s ({r['gen_tokens_per_s_per_replica']:.0f} per replica)"
+          + (f"; decode-step HBM roofline {r['gen_roofline_s']:.4f} s at "
+             f"{r['copy_bandwidth_gb_s']} GB/s = {r['gen_roofline_fraction']:.1%} of generate"
+             if "gen_roofline_fraction" in r else ""))
+    print(f"training: matmul {r['matmul_tflops']} TFLOP/s per device x {r['actor_tp']}; "
+          f"MFU update {r['mfu_update_actor']:.1%}, old log-probs {r['mfu_old_logprobs']:.1%}, "
+          f"ref log-probs {r['mfu_ref_logprobs']:.1%}, together {r['mfu_training']:.1%} "
+          f"(padded tokens: {r['mfu_padded_training']:.1%})", flush=True)
+
+
+if __name__ == "__main__":
+    main()
