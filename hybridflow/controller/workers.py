@@ -53,6 +53,24 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
     return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
 
 
+def _ppo_updates(engine, data: dict[str, torch.Tensor], schedule, agg: str, dp_group,
+                 loss_for, prefix: str, loss_key: str | None) -> Batch:
+    """``schedule.ppo_epochs`` passes of ``schedule.mini_batches`` optimizer steps over this DP
+    rank's ``data``. ``loss_for(denominator)`` gives a mini-batch's loss function, the
+    denominator being its global count for ``agg``. Returns the metrics averaged over steps."""
+    rows = []
+    for _ in range(schedule.ppo_epochs):
+        for part in Batch(data).split(schedule.mini_batches):
+            denom = _denominator(part["response_mask"], agg, dp_group)
+            step = engine.train_step(part.tensors, loss_for(denom))
+            step[f"{prefix}/grad_norm"] = step.pop("grad_norm")
+            loss = step.pop("loss")
+            if loss_key is not None:
+                step[loss_key] = loss
+            rows.append(step)
+    return Batch(meta=_mean_metrics(rows))
+
+
 class ActorRolloutRefWorker(Worker):
     """Actor + rollout + reference on one rank."""
 
@@ -144,25 +162,17 @@ class ActorRolloutRefWorker(Worker):
         return out
 
     def _pack(self, outputs, batch: Batch, sampling) -> Batch:
-        P, R = self.cfg.data.max_prompt_tokens, sampling.max_tokens
-        pad = self.cfg.pad_token_id
-        n = len(outputs)
-        ids = torch.full((n, P + R), pad, dtype=torch.long)
-        attention = torch.zeros(n, P + R, dtype=torch.long)
-        response = torch.zeros(n, P + R, dtype=torch.float32)
-        logprobs = torch.zeros(n, P + R, dtype=torch.float32)
-        for i, o in enumerate(outputs):
-            p, r = o.prompt_token_ids, o.response_token_ids
-            ids[i, P - len(p):P] = torch.tensor(p)
-            ids[i, P:P + len(r)] = torch.tensor(r, dtype=torch.long)
-            attention[i, P - len(p):P + len(r)] = 1
-            response[i, P:P + len(r)] = 1
-            logprobs[i, P:P + len(r)] = torch.tensor(o.logprobs, dtype=torch.float32)
+        from hybridflow.rollout.base import rollout_batch
+        # Fixed widths: every replica's rows have the same length, so the controller can
+        # concatenate them.
+        tensors = rollout_batch(outputs, self.cfg.pad_token_id,
+                                prompt_width=self.cfg.data.max_prompt_tokens,
+                                response_width=sampling.max_tokens)
+        tensors["response_mask"] = tensors["response_mask"].float()
         index = [o.prompt_index for o in outputs]
         lists = {k: [v[j] for j in index] for k, v in batch.lists.items()}
         lists["finish_reason"] = [o.finish_reason for o in outputs]
-        return Batch({"input_ids": ids, "attention_mask": attention, "response_mask": response,
-                      "rollout_logprobs": logprobs}, lists)
+        return Batch(tensors, lists)
 
     # ----------------------------------------------------------------------------- scoring
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -184,32 +194,25 @@ class ActorRolloutRefWorker(Worker):
         keys = ["old_logprobs", "advantages", "response_mask"]
         if a.kl_loss_coef:
             keys.append("ref_logprobs")
-        data = _engine_batch(batch, *keys)
-        rows = []
-        for _ in range(a.ppo_epochs):
-            for part in Batch(data).split(a.mini_batches):
-                mb_all = part.tensors
-                denom = _denominator(mb_all["response_mask"], a.loss_agg_mode, self.dp_group)
 
-                def loss_fn(logprobs, mb):
-                    mask = mb["response_mask"]
-                    loss, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
-                                          a.clip_ratio_low, a.clip_ratio_high, a.dual_clip_c,
-                                          a.loss_agg_mode, denom)
-                    metrics = {"actor/pg_loss": loss, "actor/clip_frac": m["clip_frac"],
-                               "actor/approx_kl": m["approx_kl"],
-                               "actor/dual_clip_frac": m["dual_clip_frac"]}
-                    if a.kl_loss_coef:
-                        kl = aggregate_loss(kl_penalty(logprobs, mb["ref_logprobs"], a.kl_loss_type),
-                                            mask, a.loss_agg_mode, denom)
-                        loss = loss + a.kl_loss_coef * kl
-                        metrics["actor/kl_loss"] = kl
-                    return loss, metrics
-                step = self.actor.train_step(mb_all, loss_fn)
-                step["actor/grad_norm"] = step.pop("grad_norm")
-                step["actor/loss"] = step.pop("loss")
-                rows.append(step)
-        return Batch(meta=_mean_metrics(rows))
+        def loss_for(denom):
+            def loss_fn(logprobs, mb):
+                mask = mb["response_mask"]
+                loss, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
+                                      a.clip_ratio_low, a.clip_ratio_high, a.dual_clip_c,
+                                      a.loss_agg_mode, denom)
+                metrics = {"actor/pg_loss": loss, "actor/clip_frac": m["clip_frac"],
+                           "actor/approx_kl": m["approx_kl"],
+                           "actor/dual_clip_frac": m["dual_clip_frac"]}
+                if a.kl_loss_coef:
+                    kl = aggregate_loss(kl_penalty(logprobs, mb["ref_logprobs"], a.kl_loss_type),
+                                        mask, a.loss_agg_mode, denom)
+                    loss = loss + a.kl_loss_coef * kl
+                    metrics["actor/kl_loss"] = kl
+                return loss, metrics
+            return loss_fn
+        return _ppo_updates(self.actor, _engine_batch(batch, *keys), a, a.loss_agg_mode,
+                            self.dp_group, loss_for, "actor", loss_key="actor/loss")
 
     def state_for_test(self) -> dict[str, torch.Tensor]:
         """Full actor weights (tests check that training moved them)."""
@@ -278,19 +281,12 @@ class CriticWorker(Worker):
     def update_critic(self, batch: Batch) -> Batch:
         from hybridflow.algorithms import value_loss
         c = self.cfg.critic
-        data = _engine_batch(batch, "values", "returns", "response_mask")
-        rows = []
-        for _ in range(c.ppo_epochs):
-            for part in Batch(data).split(c.mini_batches):
-                mb_all = part.tensors
-                denom = _denominator(mb_all["response_mask"], "token-mean", self.dp_group)
 
-                def loss_fn(raw, mb):
-                    loss, m = value_loss(self._state_values(raw), mb["values"], mb["returns"],
-                                         mb["response_mask"], c.value_clip, "token-mean", denom)
-                    return loss, {"critic/vf_loss": loss, "critic/vf_clip_frac": m["vf_clip_frac"]}
-                step = self.engine.train_step(mb_all, loss_fn)
-                step["critic/grad_norm"] = step.pop("grad_norm")
-                step.pop("loss")
-                rows.append(step)
-        return Batch(meta=_mean_metrics(rows))
+        def loss_for(denom):
+            def loss_fn(raw, mb):
+                loss, m = value_loss(self._state_values(raw), mb["values"], mb["returns"],
+                                     mb["response_mask"], c.value_clip, "token-mean", denom)
+                return loss, {"critic/vf_loss": loss, "critic/vf_clip_frac": m["vf_clip_frac"]}
+            return loss_fn
+        return _ppo_updates(self.engine, _engine_batch(batch, "values", "returns", "response_mask"),
+                            c, "token-mean", self.dp_group, loss_for, "critic", loss_key=None)

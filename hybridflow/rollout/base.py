@@ -196,17 +196,20 @@ def check_prompts(prompt_token_ids: list[list[int]], max_tokens: int, max_model_
             raise ConfigError(f"prompt_token_ids[{i}]", f"holds ids outside [0, {vocab_size})")
 
 
-def rollout_batch(outputs: list[RolloutOutput], pad_token_id: int = 0) -> dict[str, torch.Tensor]:
+def rollout_batch(outputs: list[RolloutOutput], pad_token_id: int = 0,
+                  prompt_width: int | None = None, response_width: int | None = None
+                  ) -> dict[str, torch.Tensor]:
     """Rollout outputs -> the tensors training works on, one row per sample, [B, P + R]: the
-    prompt left-padded to P, the response right-padded to R.
+    prompt left-padded to P, the response right-padded to R (the longest in ``outputs`` unless
+    given: fixed widths let batches of several generation replicas be concatenated).
 
     ``input_ids``, ``attention_mask`` (1 = real token), ``response_mask`` (1 = response token),
     and ``rollout_logprobs`` (the backend's log-probs at the response positions, 0 elsewhere),
     aligned so that ``rollout_logprobs[b, i]`` compares with ``TrainEngine.compute_logprobs``'s
     ``out[b, i] = log p(input_ids[b, i] | input_ids[b, :i])``.
     """
-    width = max(len(o.prompt_token_ids) for o in outputs)
-    resp = max(len(o.response_token_ids) for o in outputs)
+    width = prompt_width or max(len(o.prompt_token_ids) for o in outputs)
+    resp = response_width or max(len(o.response_token_ids) for o in outputs)
     shape = (len(outputs), width + resp)
     ids = torch.full(shape, pad_token_id, dtype=torch.long)
     mask, response = torch.zeros(shape, dtype=torch.long), torch.zeros(shape, dtype=torch.long)
