@@ -219,15 +219,24 @@ class RLConfig:
                               f"over the {gen.replicas} generation replicas; use a multiple of "
                               f"{gen.replicas}")
         samples = self.train_batch_size * self.rollout.sampling.n
+        scorers = self.reward_model is not None or self.cost_model is not None
         for name, part in (("actor", self.actor), ("critic", self.critic)):
-            if name == "critic" and self.algorithm.name != "ppo":
-                continue
+            trains = name == "actor" or self.algorithm.name == "ppo"
+            if not trains and not scorers:
+                continue  # the critic's layout also runs reward and cost models
             per_step = part.layout.dp * part.mini_batches * part.engine.micro_batch_size
-            if samples % per_step:
+            if trains and samples % per_step:
                 raise ConfigError(f"{name}.mini_batches", f"{samples} samples per step "
                                   f"(train_batch_size * rollout.sampling.n) must be a multiple "
                                   f"of {name}.layout.dp * {name}.mini_batches * "
                                   f"{name}.engine.micro_batch_size = {per_step}")
+            forward = part.engine.forward_micro_batch_size
+            if forward is not None and samples % (part.layout.dp * forward):
+                raise ConfigError(f"{name}.engine.forward_micro_batch_size",
+                                  f"{samples} samples per step (train_batch_size * "
+                                  f"rollout.sampling.n) must be a multiple of {name}.layout.dp * "
+                                  f"{name}.engine.forward_micro_batch_size = "
+                                  f"{part.layout.dp * forward}")
         if self.algorithm.name in ("grpo", "rloo") and self.rollout.sampling.n < 2:
             raise ConfigError("rollout.sampling.n", f"{self.algorithm.name} compares samples of "
                               "the same prompt: use n >= 2")

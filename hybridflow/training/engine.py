@@ -67,7 +67,12 @@ class EngineConfig:
     """How a model trains: precision, micro-batching, sequence parallelism, optimizer."""
 
     micro_batch_size: int = 1
-    """Sequences per micro-batch (per data-parallel rank)."""
+    """Sequences per micro-batch (per data-parallel rank) of a training step."""
+    forward_micro_batch_size: int | None = None
+    """Sequences per micro-batch of forward-only passes (log-probs, values). They keep no
+    activations, so this can be several times ``micro_batch_size``; each micro-batch costs a
+    fixed host-side overhead (Megatron's Python, kernel launches), which at small sizes is most of
+    the pass. None: ``micro_batch_size``."""
     dtype: str = "fp32"
     """Parameter dtype: "fp32" or "bf16" (bf16 keeps fp32 main weights in the optimizer)."""
     sequence_parallel: bool = False
@@ -82,9 +87,12 @@ class EngineConfig:
             self.optim = OptimConfig(**self.optim)
         if self.dtype not in _DTYPES:
             raise ConfigError("engine.dtype", f"unknown dtype {self.dtype!r}; use fp32 or bf16")
-        if not isinstance(self.micro_batch_size, int) or self.micro_batch_size < 1:
-            raise ConfigError("engine.micro_batch_size",
-                              f"must be a positive integer, got {self.micro_batch_size!r}")
+        for name in ("micro_batch_size", "forward_micro_batch_size"):
+            value = getattr(self, name)
+            if name == "forward_micro_batch_size" and value is None:
+                continue
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"engine.{name}", f"must be a positive integer, got {value!r}")
 
 
 def check_model_fits_layout(model: ModelConfig, layout: TrainLayout, engine: EngineConfig) -> None:
@@ -350,24 +358,28 @@ class TrainEngine:
         torch.cuda.synchronize()
 
     # ----------------------------------------------------------------------------- compute
-    def _micro_batches(self, batch: dict[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    def _micro_batches(self, batch: dict[str, torch.Tensor], forward_only: bool
+                       ) -> list[dict[str, torch.Tensor]]:
         n = batch["input_ids"].shape[0]
-        mbs = self.config.micro_batch_size
+        field, mbs = "engine.micro_batch_size", self.config.micro_batch_size
+        if forward_only and self.config.forward_micro_batch_size is not None:
+            field, mbs = "engine.forward_micro_batch_size", self.config.forward_micro_batch_size
         if n % mbs:
-            raise ConfigError("engine.micro_batch_size",
-                              f"{mbs} does not divide this rank's batch of {n} sequences")
+            raise ConfigError(field, f"{mbs} does not divide this rank's batch of {n} sequences")
+        # Everything a loss function reads (advantages, old log-probs, ...) goes to the device in
+        # one copy per field; micro-batches are views of it.
+        batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
         # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple of tp.
         s = batch["input_ids"].shape[1]
         pad = (-s) % self.layout.tp if self.config.sequence_parallel else 0
+        ids, mask = batch["input_ids"], batch["attention_mask"]
+        if pad:
+            ids = torch.nn.functional.pad(ids, (0, pad))
+            mask = torch.nn.functional.pad(mask, (0, pad))
         out = []
         for i in range(0, n, mbs):
-            # Everything a loss function reads (advantages, old log-probs, ...) lives on the device.
-            mb = {k: v[i:i + mbs].to(self.device) for k, v in batch.items()}
-            ids, mask = mb["input_ids"], mb["attention_mask"]
-            if pad:
-                ids = torch.nn.functional.pad(ids, (0, pad))
-                mask = torch.nn.functional.pad(mask, (0, pad))
-            mb["_ids"], mb["_mask"], mb["_seq"] = ids.to(self.device), mask.to(self.device), s
+            mb = {k: v[i:i + mbs] for k, v in batch.items()}
+            mb["_ids"], mb["_mask"], mb["_seq"] = ids[i:i + mbs], mask[i:i + mbs], s
             out.append(mb)
         return out
 
@@ -397,7 +409,11 @@ class TrainEngine:
                     outputs.append(per_token.detach())
                     return per_token.sum() * 0, torch.tensor(1, dtype=torch.int), {}
                 value, metrics = loss_fn(per_token, mb)
-                outputs.append({k: float(v) for k, v in metrics.items()} | {"loss": value.item()})
+                # Kept on the device: a host sync per micro-batch would idle the GPU while the
+                # host launches the next one; train_step reads them all at once.
+                row = {k: torch.as_tensor(v, device=value.device).detach().float().reshape(())
+                       for k, v in metrics.items()}
+                outputs.append(row | {"loss": value.detach().float()})
                 return value, torch.tensor(1, dtype=torch.int), {}
             return out, loss
         return step
@@ -411,14 +427,14 @@ class TrainEngine:
              logits: bool = False):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
-        mbs = self._micro_batches(batch)
+        mbs = self._micro_batches(batch, forward_only)
         outputs: list = []
         fb = get_forward_backward_func()
         iters = [iter(mbs) for _ in self.chunks] if len(self.chunks) > 1 else iter(mbs)
         fb(forward_step_func=self._forward_step(loss_fn, outputs, logits), data_iterator=iters,
            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
            num_microbatches=len(mbs), seq_length=mbs[0]["_ids"].shape[1],
-           micro_batch_size=self.config.micro_batch_size, forward_only=forward_only)
+           micro_batch_size=mbs[0]["_ids"].shape[0], forward_only=forward_only)
         return outputs
 
     def _from_last_stage(self, obj):
@@ -471,10 +487,12 @@ class TrainEngine:
         if not ok:
             raise FloatingPointError("optimizer step skipped: non-finite gradients")
         metrics: dict[str, float] = {}
-        if outputs:
-            keys = outputs[0].keys()
-            metrics = {k: sum(o[k] for o in outputs) / len(outputs) for k in keys}
-            metrics["loss"] = sum(o["loss"] for o in outputs)
+        if outputs:  # the last stage: one device -> host copy for all micro-batches
+            keys = list(outputs[0])
+            sums = dict(zip(keys, torch.stack([torch.stack([o[k] for k in keys])
+                                               for o in outputs]).sum(0).tolist()))
+            metrics = {k: v / len(outputs) for k, v in sums.items()}
+            metrics["loss"] = sums["loss"]
         metrics = self._from_last_stage(metrics)
         metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
         return metrics

@@ -17,14 +17,15 @@ from hybridflow.parallel.spawn import spawn
 MODEL = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=4, num_heads=4,
              num_kv_heads=2, head_dim=16, max_position_embeddings=64)
 BATCH, SEQ = 8, 12
-# (layout, sequence_parallel, distributed optimizer, micro_batch_size, head)
+# (layout, sequence_parallel, distributed optimizer, (micro_batch_size, forward_micro_batch_size),
+# head); the forward passes' micro-batches differ from the training step's in most rows
 LAYOUTS_4 = [
-    (dict(tp=2, pp=2, dp=1), False, False, 2, "lm"),
-    (dict(tp=2, pp=1, dp=2), False, True, 2, "lm"),
-    (dict(tp=2, pp=1, dp=2), True, False, 4, "lm"),
-    (dict(tp=1, pp=2, dp=2, vpp=2), False, False, 1, "lm"),
-    (dict(tp=1, pp=1, dp=4), False, True, 1, "lm"),
-    (dict(tp=2, pp=2, dp=1), False, False, 2, "value"),
+    (dict(tp=2, pp=2, dp=1), False, False, (2, 4), "lm"),
+    (dict(tp=2, pp=1, dp=2), False, True, (2, None), "lm"),
+    (dict(tp=2, pp=1, dp=2), True, False, (4, 2), "lm"),
+    (dict(tp=1, pp=2, dp=2, vpp=2), False, False, (1, 2), "lm"),
+    (dict(tp=1, pp=1, dp=4), False, True, (1, 2), "lm"),
+    (dict(tp=2, pp=2, dp=1), False, False, (2, 8), "value"),
 ]
 
 
@@ -57,12 +58,13 @@ def run_layouts(rank, world, layouts, qwen):
     full = init_full_weights(llama_param_metas(model), seed=7)
     batch = make_batch()
     results = []
-    for layout_kw, sp, dist_opt, mbs, head in layouts:
+    for layout_kw, sp, dist_opt, (mbs, forward_mbs), head in layouts:
         layout = TrainLayout(**layout_kw)
         optim = (OptimConfig(name="adam", lr=1e-3, adam_eps=1e-3, clip_grad=1.0, distributed=True)
                  if dist_opt else OptimConfig(name="sgd", lr=0.5, clip_grad=1.0))
         engine = TrainEngine(model, layout, EngineConfig(
-            micro_batch_size=mbs, sequence_parallel=sp, optim=optim), head=head)
+            micro_batch_size=mbs, forward_micro_batch_size=forward_mbs, sequence_parallel=sp,
+            optim=optim), head=head)
         engine.load_full_weights(full)
         d, _, _ = layout.coords(rank)
         per = BATCH // layout.dp
@@ -71,6 +73,9 @@ def run_layouts(rank, world, layouts, qwen):
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, per_token(mine))
         metrics = engine.train_step(mine, loss_fn if head == "lm" else value_loss_fn)
+        if head == "lm":  # metrics are averaged over this rank's micro-batches
+            expected = float(mine["attention_mask"].sum()) / (per // mbs)
+            assert metrics["tokens"] == pytest.approx(expected), (metrics, expected)
         # Every DP rank reports its share of the loss; the objective is their sum.
         loss = torch.tensor(metrics["loss"])
         torch.distributed.all_reduce(loss)
@@ -87,9 +92,10 @@ def run_layouts(rank, world, layouts, qwen):
 @pytest.fixture(scope="module", params=[False, True], ids=["llama", "qwen2-tied-bias"])
 def runs(request):
     one = dict(tp=1, pp=1, dp=1)
-    sgd, adam, value = spawn(run_layouts, 1, [(one, False, False, 4, "lm"),
-                                              (one, False, True, 4, "lm"),
-                                              (one, False, False, 4, "value")], request.param)[0]
+    sgd, adam, value = spawn(run_layouts, 1, [(one, False, False, (4, None), "lm"),
+                                              (one, False, True, (4, None), "lm"),
+                                              (one, False, False, (4, None), "value")],
+                             request.param)[0]
     multi = spawn(run_layouts, 4, LAYOUTS_4, request.param)[0]
     return {(False, "lm"): sgd, (True, "lm"): adam, (False, "value"): value}, multi
 

@@ -28,3 +28,21 @@ def test_defaults_prints_every_section(capsys):
     text = capsys.readouterr().out
     for key in ("model:", "layout:", "engine:", "optim:", "tracking:"):
         assert key in text
+
+
+@pytest.mark.parametrize("args, message", [
+    (["actor.engine.forward_micro_batch_size=0"],
+     "engine.forward_micro_batch_size: must be a positive integer, got 0"),
+    (["train_batch_size=4", "rollout.sampling.n=2", "actor.engine.forward_micro_batch_size=3"],
+     "actor.engine.forward_micro_batch_size: 8 samples per step"),
+    (["algorithm.name=ppo", "train_batch_size=4", "rollout.sampling.n=2",
+      "critic.engine.forward_micro_batch_size=16"],
+     "critic.engine.forward_micro_batch_size: 8 samples per step"),
+])
+def test_train_config_errors_exit_2(tmp_path, capsys, args, message):
+    out = tmp_path / "runs"
+    assert main(["train", *args, f"tracking.out_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridflow: error: ") and message in err, err
+    assert len(err.strip().splitlines()) == 1
+    assert not out.exists()
