@@ -315,23 +315,32 @@ class RLTrainer:
             return
         from hybridflow.algorithms import AdaptiveKLController, FixedKLController
         from hybridflow.algorithms.safe_rlhf import LagrangeMultiplier
-        from hybridflow.controller.worker_group import WorkerGroup
+        from hybridflow.controller.worker_group import ResourcePool, WorkerGroup
         from hybridflow.controller.workers import ActorRolloutRefWorker, CriticWorker
 
         cfg = self.config
         start = time.perf_counter()
-        self.actor = WorkerGroup(ActorRolloutRefWorker, cfg.actor.layout.world_size, cfg,
-                                 str(self.model_dir), ray_config=cfg.ray, name="actor")
-        self.critic = None
+        # (name, world size, worker class, its arguments); "scores" / "costs" are the reward and
+        # cost models.
+        groups = [("actor", cfg.actor.layout.world_size, ActorRolloutRefWorker,
+                   (cfg, str(self.model_dir)), {})]
         if cfg.algorithm.name == "ppo":
-            self.critic = WorkerGroup(CriticWorker, cfg.critic.layout.world_size, cfg,
-                                      str(self.model_dir), ray_config=cfg.ray, name="critic")
-        self.scorers = {}  # "scores" / "costs" -> worker group of a reward / cost model
+            groups.append(("critic", cfg.critic.layout.world_size, CriticWorker,
+                           (cfg, str(self.model_dir)), {}))
         for key, path in (("scores", cfg.reward_model), ("costs", cfg.cost_model)):
             if path is not None:
-                self.scorers[key] = WorkerGroup(
-                    CriticWorker, cfg.critic.layout.world_size, cfg, str(resolve_model(path)),
-                    trainable=False, ray_config=cfg.ray, name=key)
+                groups.append((key, cfg.critic.layout.world_size, CriticWorker,
+                               (cfg, str(resolve_model(path))), {"trainable": False}))
+        self._pools = {}  # world size -> the ResourcePool its colocated groups share
+        if cfg.ray.colocate:
+            for size in {g[1] for g in groups}:
+                share = sum(g[1] == size for g in groups)
+                self._pools[size] = ResourcePool(size, cfg.ray, share=share)
+        built = {name: WorkerGroup(cls, size, *args, ray_config=cfg.ray, name=name,
+                                   pool=self._pools.get(size), **kwargs)
+                 for name, size, cls, args, kwargs in groups}
+        self.actor, self.critic = built.pop("actor"), built.pop("critic", None)
+        self.scorers = built
         a = cfg.algorithm
         self.kl_ctrl = (AdaptiveKLController(init_coef=a.kl_coef, target=a.kl_target,
                                              horizon=a.kl_horizon)
@@ -534,6 +543,9 @@ class RLTrainer:
         for group in groups:
             if group is not None:
                 group.shutdown()
+        for pool in getattr(self, "_pools", {}).values():
+            pool.close()
+        self._pools = {}
         self._workers_started = False
         if ray.is_initialized():
             ray.shutdown()

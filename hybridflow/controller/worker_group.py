@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.batch import Batch
+from hybridflow.config.errors import ConfigError
 
 
 @dataclass(kw_only=True)
@@ -27,9 +28,13 @@ class RayConfig:
     num_cpus: int | None = None
     """CPUs Ray may schedule locally (None: all)."""
     gpus_per_worker: float = 0.0
-    """GPUs each rank's actor claims (1 on GPU machines; 0 on CPU)."""
+    """GPUs each rank claims (1 on GPU machines; 0 on CPU)."""
     cpus_per_worker: float = 0.0
-    """CPUs each rank's actor claims; 0 lets more ranks than cores share them (CPU demos)."""
+    """CPUs each rank claims; 0 lets more ranks than cores share them (CPU demos)."""
+    colocate: bool = True
+    """Models whose layouts have the same world size (actor, critic, reward and cost models)
+    share one rank's GPU and CPUs, each taking an equal part of them (HybridFlow's colocated
+    placement); false gives every worker group resources of its own."""
 
 
 def init_ray(cfg: RayConfig) -> None:
@@ -84,32 +89,79 @@ def _node_address() -> tuple[str, int]:
     return ip, _free_port("")
 
 
+class ResourcePool:
+    """One Ray placement-group bundle per rank: ``{"GPU": gpus_per_worker, "CPU": ...}``.
+
+    Worker groups built on the same pool put their rank r into bundle r and split its resources
+    ``share`` ways: HybridFlow's colocated models (actor + rollout + reference in one group, the
+    critic and reward models in others) use the same GPUs, and each rank's processes see the same
+    device, one per rank."""
+
+    def __init__(self, world_size: int, cfg: RayConfig, share: int = 1, timeout_s: float = 300.0):
+        import ray
+        from ray.util.placement_group import placement_group
+
+        init_ray(cfg)
+        self.world_size, self.share, self.cfg = world_size, share, cfg
+        bundle = {"CPU": max(cfg.cpus_per_worker, 0.01)}
+        if cfg.gpus_per_worker:
+            bundle["GPU"] = cfg.gpus_per_worker
+        free, total = ray.available_resources(), ray.cluster_resources()
+        for key, need in bundle.items():
+            if need * world_size > free.get(key, 0) + 1e-6:
+                field = "ray.gpus_per_worker" if key == "GPU" else "ray.cpus_per_worker"
+                raise ConfigError(field, f"{world_size} ranks x {need:g} {key} = "
+                                  f"{need * world_size:g} {key}, but Ray has {free.get(key, 0):g} "
+                                  f"free of {total.get(key, 0):g}; lower it, shrink the layout, "
+                                  "or set ray.colocate=true so that models share their GPUs")
+        self.placement_group = placement_group([dict(bundle) for _ in range(world_size)],
+                                               strategy="PACK")
+        try:
+            ray.get(self.placement_group.ready(), timeout=timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            ray.util.remove_placement_group(self.placement_group)
+            raise ConfigError("ray.gpus_per_worker", f"{world_size} bundles of {bundle} were not "
+                              f"placed within {timeout_s:g}s (other groups hold the resources); "
+                              "set ray.colocate=true or lower the per-rank resources") from None
+
+    def options(self, rank: int) -> dict[str, Any]:
+        """Ray actor options that put a worker of this pool's rank ``rank`` into its bundle."""
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        return dict(num_gpus=self.cfg.gpus_per_worker / self.share,
+                    num_cpus=self.cfg.cpus_per_worker / self.share,
+                    scheduling_strategy=PlacementGroupSchedulingStrategy(
+                        placement_group=self.placement_group, placement_group_bundle_index=rank))
+
+    def close(self) -> None:
+        import ray
+        ray.util.remove_placement_group(self.placement_group)
+
+
 class WorkerGroup:
-    """``world_size`` Ray actors of ``worker_cls``; construct with the worker's own arguments."""
+    """``world_size`` Ray actors of ``worker_cls``; construct with the worker's own arguments.
+    ``pool``: the ResourcePool to place them in (shared with other groups to colocate them);
+    None makes one of their own."""
 
     def __init__(self, worker_cls: type[Worker], world_size: int, *args: Any,
-                 ray_config: RayConfig | None = None, name: str = "worker", **kwargs: Any):
+                 ray_config: RayConfig | None = None, name: str = "worker",
+                 pool: ResourcePool | None = None, **kwargs: Any):
         import ray
         cfg = ray_config or RayConfig()
-        init_ray(cfg)
-        actor_cls = ray.remote(num_cpus=cfg.cpus_per_worker, num_gpus=cfg.gpus_per_worker)(
-            worker_cls)
-        self.name, self.world_size = name, world_size
-        placement = [{} for _ in range(world_size)]
+        self.own_pool = pool is None
+        pool = pool or ResourcePool(world_size, cfg)
+        if pool.world_size != world_size:
+            raise ValueError(f"a pool of {pool.world_size} bundles cannot hold {world_size} ranks")
+        self.name, self.world_size, self.pool = name, world_size, pool
+        placement = [pool.options(r) for r in range(world_size)]
         if cfg.address == "local":
             addr, port = "127.0.0.1", _free_port()
         else:
-            # On a cluster rank 0 may land on any node: reserve one bundle per rank, ask the node
-            # of bundle 0 for its address and a free port, then pin each rank to its bundle.
-            from ray.util.placement_group import placement_group
-            from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
-            bundle = {"CPU": max(cfg.cpus_per_worker, 0.01), "GPU": cfg.gpus_per_worker}
-            pg = placement_group([dict(bundle) for _ in range(world_size)], strategy="PACK")
-            ray.get(pg.ready())
-            placement = [{"scheduling_strategy": PlacementGroupSchedulingStrategy(
-                placement_group=pg, placement_group_bundle_index=r)} for r in range(world_size)]
-            probe = ray.remote(num_cpus=0.01)(_node_address).options(**placement[0])
+            # On a cluster rank 0 may land on any node: ask the node of bundle 0 for its address
+            # and a free port.
+            probe = ray.remote(num_cpus=0)(_node_address).options(
+                scheduling_strategy=placement[0]["scheduling_strategy"])
             addr, port = ray.get(probe.remote())
+        actor_cls = ray.remote(worker_cls)
         self.actors = [actor_cls.options(name=f"{name}-{r}-{port}", **placement[r]).remote(
             r, world_size, addr, port, *args, **kwargs) for r in range(world_size)]
         ray.get([a.ping.remote() for a in self.actors])  # surfaces constructor errors here
@@ -146,3 +198,5 @@ class WorkerGroup:
         for a in self.actors:
             ray.kill(a)
         self.actors = []
+        if self.own_pool:
+            self.pool.close()
