@@ -148,15 +148,20 @@ class ActorRolloutRefWorker(Worker):
                                                  self.cfg.rollout.tp))
         self.rollout.wake()
         loaded = time.perf_counter()
+        captured = getattr(self.rollout, "capture_seconds", 0.0)
         outputs = self.rollout.generate(batch["prompt_ids"], sampling)
-        self.rollout.sleep()
+        captured = getattr(self.rollout, "capture_seconds", 0.0) - captured
         generated = time.perf_counter()
+        self.rollout.sleep()
+        slept = time.perf_counter()
         self.hybrid.to_training()
         out = self._pack(outputs, batch, sampling)
         out.meta.update({
             "timing/reshard_s": weights.seconds, "timing/weight_load_s": loaded - start
             - weights.seconds, "timing/generate_s": generated - loaded,
-            "timing/back_to_train_s": time.perf_counter() - generated,
+            "timing/graph_capture_s": captured,  # inside generate_s
+            "timing/rollout_sleep_s": slept - generated,
+            "timing/back_to_train_s": time.perf_counter() - slept,
             "reshard/bytes_received": weights.bytes_received,
             "reshard/naive_bytes": weights.naive_bytes})
         return out

@@ -7,6 +7,8 @@ All checks of one world size run in one spawned process (Megatron's groups are p
 the tests below read its results.
 """
 
+import weakref
+
 import pytest
 import torch
 
@@ -66,8 +68,9 @@ def megatron_checks(rank, world, ckpt):
     r["updated"] = summary(updated), summary(ref.generate(PROMPTS, GREEDY)), summary(greedy)
     rollout.fast_decode = True  # its cache from before the update is reused, the weights not
     r["fast_updated"] = summary(rollout.generate(PROMPTS, GREEDY))
-    rollout.sleep()
-    r["fast_released"] = rollout._fast._cache is None
+    cache = weakref.ref(rollout._fast._cache)
+    rollout.sleep()  # frees the cache without a gc.collect()
+    r["fast_released"] = rollout._fast._cache is None and cache() is None
     rollout.fast_decode = False
     engine.load_full_weights(hf_to_megatron(new, CFG))
     r["updated_logprobs"] = logprob_pairs(engine, updated)
