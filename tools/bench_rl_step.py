@@ -7,7 +7,8 @@ advantages -> actor update), phase by phase.
 
 A random Llama-shaped HF checkpoint is written into a temporary directory (``llama-0.9b``: 16
 layers, hidden 2048, 16 heads of 128, 8 KV groups, FFN 5632, vocab 32000, untied, bf16, with the
-tiny byte-level BPE tokenizer; ``tiny``: hybridflow's tiny Llama). The trainer runs with the actor
+tiny byte-level BPE tokenizer; ``llama-7b``: Llama-2-7B's shapes, 32 layers, hidden 4096, 32
+heads, FFN 11008; ``tiny``: hybridflow's tiny Llama). The trainer runs with the actor
 at ``--tp`` (one Ray actor per rank, ``ray.gpus_per_worker=1`` on GPU), the Megatron rollout
 backend at ``--gen-tp`` (tp / gen_tp micro-DP replicas, the fast decode path on GPU), the given
 ``--algorithm`` and a length-based reward; prompts are made up here (random words, chat template
@@ -19,10 +20,12 @@ timed iterations.
 Phases (seconds): ``generate_call`` is the controller's wall time of ``trainer.generate``; inside
 it, as replica 0's worker measured them, ``reshard`` (the 3D-HybridEngine's all-gather into the
 generation layout), ``weight_load`` (handing those tensors to the rollout model), ``generate``
-(sampling, CUDA-graph capture after the previous ``sleep`` included), ``back_to_train``;
-``reward``, ``old_logprobs``, ``ref_logprobs``, ``advantages`` (from ``trainer.score``),
-``update_actor`` (``trainer.update_actor``; ``update_critic`` for PPO) and ``step`` (the whole
-iteration, controller wall time).
+(sampling, CUDA-graph capture after the previous ``sleep`` included; ``graph_capture`` is that
+capture's share), ``rollout_sleep`` (the rollout engine freeing its KV cache and graphs),
+``back_to_train``; ``reward``, ``old_logprobs``, ``ref_logprobs``, ``values``
+(PPO), ``advantages`` (from ``trainer.score``), ``update_critic`` (PPO), ``update_actor`` and
+``step`` (the whole iteration, controller wall time). With ``--algorithm ppo`` the critic's worker
+group shares the actor's GPUs (``ray.colocate``; ``--no-colocate`` asks for GPUs of its own).
 
 Generation: ``gen_tokens_per_s`` = response tokens of all replicas / replica 0's ``generate``
 time (the replicas decode at once, one per GPU). The HBM roofline of the decode steps is, per
@@ -36,7 +39,8 @@ unpacking are in the denominator, so this is below ``bench_rollout``'s decode-on
 Training MFU: achieved FLOPs / (ranks x the bf16 matmul rate measured here with one large
 ``torch.matmul`` per GPU). FLOPs = 6 x N x tokens for ``update_actor`` (forward + backward, per
 PPO epoch), 2 x N x tokens for each forward-only pass (old and ref log-probs); N = the parameters
-that take part in matmuls (all but the input embedding table); attention's score/value FLOPs are
+that take part in matmuls (all but the input embedding table); the critic's passes (``values``,
+``update_critic``) count N less the output layer plus the value head; attention's score/value FLOPs are
 not counted. ``tokens`` are the real (unpadded) prompt + response tokens (``mfu_*``); the engine
 computes every position of the [B, max_prompt_tokens + max_tokens] batch, so ``mfu_padded_*``
 counts those. On CPU the "matmul rate" is one thread's (the workers run one thread each) and
@@ -66,10 +70,12 @@ import torch  # noqa: E402
 
 from hybridflow.models.config import ModelConfig  # noqa: E402
 
-LLAMA_09B = dict(arch="llama", vocab_size=32000, hidden_size=2048, ffn_hidden_size=5632,
-                 num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128, tie_embeddings=False,
-                 rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096)
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+from bench_reshard import PRESETS  # noqa: E402
+from bench_rollout import _TORCH_DTYPES, LLAMA_09B, copy_bandwidth, decode_bytes  # noqa: E402
+
+# Llama-2-7B shapes (bench_reshard's), with the 0.9B model's rope and norm settings.
+LLAMA_7B = dict(LLAMA_09B, **PRESETS["llama-7b"])
+MODELS = {"llama-0.9b": LLAMA_09B, "llama-7b": LLAMA_7B}
 _WORDS = ("the quick brown fox jumps over lazy dog answer question step think compute count "
           "clips friends sold half many april may sun sleeps helpful assistant reward policy "
           "model feedback human learning train hello fine today thank you final number").split()
@@ -77,7 +83,7 @@ _WORDS = ("the quick brown fox jumps over lazy dog answer question step think co
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench_rl_step", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=("tiny", "llama-0.9b"), default="tiny")
+    ap.add_argument("--model", choices=("tiny", *MODELS), default="tiny")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--algorithm", default="grpo", help="grpo, ppo, rloo, ...")
     ap.add_argument("--backend", choices=("megatron", "hf"), default="megatron",
@@ -93,7 +99,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="new tokens per sample (default 128 on GPU, 16 on CPU)")
     ap.add_argument("--prompt-min", type=int, default=None, help="default 64 (GPU), 24 (CPU)")
     ap.add_argument("--prompt-max", type=int, default=None, help="default 128 (GPU), 40 (CPU)")
-    ap.add_argument("--micro-batch", type=int, default=None, help="default 8 (GPU), 2 (CPU)")
+    ap.add_argument("--micro-batch", type=int, default=None,
+                    help="training micro-batch (sequences); default 32 (GPU), 2 (CPU)")
+    ap.add_argument("--forward-micro-batch", type=int, default=None,
+                    help="micro-batch of the forward-only passes (log-probs, values); default "
+                    "64 (GPU), 4 (CPU); 0: the training micro-batch")
+    ap.add_argument("--ref-offload", action="store_true",
+                    help="ref.offload: the reference's weights in host memory between uses")
+    ap.add_argument("--offload-optimizer", action="store_true",
+                    help="hybrid_engine.offload_optimizer: Adam state in host memory while "
+                    "generating")
+    ap.add_argument("--no-colocate", action="store_true",
+                    help="ray.colocate=false: the critic gets GPUs of its own")
     ap.add_argument("--gpus-per-worker", type=float, default=None,
                     help="Ray GPUs per rank (default 1 on GPU, 0 on CPU)")
     ap.add_argument("--warmup", type=int, default=1)
@@ -108,11 +125,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.device = "cuda" if gpu else "cpu"
     defaults = dict(dtype="bf16" if gpu else "fp32", batch=32 if gpu else 4,
                     max_tokens=128 if gpu else 16, prompt_min=64 if gpu else 24,
-                    prompt_max=128 if gpu else 40, micro_batch=8 if gpu else 2,
+                    prompt_max=128 if gpu else 40, micro_batch=32 if gpu else 2,
+                    forward_micro_batch=64 if gpu else 4,
                     gpus_per_worker=1.0 if gpu else 0.0)
     for k, v in defaults.items():
         if getattr(args, k) is None:
             setattr(args, k, v)
+    if args.forward_micro_batch == 0:
+        args.forward_micro_batch = args.micro_batch
     if not 0 < args.prompt_min <= args.prompt_max:
         ap.error("need 0 < --prompt-min <= --prompt-max")
     if args.iters < 1 or args.warmup < 0:
@@ -123,7 +143,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 # ------------------------------------------------------------------------------ model and data
 def model_config(name: str) -> ModelConfig:
     from hybridflow.models.tiny import tiny_llama_config
-    return tiny_llama_config() if name == "tiny" else ModelConfig(**LLAMA_09B)
+    return tiny_llama_config() if name == "tiny" else ModelConfig(**MODELS[name])
 
 
 def write_checkpoint(name: str, dtype: str, workdir: Path, device: str, seed: int) -> Path:
@@ -208,7 +228,6 @@ def device_rates(device: str, ranks: int) -> dict:
     in this process before Ray starts."""
     out = {}
     if device == "cuda":
-        from bench_rollout import copy_bandwidth
         n = min(ranks, torch.cuda.device_count())
         rates = [matmul_rate(f"cuda:{i}", 8192, 50) for i in range(n)]
         with torch.cuda.device(0):
@@ -240,7 +259,6 @@ def generation_roofline(batch, replicas: int, cfg: ModelConfig, dtype_bytes: int
                         bandwidth: float) -> list[dict]:
     """Per replica (rows in dispatch order): rows, padded prompt width, decode steps, bytes and
     the roofline seconds of its decode steps."""
-    from bench_rollout import decode_bytes
     response = batch["response_mask"].bool()
     prompt = batch["attention_mask"].bool() & ~response
     rows = response.shape[0] // replicas
@@ -292,23 +310,26 @@ def make_config(args, path: Path):
     from hybridflow.data.prompts import PromptDataConfig
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.rollout.base import SamplingConfig
-    from hybridflow.trainer import (ActorConfig, AlgorithmConfig, CriticConfig, RLConfig,
-                                    RolloutConfig)
+    from hybridflow.trainer import (ActorConfig, AlgorithmConfig, CriticConfig,
+                                    HybridEngineConfig, RefConfig, RLConfig, RolloutConfig)
 
     actor, critic = ActorConfig(), CriticConfig()
+    sizes = dict(dtype=args.dtype, micro_batch_size=args.micro_batch,
+                 forward_micro_batch_size=args.forward_micro_batch)
     return RLConfig(
         name=f"bench-{args.algorithm}", model=str(path),
         algorithm=AlgorithmConfig(name=args.algorithm),
-        actor=replace(actor, layout=TrainLayout(tp=args.tp), engine=replace(
-            actor.engine, dtype=args.dtype, micro_batch_size=args.micro_batch)),
-        critic=replace(critic, layout=TrainLayout(tp=args.tp), engine=replace(
-            critic.engine, dtype=args.dtype, micro_batch_size=args.micro_batch)),
+        actor=replace(actor, layout=TrainLayout(tp=args.tp), engine=replace(actor.engine, **sizes)),
+        critic=replace(critic, layout=TrainLayout(tp=args.tp),
+                       engine=replace(critic.engine, **sizes)),
+        ref=RefConfig(offload=args.ref_offload),
+        hybrid_engine=HybridEngineConfig(offload_optimizer=args.offload_optimizer),
         rollout=RolloutConfig(backend=args.backend, tp=args.gen_tp, sampling=SamplingConfig(
             temperature=1.0, max_tokens=args.max_tokens, n=args.n)),
         data=PromptDataConfig(source="bench_prompts.jsonl", max_prompt_tokens=args.prompt_max),
         train_batch_size=args.batch, steps=args.warmup + args.iters, seed=args.seed,
         ray=RayConfig(num_cpus=None if args.device == "cuda" else 2,
-                      gpus_per_worker=args.gpus_per_worker))
+                      gpus_per_worker=args.gpus_per_worker, colocate=not args.no_colocate))
 
 
 # ------------------------------------------------------------------------------ main
@@ -322,7 +343,10 @@ def main(argv=None) -> dict:
                   backend=args.backend, dtype=args.dtype, actor_tp=args.tp, gen_tp=args.gen_tp,
                   gen_replicas=replicas, train_batch_size=args.batch, n=args.n,
                   max_tokens=args.max_tokens, prompt_tokens=[args.prompt_min, args.prompt_max],
-                  micro_batch_size=args.micro_batch, warmup=args.warmup, iters=args.iters,
+                  micro_batch_size=args.micro_batch,
+                  forward_micro_batch_size=args.forward_micro_batch,
+                  ref_offload=args.ref_offload, offload_optimizer=args.offload_optimizer,
+                  colocate=not args.no_colocate, warmup=args.warmup, iters=args.iters,
                   torch=torch.__version__)
     start = time.perf_counter()
     result.update(device_rates(args.device, args.tp))
@@ -383,8 +407,8 @@ def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
         vals = [r[key] for r in rows if key in r]
         return statistics.mean(vals) if vals else None
 
-    phases = ["reshard_s", "weight_load_s", "generate_s", "back_to_train_s", "generate_call_s",
-              "reward_s", "old_logprobs_s", "ref_logprobs_s", "values_s", "advantages_s",
+    phases = ["reshard_s", "weight_load_s", "generate_s", "graph_capture_s", "rollout_sleep_s",
+              "back_to_train_s", "generate_call_s", "reward_s", "old_logprobs_s", "ref_logprobs_s", "values_s", "advantages_s",
               "update_critic_s", "update_actor_s", "step_s"]
     result["phases_s"] = {k[:-2]: round(mean(k), 4) for k in phases if mean(k) is not None}
     result["per_iteration"] = [{k: (round(v, 4) if isinstance(v, float) else v)
@@ -400,22 +424,25 @@ def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
         roof = statistics.mean(r["gen_replicas"][0]["roofline_s"] for r in rows)
         result["gen_roofline_s"] = round(roof, 5)
         result["gen_roofline_fraction"] = round(roof / gen_s, 4)
-    # training
+    # training: (phase, FLOPs per token) of the passes that ran; the critic's value head
+    # replaces the output layer
     n_params = matmul_params(cfg)
+    n_critic = n_params - cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+    passes = [(k, f) for k, f in (("update_actor", 6 * n_params), ("old_logprobs", 2 * n_params),
+                                  ("ref_logprobs", 2 * n_params), ("values", 2 * n_critic),
+                                  ("update_critic", 6 * n_critic)) if mean(f"{k}_s") is not None]
     peak = args.tp * result["matmul_tflops"] * 1e12
     result["matmul_params"] = n_params
     result["peak_flops_all_ranks"] = peak
     for tag, key in (("", "tokens_real"), ("padded_", "tokens_padded")):
         tokens = mean(key)
         result[f"tokens_{tag or 'real_'}per_step".replace("__", "_")] = tokens
-        upd_f = 6 * n_params * tokens
-        fwd_f = 2 * n_params * tokens
-        upd, old, ref = mean("update_actor_s"), mean("old_logprobs_s"), mean("ref_logprobs_s")
-        result[f"mfu_{tag}update_actor"] = round(upd_f / upd / peak, 4)
-        result[f"mfu_{tag}old_logprobs"] = round(fwd_f / old / peak, 4)
-        result[f"mfu_{tag}ref_logprobs"] = round(fwd_f / ref / peak, 4)
-        result[f"mfu_{tag}training"] = round((upd_f + 2 * fwd_f) / (upd + old + ref) / peak, 4)
-        result[f"tflops_{tag}update_actor"] = round(upd_f / upd / 1e12, 2)
+        for k, per_token in passes:
+            result[f"mfu_{tag}{k}"] = round(per_token * tokens / mean(f"{k}_s") / peak, 4)
+        result[f"mfu_{tag}training"] = round(
+            sum(f for _, f in passes) * tokens / sum(mean(f"{k}_s") for k, _ in passes) / peak, 4)
+        result[f"tflops_{tag}update_actor"] = round(
+            6 * n_params * tokens / mean("update_actor_s") / 1e12, 2)
     result["reward_mean"] = round(mean("reward_mean"), 4)
 
 
@@ -433,9 +460,10 @@ def print_table(r: dict) -> None:
           + (f"; decode-step HBM roofline {r['gen_roofline_s']:.4f} s at "
              f"{r['copy_bandwidth_gb_s']} GB/s = {r['gen_roofline_fraction']:.1%} of generate"
              if "gen_roofline_fraction" in r else ""))
+    mfu = ", ".join(f"{k[4:].replace('_', ' ')} {v:.1%}" for k, v in r.items()
+                    if k.startswith("mfu_") and not k.startswith(("mfu_padded", "mfu_training")))
     print(f"training: matmul {r['matmul_tflops']} TFLOP/s per device x {r['actor_tp']}; "
-          f"MFU update {r['mfu_update_actor']:.1%}, old log-probs {r['mfu_old_logprobs']:.1%}, "
-          f"ref log-probs {r['mfu_ref_logprobs']:.1%}, together {r['mfu_training']:.1%} "
+          f"MFU {mfu}; together {r['mfu_training']:.1%} "
           f"(padded tokens: {r['mfu_padded_training']:.1%})", flush=True)
 
 

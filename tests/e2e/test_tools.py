@@ -1,0 +1,39 @@
+"""The benchmark tools run on the CPU and keep their JSON contract (speed is never asserted)."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run(*args: str, timeout: int = 600) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    out = subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True,
+                         text=True, timeout=timeout)
+    assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-4000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_bench_engine_times_each_micro_batch():
+    r = _run("tools/bench_engine.py", "--model", "tiny", "--batch", "8", "--seq", "16",
+             "--micro-batch", "2", "8", "--repeats", "1")
+    assert [s["micro_batch"] for s in r["sizes"]] == [2, 8]
+    for s in r["sizes"]:
+        assert s["forward_s"] > 0 and s["train_s"] > 0 and 0 < s["train_mfu"] < 1
+    assert r["matmul_tflops"] > 0 and r["optimizer_s"] > 0
+
+
+def test_bench_rl_step_ppo_reports_every_phase(tmp_path):
+    r = _run("tools/bench_rl_step.py", "--model", "tiny", "--device", "cpu", "--algorithm",
+             "ppo", "--warmup", "0", "--iters", "1", "--batch", "2", "--n", "2",
+             "--max-tokens", "4", "--micro-batch", "2", "--forward-micro-batch", "4",
+             "--workdir", str(tmp_path))
+    for phase in ("reshard", "generate", "rollout_sleep", "old_logprobs", "ref_logprobs",
+                  "values", "update_critic", "update_actor", "step"):
+        assert r["phases_s"][phase] >= 0, phase
+    assert r["forward_micro_batch_size"] == 4 and r["colocate"] is True
+    assert 0 < r["mfu_update_critic"] < 1 and 0 < r["mfu_training"] < 1
+    assert r["response_tokens"] > 0
