@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -106,14 +107,7 @@ class ResourcePool:
         bundle = {"CPU": max(cfg.cpus_per_worker, 0.01)}
         if cfg.gpus_per_worker:
             bundle["GPU"] = cfg.gpus_per_worker
-        free, total = ray.available_resources(), ray.cluster_resources()
-        for key, need in bundle.items():
-            if need * world_size > free.get(key, 0) + 1e-6:
-                field = "ray.gpus_per_worker" if key == "GPU" else "ray.cpus_per_worker"
-                raise ConfigError(field, f"{world_size} ranks x {need:g} {key} = "
-                                  f"{need * world_size:g} {key}, but Ray has {free.get(key, 0):g} "
-                                  f"free of {total.get(key, 0):g}; lower it, shrink the layout, "
-                                  "or set ray.colocate=true so that models share their GPUs")
+        self._check_resources(bundle)
         self.placement_group = placement_group([dict(bundle) for _ in range(world_size)],
                                                strategy="PACK")
         try:
@@ -123,6 +117,29 @@ class ResourcePool:
             raise ConfigError("ray.gpus_per_worker", f"{world_size} bundles of {bundle} were not "
                               f"placed within {timeout_s:g}s (other groups hold the resources); "
                               "set ray.colocate=true or lower the per-rank resources") from None
+
+    def _check_resources(self, bundle: dict[str, float], wait_s: float = 5.0) -> None:
+        """Fail at once, naming the field, if the bundles cannot fit; Ray's free counts lag
+        behind just-released groups, so a shortfall is re-read for ``wait_s`` first."""
+        import ray
+        total = ray.cluster_resources()
+        deadline = time.monotonic() + wait_s
+        while True:
+            free = ray.available_resources()
+            short = [(k, need) for k, need in bundle.items()
+                     if need * self.world_size > free.get(k, 0) + 1e-6]
+            if not short:
+                return
+            key, need = short[0]
+            if need * self.world_size <= total.get(key, 0) + 1e-6 and time.monotonic() < deadline:
+                time.sleep(0.2)
+                continue
+            field = "ray.gpus_per_worker" if key == "GPU" else "ray.cpus_per_worker"
+            raise ConfigError(field, f"{self.world_size} ranks x {need:g} {key} = "
+                              f"{need * self.world_size:g} {key}, but Ray has "
+                              f"{free.get(key, 0):g} free of {total.get(key, 0):g}; lower it, "
+                              "shrink the layout, or set ray.colocate=true so that models share "
+                              "their GPUs")
 
     def options(self, rank: int) -> dict[str, Any]:
         """Ray actor options that put a worker of this pool's rank ``rank`` into its bundle."""

@@ -46,7 +46,7 @@ def test_colocated_groups_share_each_ranks_gpu(ray_with_two_gpus):
 def test_groups_that_do_not_fit_say_which_field(ray_with_two_gpus):
     cfg = RayConfig(gpus_per_worker=1)
     with pytest.raises(ConfigError, match=r"ray.gpus_per_worker: 4 ranks x 1 GPU = 4 GPU, but "
-                                          r"Ray has 2 free of 2"):
+                                          r"Ray has \d free of 2"):
         WorkerGroup(GpuWorker, 4, ray_config=cfg, name="too-big")
     # Not colocated: the second group finds the GPUs taken (and says so at once).
     first = WorkerGroup(GpuWorker, 2, ray_config=cfg, name="first")
