@@ -51,6 +51,7 @@ def value_loss_fn(values, mb):
 
 def run_layouts(rank, world, layouts, qwen):
     from hybridflow.hybrid_engine.meta import init_full_weights, llama_param_metas
+    from hybridflow.config.errors import ConfigError
     from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
 
     model = ModelConfig(**MODEL, arch="qwen2" if qwen else "llama", qkv_bias=qwen,
@@ -70,6 +71,10 @@ def run_layouts(rank, world, layouts, qwen):
         per = BATCH // layout.dp
         mine = {k: v[d * per:(d + 1) * per] for k, v in batch.items()}
         per_token = engine.compute_logprobs if head == "lm" else engine.compute_values
+        if forward_mbs is not None:  # forward passes split by their own size, and say so
+            short = {k: v[:forward_mbs - 1] for k, v in mine.items()}
+            with pytest.raises(ConfigError, match="engine.forward_micro_batch_size"):
+                per_token(short)
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, per_token(mine))
         metrics = engine.train_step(mine, loss_fn if head == "lm" else value_loss_fn)
