@@ -40,8 +40,8 @@ Training MFU: achieved FLOPs / (ranks x the bf16 matmul rate measured here with 
 ``torch.matmul`` per GPU). FLOPs = 6 x N x tokens for ``update_actor`` (forward + backward, per
 PPO epoch), 2 x N x tokens for each forward-only pass (old and ref log-probs); N = the parameters
 that take part in matmuls (all but the input embedding table); the critic's passes (``values``,
-``update_critic``) count N less the output layer plus the value head; attention's score/value FLOPs are
-not counted. ``tokens`` are the real (unpadded) prompt + response tokens (``mfu_*``); the engine
+``update_critic``) count N less the output layer plus the value head; attention's score/value
+FLOPs are not counted. ``tokens`` are the real (unpadded) prompt + response tokens (``mfu_*``); the engine
 computes every position of the [B, max_prompt_tokens + max_tokens] batch, so ``mfu_padded_*``
 counts those. On CPU the "matmul rate" is one thread's (the workers run one thread each) and
 there is no roofline.
