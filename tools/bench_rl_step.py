@@ -41,9 +41,9 @@ Training MFU: achieved FLOPs / (ranks x the bf16 matmul rate measured here with 
 PPO epoch), 2 x N x tokens for each forward-only pass (old and ref log-probs); N = the parameters
 that take part in matmuls (all but the input embedding table); the critic's passes (``values``,
 ``update_critic``) count N less the output layer plus the value head; attention's score/value
-FLOPs are not counted. ``tokens`` are the real (unpadded) prompt + response tokens (``mfu_*``); the engine
-computes every position of the [B, max_prompt_tokens + max_tokens] batch, so ``mfu_padded_*``
-counts those. On CPU the "matmul rate" is one thread's (the workers run one thread each) and
+FLOPs are not counted. ``tokens`` are the real (unpadded) prompt + response tokens (``mfu_*``);
+the engine computes every position of the [B, max_prompt_tokens + max_tokens] batch, so
+``mfu_padded_*`` counts those. On CPU the "matmul rate" is one thread's (the workers run one thread each) and
 there is no roofline.
 
 The last stdout line is one JSON object.
@@ -408,8 +408,9 @@ def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
         return statistics.mean(vals) if vals else None
 
     phases = ["reshard_s", "weight_load_s", "generate_s", "graph_capture_s", "rollout_sleep_s",
-              "back_to_train_s", "generate_call_s", "reward_s", "old_logprobs_s", "ref_logprobs_s", "values_s", "advantages_s",
-              "update_critic_s", "update_actor_s", "step_s"]
+              "back_to_train_s", "generate_call_s", "reward_s", "old_logprobs_s",
+              "ref_logprobs_s", "values_s", "advantages_s", "update_critic_s", "update_actor_s",
+              "step_s"]
     result["phases_s"] = {k[:-2]: round(mean(k), 4) for k in phases if mean(k) is not None}
     result["per_iteration"] = [{k: (round(v, 4) if isinstance(v, float) else v)
                                 for k, v in r.items() if k != "gen_replicas"} for r in rows]
