@@ -43,8 +43,8 @@ that take part in matmuls (all but the input embedding table); the critic's pass
 ``update_critic``) count N less the output layer plus the value head; attention's score/value
 FLOPs are not counted. ``tokens`` are the real (unpadded) prompt + response tokens (``mfu_*``);
 the engine computes every position of the [B, max_prompt_tokens + max_tokens] batch, so
-``mfu_padded_*`` counts those. On CPU the "matmul rate" is one thread's (the workers run one thread each) and
-there is no roofline.
+``mfu_padded_*`` counts those. On CPU the "matmul rate" is one thread's (the workers run one
+thread each) and there is no roofline.
 
 The last stdout line is one JSON object.
 """
