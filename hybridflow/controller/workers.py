@@ -148,9 +148,9 @@ class ActorRolloutRefWorker(Worker):
                                                  self.cfg.rollout.tp))
         self.rollout.wake()
         loaded = time.perf_counter()
-        captured = getattr(self.rollout, "capture_seconds", 0.0)
+        captured = self.rollout.capture_seconds
         outputs = self.rollout.generate(batch["prompt_ids"], sampling)
-        captured = getattr(self.rollout, "capture_seconds", 0.0) - captured
+        captured = self.rollout.capture_seconds - captured
         generated = time.perf_counter()
         self.rollout.sleep()
         slept = time.perf_counter()

@@ -132,6 +132,12 @@ class RolloutBackend(ABC):
     def close(self) -> None:
         """Release the engine; the object is unusable afterwards."""
 
+    @property
+    def capture_seconds(self) -> float:
+        """Host seconds spent capturing CUDA graphs so far (0 for a backend that captures none
+        itself)."""
+        return 0.0
+
     def __enter__(self):
         return self
 
