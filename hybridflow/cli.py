@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import LayoutError
 
 

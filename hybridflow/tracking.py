@@ -8,7 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 
 
 @dataclass(kw_only=True)

@@ -19,7 +19,7 @@ from typing import Any, Callable
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.controller.worker_group import RayConfig
 from hybridflow.data.prompts import PromptDataConfig, PromptItem
 from hybridflow.parallel.layout import GenLayout, TrainLayout

@@ -52,7 +52,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    from hybridflow.config.errors import ConfigError
+    from hybridflow.errors import ConfigError
     from hybridflow.models import megatron_ckpt
 
     try:

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 
 # ---------------------------------------------------------------------------------------------
 # Masked statistics

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridflow.algorithms.advantages import _check_seq_shape, _check_token_shape
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.algorithms.advantages import _check_token_shape, masked_mean
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 

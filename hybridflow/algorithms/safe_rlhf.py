@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 
 
 def safe_rlhf_combined_advantage(reward_adv: torch.Tensor, cost_adv: torch.Tensor,

@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 from typing import Any, TypeVar
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 
 T = TypeVar("T")
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.batch import Batch
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 
 
 @dataclass(kw_only=True)

@@ -257,7 +257,7 @@ class CriticWorker(Worker):
         for name, param in self.engine.named_local_params():
             if name == VALUE_HEAD:
                 if head.shape != param.shape:
-                    from hybridflow.config.errors import ConfigError
+                    from hybridflow.errors import ConfigError
                     raise ConfigError(f"{files['score.weight']}: score.weight",
                                       f"shape {list(head.shape)}, expected {list(param.shape)} "
                                       "(one label)")

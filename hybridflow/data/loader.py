@@ -6,7 +6,7 @@ import dataclasses
 import random
 from typing import Any, Sequence
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.data.prompts import PromptItem
 
 

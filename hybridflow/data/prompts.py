@@ -13,7 +13,7 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 
 FILE_SUFFIXES = (".jsonl", ".parquet")
 

@@ -38,7 +38,7 @@ from typing import Iterator, Mapping
 
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.hf import megatron_qkv_to_vllm, split_megatron_to_hf
 

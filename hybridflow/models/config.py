@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 
 
 @dataclass(kw_only=True)

@@ -42,7 +42,7 @@ from typing import Any
 
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 
 # ----------------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.hybrid_engine.meta import ParamMeta
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.hf import (_safetensors_header, _weight_map, hf_param_names,

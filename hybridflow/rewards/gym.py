@@ -13,7 +13,7 @@ from __future__ import annotations
 import functools
 from typing import Any, Callable, Mapping
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.rewards.math import boxed_contents, last_number, parse_number
 
 

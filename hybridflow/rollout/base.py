@@ -28,7 +28,7 @@ from typing import Iterable
 
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 
 @dataclass(kw_only=True)

@@ -12,7 +12,7 @@ from typing import Iterable
 
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, check_prompts,
                                      eos_token_ids, group_hf_weights, left_pad)
 

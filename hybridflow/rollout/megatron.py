@@ -38,7 +38,7 @@ from typing import Iterable
 
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, check_prompts,
                                      group_hf_weights, left_pad)

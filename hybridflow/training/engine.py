@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.hybrid_engine.meta import ParamMeta, llama_param_metas, shard
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.groups import init_megatron_parallel

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from hybridflow.config import to_yaml
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import TrainLayout
 from hybridflow.tracking import Tracker, TrackingConfig

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.controller.worker_group import RayConfig, ResourcePool, Worker, WorkerGroup
 
 

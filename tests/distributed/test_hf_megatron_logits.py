@@ -17,7 +17,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models.tiny import save_tiny_checkpoint, tiny_llama_config, tiny_qwen2_config
 from hybridflow.parallel.layout import TrainLayout
 from hybridflow.parallel.spawn import spawn

@@ -18,7 +18,7 @@ from tests.distributed.rollout_common import (CFG, GREEDY, MAX_MODEL_LEN, PROMPT
 
 
 def _errors(fn) -> str:
-    from hybridflow.config.errors import ConfigError
+    from hybridflow.errors import ConfigError
     try:
         fn()
     except ConfigError as e:

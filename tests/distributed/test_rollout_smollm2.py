@@ -11,7 +11,7 @@ import time
 
 import pytest
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.parallel.spawn import spawn
 from hybridflow.rollout.base import SamplingConfig
 

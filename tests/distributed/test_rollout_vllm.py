@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.parallel.spawn import spawn
 from tests.distributed.rollout_common import (CFG, GREEDY, MAX_MODEL_LEN, PROMPTS, SAMPLED,
                                               logprob_pairs, perturbed, summary, train_engine)

@@ -13,7 +13,7 @@ import time
 import pytest
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.parallel.spawn import spawn
 
 transformers = pytest.importorskip("transformers")

@@ -51,7 +51,7 @@ def value_loss_fn(values, mb):
 
 def run_layouts(rank, world, layouts, qwen):
     from hybridflow.hybrid_engine.meta import init_full_weights, llama_param_metas
-    from hybridflow.config.errors import ConfigError
+    from hybridflow.errors import ConfigError
     from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
 
     model = ModelConfig(**MODEL, arch="qwen2" if qwen else "llama", qkv_bias=qwen,

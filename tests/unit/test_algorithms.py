@@ -29,7 +29,7 @@ from hybridflow.algorithms import (
     safe_rlhf_combined_advantage,
     value_loss,
 )
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 
 T = torch.tensor
 

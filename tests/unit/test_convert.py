@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.hybrid_engine.convert import to_hf, to_vllm_shards, vllm_name
 from hybridflow.hybrid_engine.meta import llama_param_metas, shard
 from hybridflow.models import hf

@@ -8,7 +8,7 @@ import pyarrow.parquet as pq
 import pytest
 
 from hybridflow.config import load_config
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.data.loader import PromptSampler, tokenize_prompts
 from hybridflow.data.prompts import (PromptDataConfig, PromptItem, load_prompts,
                                      prompts_from_records)

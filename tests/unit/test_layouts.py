@@ -3,7 +3,7 @@ Megatron's tp-pp-dp order does."""
 
 import pytest
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import GenLayout, LayoutError, TrainLayout
 from hybridflow.training.engine import EngineConfig, check_model_fits_layout

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.hybrid_engine.meta import ParamMeta, llama_param_metas, shard
 from hybridflow.models import hf
 from hybridflow.models.loading import check_hf_checkpoint, load_hf_into_engine

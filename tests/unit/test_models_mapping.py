@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models import hf
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.tiny import (make_tiny_hf_model, make_tiny_tokenizer, save_tiny_checkpoint,

@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.data.prompts import PromptItem, reasoning_gym_prompts
 from hybridflow.rewards import (REWARD_FUNCTIONS, as_reward_fn, extract_gym_answer, get_reward_fn,
                                 gym_reward)

@@ -4,7 +4,7 @@ every backend's update, the sampler, the registry."""
 import pytest
 import torch
 
-from hybridflow.config.errors import ConfigError
+from hybridflow.errors import ConfigError
 from hybridflow.models.hf import hf_param_names, hf_param_shapes
 from hybridflow.models.tiny import tiny_llama_config, tiny_qwen2_config
 from hybridflow.rollout.base import (ROLLOUT_BACKENDS, SamplingConfig, group_hf_weights, left_pad,
