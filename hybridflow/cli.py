@@ -1,7 +1,7 @@
 """``hybridflow`` command line: ``hybridflow COMMAND [CONFIG] [key=value ...]``.
 
 A user mistake (a config key, a value, a layout that cannot exist, a bad file) ends with one line
-naming the field and the fix, and exit code 2; nothing is written before the config is valid.
+naming the key and the fix, and exit code 2; nothing is written before the config is valid.
 """
 
 from __future__ import annotations
@@ -10,17 +10,20 @@ import argparse
 import sys
 
 from hybridflow.errors import ConfigError
-from hybridflow.parallel.layout import LayoutError
 
-
-JOBS = ("train", "lm-demo")
+JOBS = ("train", "check", "lm-demo")
+HELP = {"train": "RL post-training (PPO, GRPO, ReMax, RLOO, REINFORCE++, Safe-RLHF)",
+        "check": "validate an RL config without starting anything: layouts, world sizes, the "
+                 "reshard's bytes per rank",
+        "lm-demo": "Megatron-Core copy-task training demo at a TP/PP/DP layout"}
 
 
 def _jobs():
     # Imported lazily: `hybridflow --help` should not pay for torch and megatron.
-    from hybridflow import trainer
-    from hybridflow.training import lm_demo
-    return {"train": (trainer.RLConfig, _train), "lm-demo": (lm_demo.LMDemoConfig, lm_demo.run)}
+    from hybridflow import lm_demo
+    from hybridflow.config import RLConfig
+    return {"train": (RLConfig, _train), "check": (RLConfig, _check),
+            "lm-demo": (lm_demo.LMDemoConfig, lm_demo.run)}
 
 
 def _train(cfg) -> None:
@@ -32,17 +35,21 @@ def _train(cfg) -> None:
         trainer.close()
 
 
+def _check(cfg) -> None:
+    from hybridflow.config.check import check_run
+    print(check_run(cfg).summary(cfg))
+    print("config OK")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="hybridflow", description=__doc__.split("\n")[0])
     sub = parser.add_subparsers(dest="command", required=True)
-    helps = {"train": "RL post-training (PPO, GRPO, ReMax, RLOO, REINFORCE++, Safe-RLHF)",
-             "lm-demo": "Megatron-Core copy-task training demo at a TP/PP/DP layout"}
     for job in JOBS:
-        run_p = sub.add_parser(job, help=helps[job])
-        run_p.add_argument("config", nargs="?", help="YAML config (optional)")
+        run_p = sub.add_parser(job, help=HELP[job])
+        run_p.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config (optional)")
         run_p.add_argument("overrides", nargs="*", help="key=value, e.g. steps=20 actor.layout.pp=2")
     defaults_p = sub.add_parser("defaults", help="print a command's default config as YAML")
-    defaults_p.add_argument("job", choices=JOBS)
+    defaults_p.add_argument("job", choices=("train", "lm-demo"))
     args = parser.parse_args(argv)
 
     from hybridflow.config import load_config, to_yaml
@@ -58,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
         cfg = load_config(cls, config, overrides)
         run(cfg)
         return 0
-    except (ConfigError, LayoutError) as e:
+    except ConfigError as e:
         print(f"hybridflow: error: {e}", file=sys.stderr)
         return 2
 

@@ -23,8 +23,10 @@ class TrackingConfig:
     """W&B project name."""
 
     def __post_init__(self) -> None:
-        if not self.out_dir:
-            raise ConfigError("tracking.out_dir", "must be a folder path, e.g. runs")
+        if not isinstance(self.out_dir, str) or not self.out_dir:
+            raise ConfigError("out_dir", "must be a folder path, e.g. runs")
+        if not isinstance(self.wandb_project, str) or not self.wandb_project:
+            raise ConfigError("wandb_project", "must be a W&B project name")
 
 
 class Tracker:

@@ -12,6 +12,7 @@ from hybridflow.algorithms.advantages import (
     masked_var,
     masked_whiten,
 )
+from hybridflow.algorithms.estimate import estimate_advantages
 from hybridflow.algorithms.kl import (
     AdaptiveKLController,
     FixedKLController,
@@ -42,6 +43,7 @@ __all__ = [
     "compute_rloo_advantage",
     "entropy_from_logits",
     "entropy_loss",
+    "estimate_advantages",
     "kl_penalty",
     "masked_mean",
     "masked_var",

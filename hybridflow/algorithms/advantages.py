@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import torch
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError
 
 # ---------------------------------------------------------------------------------------------
 # Masked statistics
@@ -87,23 +87,23 @@ def masked_whiten(x: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
 
 def _check_unit_interval(field: str, value: float) -> None:
     if not 0.0 <= value <= 1.0:
-        raise ConfigError(field, f"must be in [0, 1], got {value!r}")
+        raise ArgumentError(field, f"must be in [0, 1], got {value!r}")
 
 
 def _check_mask_2d(mask: torch.Tensor) -> None:
     if mask.dim() != 2:
-        raise ConfigError("mask", f"must be [B, T], got shape {tuple(mask.shape)}")
+        raise ArgumentError("mask", f"must be [B, T], got shape {tuple(mask.shape)}")
 
 
 def _check_token_shape(name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
     if x.shape != mask.shape:
-        raise ConfigError(name, f"shape {tuple(x.shape)} does not match mask {tuple(mask.shape)}")
+        raise ArgumentError(name, f"shape {tuple(x.shape)} does not match mask {tuple(mask.shape)}")
 
 
 def _check_seq_shape(name: str, x: torch.Tensor, mask: torch.Tensor) -> None:
     _check_mask_2d(mask)
     if x.shape != mask.shape[:1]:
-        raise ConfigError(name, f"must be [B] = [{mask.shape[0]}], got shape {tuple(x.shape)}")
+        raise ArgumentError(name, f"must be [B] = [{mask.shape[0]}], got shape {tuple(x.shape)}")
 
 
 def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -129,7 +129,7 @@ def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor | Sequence) -> tu
         index = {}
         ids = torch.tensor([index.setdefault(g, len(index)) for g in group_ids], device=scores.device)
     if ids.shape != scores.shape:
-        raise ConfigError("group_ids", f"must have one id per sample ({scores.shape[0]}), "
+        raise ArgumentError("group_ids", f"must have one id per sample ({scores.shape[0]}), "
                                        f"got shape {tuple(ids.shape)}")
     unique_ids, inverse = torch.unique(ids, return_inverse=True)
     n_groups = unique_ids.numel()
@@ -168,8 +168,8 @@ def compute_gae(token_rewards: torch.Tensor, values: torch.Tensor, mask: torch.T
     Returns:
         (advantages, returns), each [B, T] and 0 on masked tokens; returns = advantages + values.
     """
-    _check_unit_interval("algorithm.gamma", gamma)
-    _check_unit_interval("algorithm.lam", lam)
+    _check_unit_interval("gamma", gamma)
+    _check_unit_interval("lam", lam)
     _check_mask_2d(mask)
     _check_token_shape("token_rewards", token_rewards, mask)
     _check_token_shape("values", values, mask)
@@ -210,7 +210,7 @@ def compute_grpo_advantage(scores: torch.Tensor, mask: torch.Tensor, group_ids: 
         [B, T] advantages, 0 on masked tokens.
     """
     if not eps > 0:
-        raise ConfigError("algorithm.grpo_eps", f"must be > 0 (a group of one has std 0), got {eps!r}")
+        raise ArgumentError("eps", f"must be > 0 (a group of one has std 0), got {eps!r}")
     _check_seq_shape("scores", scores, mask)
     count, total, sq_dev_total = _group_stats(scores, group_ids)
     adv = scores - total / count  # exactly 0 for a group of one
@@ -309,14 +309,14 @@ class AdvantageInputs:
     """grpo: divide by the group std; False is Dr. GRPO."""
 
     def __post_init__(self) -> None:
-        _check_unit_interval("algorithm.gamma", self.gamma)
-        _check_unit_interval("algorithm.lam", self.lam)
+        _check_unit_interval("gamma", self.gamma)
+        _check_unit_interval("lam", self.lam)
 
     def require(self, name: str, estimator: str):
-        """The field ``name``, or a ConfigError saying ``estimator`` needs it."""
+        """The field ``name``, or an ArgumentError saying ``estimator`` needs it."""
         value = getattr(self, name)
         if value is None:
-            raise ConfigError(f"AdvantageInputs.{name}", f"the {estimator!r} estimator needs it; pass it")
+            raise ArgumentError(f"AdvantageInputs.{name}", f"the {estimator!r} estimator needs it; pass it")
         return value
 
 

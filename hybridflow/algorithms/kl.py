@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 
 from hybridflow.algorithms.advantages import _check_seq_shape, _check_token_shape
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError
 
 KL_KINDS = ("k1", "k2", "k3", "abs")
 
@@ -32,7 +32,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
         [B, T]. Not masked; reduce it with a mask.
     """
     if logprobs.shape != ref_logprobs.shape:
-        raise ConfigError("ref_logprobs", f"shape {tuple(ref_logprobs.shape)} does not match "
+        raise ArgumentError("ref_logprobs", f"shape {tuple(ref_logprobs.shape)} does not match "
                                           f"logprobs {tuple(logprobs.shape)}")
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
@@ -47,7 +47,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
         # gradient from overflowing.
         neg = (-log_ratio).clamp(-20.0, 20.0)
         return (torch.exp(neg) - neg - 1.0).clamp(-10.0, 10.0)
-    raise ConfigError("algorithm.kl_penalty", f"unknown kind {kind!r}; use one of {', '.join(KL_KINDS)}")
+    raise ArgumentError("kind", f"unknown kind {kind!r}; use one of {', '.join(KL_KINDS)}")
 
 
 @torch.no_grad()
@@ -68,7 +68,7 @@ def apply_kl_reward_penalty(scores: torch.Tensor, logprobs: torch.Tensor, ref_lo
         [B, T] token rewards, 0 on masked tokens. A response with no valid token gets nothing.
     """
     if coef < 0:
-        raise ConfigError("algorithm.kl_coef", f"must be >= 0, got {coef!r}")
+        raise ArgumentError("coef", f"must be >= 0, got {coef!r}")
     _check_seq_shape("scores", scores, mask)
     _check_token_shape("logprobs", logprobs, mask)
 
@@ -91,7 +91,7 @@ class FixedKLController:
 
     def __post_init__(self) -> None:
         if self.coef < 0:
-            raise ConfigError("algorithm.kl_ctrl.coef", f"must be >= 0, got {self.coef!r}")
+            raise ArgumentError("coef", f"must be >= 0, got {self.coef!r}")
 
     @property
     def value(self) -> float:
@@ -121,7 +121,7 @@ class AdaptiveKLController:
     def __post_init__(self) -> None:
         for name in ("init_coef", "target", "horizon"):
             if not getattr(self, name) > 0:
-                raise ConfigError(f"algorithm.kl_ctrl.{name}", f"must be > 0, got {getattr(self, name)!r}")
+                raise ArgumentError(name, f"must be > 0, got {getattr(self, name)!r}")
         self.value = float(self.init_coef)
 
     def update(self, current_kl: float | torch.Tensor, n_steps: int) -> None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from hybridflow.algorithms.advantages import _check_token_shape, masked_mean
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
 
@@ -50,7 +50,7 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "toke
     elif mode == "seq-mean-token-mean":
         per_seq = masked_mean(loss_mat, mask, dim=-1)
     else:
-        raise ConfigError("algorithm.loss_agg_mode",
+        raise ArgumentError("mode",
                           f"unknown mode {mode!r}; use one of {', '.join(AGG_MODES)}")
     if denominator is not None:
         return torch.where(has_tokens, per_seq, 0.0).sum() / denominator
@@ -86,11 +86,11 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         KL(old || new)), "dual_clip_frac" (valid tokens where the dual clip binds).
     """
     if not 0.0 < clip_ratio_low < 1.0:
-        raise ConfigError("algorithm.clip_ratio_low", f"must be in (0, 1), got {clip_ratio_low!r}")
+        raise ArgumentError("clip_ratio_low", f"must be in (0, 1), got {clip_ratio_low!r}")
     if not clip_ratio_high > 0.0:
-        raise ConfigError("algorithm.clip_ratio_high", f"must be > 0, got {clip_ratio_high!r}")
+        raise ArgumentError("clip_ratio_high", f"must be > 0, got {clip_ratio_high!r}")
     if dual_clip_c is not None and not dual_clip_c > 1.0:
-        raise ConfigError("algorithm.dual_clip_c",
+        raise ArgumentError("dual_clip_c",
                           f"must be > 1 (typically 3.0), or None to disable, got {dual_clip_c!r}")
     for name, x in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
         _check_token_shape(name, x, mask)
@@ -142,7 +142,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
         larger one (so it sets the loss and its gradient is 0).
     """
     if clip_range is not None and not clip_range > 0.0:
-        raise ConfigError("algorithm.value_clip_range",
+        raise ArgumentError("clip_range",
                           f"must be > 0, or None to disable, got {clip_range!r}")
     for name, x in (("values", values), ("old_values", old_values), ("returns", returns)):
         _check_token_shape(name, x, mask)

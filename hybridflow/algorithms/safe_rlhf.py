@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError
 
 
 def safe_rlhf_combined_advantage(reward_adv: torch.Tensor, cost_adv: torch.Tensor,
@@ -30,10 +30,10 @@ def safe_rlhf_combined_advantage(reward_adv: torch.Tensor, cost_adv: torch.Tenso
         [B, T].
     """
     if reward_adv.shape != cost_adv.shape:
-        raise ConfigError("cost_adv", f"shape {tuple(cost_adv.shape)} does not match "
+        raise ArgumentError("cost_adv", f"shape {tuple(cost_adv.shape)} does not match "
                                       f"reward_adv {tuple(reward_adv.shape)}")
     if not isinstance(lagrange_multiplier, torch.Tensor) and lagrange_multiplier < 0:
-        raise ConfigError("lagrange_multiplier", f"must be >= 0, got {lagrange_multiplier!r}")
+        raise ArgumentError("lagrange_multiplier", f"must be >= 0, got {lagrange_multiplier!r}")
     return (reward_adv - lagrange_multiplier * cost_adv) / (1.0 + lagrange_multiplier)
 
 
@@ -55,11 +55,11 @@ class LagrangeMultiplier:
 
     def __post_init__(self) -> None:
         if not self.init_value > 0:
-            raise ConfigError("algorithm.lagrange.init_value",
+            raise ArgumentError("init_value",
                               f"must be > 0 (lambda = exp(log_lambda) cannot be 0), got {self.init_value!r}; "
                               f"use a small value such as 1e-3 to start nearly unconstrained")
         if not self.lr > 0:
-            raise ConfigError("algorithm.lagrange.lr", f"must be > 0, got {self.lr!r}")
+            raise ArgumentError("lr", f"must be > 0, got {self.lr!r}")
         self.log_value = math.log(self.init_value)
 
     @property

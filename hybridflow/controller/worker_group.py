@@ -10,13 +10,13 @@ send results back.
 from __future__ import annotations
 
 import os
-import socket
 import time
 from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.batch import Batch
-from hybridflow.errors import ConfigError
+from hybridflow.parallel.spawn import free_port
+from hybridflow.errors import ConfigError, check_float, check_int
 
 
 @dataclass(kw_only=True)
@@ -36,6 +36,13 @@ class RayConfig:
     """Models whose layouts have the same world size (actor, critic, reward and cost models)
     share one rank's GPU and CPUs, each taking an equal part of them (HybridFlow's colocated
     placement); false gives every worker group resources of its own."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.address, str) or not self.address:
+            raise ConfigError("address", "must be local, auto or host:port")
+        check_int("num_cpus", self.num_cpus, none_ok=True)
+        check_float("gpus_per_worker", self.gpus_per_worker, low=0)
+        check_float("cpus_per_worker", self.cpus_per_worker, low=0)
 
 
 def init_ray(cfg: RayConfig) -> None:
@@ -61,6 +68,8 @@ class Worker:
         import torch.distributed as dist
         os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
                           RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+        if master_addr == "127.0.0.1":  # a local run: gloo's connections stay on loopback too
+            os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.rank, self.world_size = rank, world_size
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
@@ -77,17 +86,11 @@ class Worker:
         return self.rank
 
 
-def _free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket() as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
-
-
 def _node_address() -> tuple[str, int]:
     """This node's address and a free port on it (runs where rank 0 will run)."""
     import ray
     ip = ray.util.get_node_ip_address()
-    return ip, _free_port("")
+    return ip, free_port("")
 
 
 class ResourcePool:
@@ -171,7 +174,7 @@ class WorkerGroup:
         self.name, self.world_size, self.pool = name, world_size, pool
         placement = [pool.options(r) for r in range(world_size)]
         if cfg.address == "local":
-            addr, port = "127.0.0.1", _free_port()
+            addr, port = "127.0.0.1", free_port()
         else:
             # On a cluster rank 0 may land on any node: ask the node of bundle 0 for its address
             # and a free port.

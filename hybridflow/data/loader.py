@@ -16,11 +16,10 @@ def tokenize_prompts(items: Sequence[PromptItem], tokenizer: Any,
     to each item: the items of at most ``max_prompt_tokens`` tokens, with ``prompt_ids`` set, and
     how many longer ones were dropped."""
     if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
-        raise ConfigError("data.max_prompt_tokens", f"must be a positive integer, got "
-                                                    f"{max_prompt_tokens!r}")
+        raise ValueError(f"max_prompt_tokens must be a positive integer, got {max_prompt_tokens!r}")
     if not getattr(tokenizer, "chat_template", None):
-        raise ConfigError("tokenizer", "has no chat template; use an instruct/chat model's "
-                                       "tokenizer or set tokenizer.chat_template")
+        raise ConfigError("model", "its tokenizer has no chat template; use an instruct/chat "
+                                   "model (or add a chat_template to its tokenizer_config.json)")
     kept, dropped = [], 0
     for item in items:
         text = tokenizer.apply_chat_template(item.messages, add_generation_prompt=True,
@@ -43,11 +42,11 @@ class PromptSampler:
 
     def __init__(self, n_items: int, batch_size: int, seed: int = 0, shuffle: bool = True):
         if not isinstance(batch_size, int) or batch_size < 1:
-            raise ConfigError("data.batch_size", f"must be a positive integer, got {batch_size!r}")
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if not isinstance(n_items, int) or n_items < batch_size:
-            raise ConfigError("data.batch_size", f"is {batch_size} but only {n_items} prompts are "
-                                                 f"left (after dropping long ones); lower the "
-                                                 f"batch size or add prompts")
+            raise ConfigError("train_batch_size", f"is {batch_size} but only {n_items} prompts are "
+                                                  f"left (after dropping long ones); lower it or "
+                                                  f"add prompts")
         self.n_items, self.batch_size, self.seed, self.shuffle = n_items, batch_size, seed, shuffle
         self.epoch = 0  # the epoch the next batch comes from
         self.position = 0  # the next batch's index within its epoch
@@ -83,8 +82,7 @@ class PromptSampler:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         for key in ("n_items", "batch_size", "seed", "shuffle"):
             if state[key] != getattr(self, key):
-                raise ConfigError(f"checkpoint.sampler.{key}",
-                                  f"the checkpoint's sampler had {key}={state[key]!r}, this run "
-                                  f"has {getattr(self, key)!r}; resume with the same data and "
-                                  f"batch size")
+                raise ValueError(f"the sampler state has {key}={state[key]!r}, this sampler "
+                                 f"{getattr(self, key)!r}; resume with the same data and batch "
+                                 f"size")
         self.epoch, self.position, self._order = int(state["epoch"]), int(state["position"]), None

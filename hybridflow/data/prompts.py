@@ -64,42 +64,42 @@ class PromptDataConfig:
         self.tasks = list(self.tasks)
         bad = [k for k, v in self.task_kwargs.items() if not isinstance(v, Mapping)]
         if bad:
-            raise ConfigError(f"data.task_kwargs.{bad[0]}", "must be a mapping of dataset options, "
+            raise ConfigError(f"task_kwargs.{bad[0]}", "must be a mapping of dataset options, "
                                                            "e.g. {min_terms: 2}")
         self.task_kwargs = {k: dict(v) for k, v in self.task_kwargs.items()}
         if self.source != "reasoning_gym" and not self.source.endswith(FILE_SUFFIXES):
-            raise ConfigError("data.source", f"must be reasoning_gym or a path ending in "
+            raise ConfigError("source", f"must be reasoning_gym or a path ending in "
                                              f"{' or '.join(FILE_SUFFIXES)}, got {self.source!r}")
         if not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1:
-            raise ConfigError("data.max_prompt_tokens", f"must be a positive integer, got "
+            raise ConfigError("max_prompt_tokens", f"must be a positive integer, got "
                                                         f"{self.max_prompt_tokens!r}")
         if not isinstance(self.seed, int) or self.seed < 0:
-            raise ConfigError("data.seed", f"must be a non-negative integer, got {self.seed!r}")
+            raise ConfigError("seed", f"must be a non-negative integer, got {self.seed!r}")
         for name in ("prompt_key", "answer_key"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, str) or not value):
-                raise ConfigError(f"data.{name}", f"must be a column name or null, got {value!r}")
+                raise ConfigError(name, f"must be a column name or null, got {value!r}")
         if self.source == "reasoning_gym":
             self._check_tasks()
 
     def _check_tasks(self) -> None:
         if not self.tasks:
-            raise ConfigError("data.tasks", "needs at least one reasoning-gym dataset name, e.g. "
+            raise ConfigError("tasks", "needs at least one reasoning-gym dataset name, e.g. "
                                             "[basic_arithmetic]")
         if len(set(self.tasks)) != len(self.tasks):
-            raise ConfigError("data.tasks", f"lists a task twice: {self.tasks}")
+            raise ConfigError("tasks", f"lists a task twice: {self.tasks}")
         from reasoning_gym.factory import DATASETS
 
         unknown = [t for t in self.tasks if t not in DATASETS]
         if unknown:
-            raise ConfigError("data.tasks", f"unknown reasoning-gym datasets {unknown}; known: "
+            raise ConfigError("tasks", f"unknown reasoning-gym datasets {unknown}; known: "
                                             f"{sorted(DATASETS)}")
         stray = sorted(set(self.task_kwargs) - set(self.tasks))
         if stray:
-            raise ConfigError("data.task_kwargs", f"has options for {stray}, which are not in "
+            raise ConfigError("task_kwargs", f"has options for {stray}, which are not in "
                                                   f"data.tasks {self.tasks}")
         if not isinstance(self.size, int) or self.size < len(self.tasks):
-            raise ConfigError("data.size", f"must be an integer >= the number of tasks "
+            raise ConfigError("size", f"must be an integer >= the number of tasks "
                                            f"({len(self.tasks)}), got {self.size!r}")
 
 
@@ -151,13 +151,13 @@ def prompts_from_file(path: str | os.PathLike, *, prompt_key: str | None = None,
         try:
             rows = enumerate(pq.read_table(path).to_pylist(), start=1)
         except Exception as e:  # pyarrow raises several types for a damaged file
-            raise ConfigError(path, f"not a readable parquet file: {e}") from None
+            raise ConfigError("data.source", f"{path}: not a readable parquet file: {e}") from None
     elif path.endswith(".jsonl"):
         rows = _jsonl_rows(path)
     else:
         raise ConfigError("data.source", f"{path!r}: the prompt file must end in "
                                          f"{' or '.join(FILE_SUFFIXES)}")
-    return _items_from_rows(rows, path, prompt_key, answer_key, system_prompt)
+    return _items_from_rows(rows, "data.source", path, prompt_key, answer_key, system_prompt)
 
 
 def prompts_from_records(records: Iterable[Mapping[str, Any]], *, prompt_key: str | None = None,
@@ -165,7 +165,7 @@ def prompts_from_records(records: Iterable[Mapping[str, Any]], *, prompt_key: st
                          name: str = "records") -> list[PromptItem]:
     """The prompts of rows in memory: a list of dicts or a ``datasets.Dataset``, rows as in a file;
     ``name`` stands for the file in error messages."""
-    return _items_from_rows(enumerate(records, start=1), name, prompt_key, answer_key,
+    return _items_from_rows(enumerate(records, start=1), "prompts", name, prompt_key, answer_key,
                             system_prompt)
 
 
@@ -180,18 +180,24 @@ class _BadRow(Exception):
 
 def _jsonl_rows(path: str) -> Iterable[tuple[int, Any]]:
     """(line number, parsed row) of each non-blank line."""
-    with open(path, encoding="utf-8") as f:
-        for number, line in enumerate(f, start=1):
+    with open(path, "rb") as f:
+        for number, raw in enumerate(f, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise ConfigError("data.source", f"{path}: row {number} is not UTF-8 text (byte "
+                                  f"{e.start + 1} of the line); save the file as UTF-8") from None
             if not line.strip():
                 continue
             try:
                 yield number, json.loads(line)
             except json.JSONDecodeError as e:
-                raise ConfigError(path, f"row {number}: not valid JSON ({e.msg} at column "
-                                        f"{e.colno}); each line must be one JSON object") from None
+                raise ConfigError("data.source", f"{path}: row {number}: not valid JSON ({e.msg} "
+                                  f"at column {e.colno}); each line must be one JSON object") from None
 
 
-def _items_from_rows(rows: Iterable[tuple[int, Any]], where: str, prompt_key: str | None,
+def _items_from_rows(rows: Iterable[tuple[int, Any]], field: str, where: str,
+                     prompt_key: str | None,
                      answer_key: str | None, system_prompt: str | None) -> list[PromptItem]:
     items, bad = [], []
     for number, row in rows:
@@ -202,9 +208,9 @@ def _items_from_rows(rows: Iterable[tuple[int, Any]], where: str, prompt_key: st
     if bad:
         number, e = bad[0]
         more = f" ({len(bad) - 1} more bad rows follow)" if len(bad) > 1 else ""
-        raise ConfigError(where, f"row {number}, column {e.column!r}: {e.message}{more}")
+        raise ConfigError(field, f"{where}: row {number}, column {e.column!r}: {e.message}{more}")
     if not items:
-        raise ConfigError(where, "holds no prompts")
+        raise ConfigError(field, f"{where} holds no prompts")
     return items
 
 

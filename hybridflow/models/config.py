@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ConfigError, check_choice, check_float, check_int
 
 
 @dataclass(kw_only=True)
@@ -39,15 +39,14 @@ class ModelConfig:
     """Longest sequence RoPE is prepared for."""
 
     def __post_init__(self) -> None:
-        if self.arch not in ("llama", "qwen2"):
-            raise ConfigError("model.arch", f"unknown architecture {self.arch!r}; use llama or qwen2")
+        check_choice("arch", self.arch, ("llama", "qwen2"))
         for name in ("vocab_size", "hidden_size", "ffn_hidden_size", "num_layers", "num_heads",
                      "num_kv_heads", "head_dim", "max_position_embeddings"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"model.{name}", f"must be a positive integer, got {value!r}")
+            check_int(name, getattr(self, name))
+        check_float("rope_theta", self.rope_theta, low=0, low_open=True)
+        check_float("rms_norm_eps", self.rms_norm_eps, low=0, low_open=True)
         if self.num_heads % self.num_kv_heads:
-            raise ConfigError("model.num_kv_heads",
+            raise ConfigError("num_kv_heads",
                               f"{self.num_kv_heads} does not divide num_heads={self.num_heads}")
 
     @property

@@ -20,14 +20,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from hybridflow.errors import ConfigError, check_int
+
 
 class LayoutError(ValueError):
     """A layout that cannot exist (sizes that do not divide, a world of the wrong size)."""
-
-
-def _positive(name: str, value: int) -> None:
-    if not isinstance(value, int) or value < 1:
-        raise LayoutError(f"{name} must be a positive integer, got {value!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,11 +43,11 @@ class TrainLayout:
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
-            _positive(f"layout.{name}", getattr(self, name))
-        if self.vpp is not None:
-            _positive("layout.vpp", self.vpp)
-            if self.pp == 1 and self.vpp > 1:
-                raise LayoutError("layout.vpp > 1 needs layout.pp > 1; set vpp to null or raise pp")
+            check_int(name, getattr(self, name))
+        check_int("vpp", self.vpp, none_ok=True)
+        if self.pp == 1 and (self.vpp or 1) > 1:
+            raise ConfigError("vpp", "virtual pipeline stages need pp > 1; set vpp to null or "
+                                     "raise pp")
 
     @property
     def world_size(self) -> int:
@@ -112,14 +109,14 @@ class GenLayout:
     """Generation pipeline-parallel size pg; must divide the training pp."""
 
     def __post_init__(self) -> None:
-        _positive("generation.tp", self.tp)
-        _positive("generation.pp", self.pp)
+        check_int("tp", self.tp)
+        check_int("pp", self.pp)
         if self.train.tp % self.tp:
-            raise LayoutError(f"generation.tp={self.tp} must divide the training tp={self.train.tp}"
-                              f"; pick one of {_divisors(self.train.tp)}")
+            raise ConfigError("tp", f"generation tp={self.tp} must divide the training tp="
+                                    f"{self.train.tp}; pick one of {_divisors(self.train.tp)}")
         if self.train.pp % self.pp:
-            raise LayoutError(f"generation.pp={self.pp} must divide the training pp={self.train.pp}"
-                              f"; pick one of {_divisors(self.train.pp)}")
+            raise ConfigError("pp", f"generation pp={self.pp} must divide the training pp="
+                                    f"{self.train.pp}; pick one of {_divisors(self.train.pp)}")
 
     @property
     def tp_stride(self) -> int:

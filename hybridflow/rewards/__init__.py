@@ -33,7 +33,7 @@ def math_reward_fn(prompt_item: Any, response: str) -> float:
     """``math_reward`` against the prompt's reference answer: 1.0 right, 0.0 wrong."""
     reference = _field(prompt_item, "reference")
     if reference is None:
-        raise ConfigError("reward.fn", "the math reward needs a reference answer and this prompt "
+        raise ConfigError("reward", "the math reward needs a reference answer and this prompt "
                                        "has none; set data.answer_key to the answer's column")
     return math_reward(response, reference)
 
@@ -57,7 +57,7 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 def get_reward_fn(name: str) -> RewardFn:
     """The reward function registered as ``name``."""
     if name not in REWARD_FUNCTIONS:
-        raise ConfigError("reward.fn", f"unknown reward function {name!r}; one of "
+        raise ConfigError("reward", f"unknown reward function {name!r}; one of "
                                        f"{sorted(REWARD_FUNCTIONS)}, or 'module:function' / "
                                        f"'path/to/file.py:function' for your own")
     return REWARD_FUNCTIONS[name]
@@ -72,7 +72,7 @@ def as_reward_fn(fn: str | Callable[..., Any]) -> RewardFn:
         if fn in REWARD_FUNCTIONS.values():
             return fn
     if not callable(fn):
-        raise ConfigError("reward.fn", f"must be a reward function name or a callable, got "
+        raise ConfigError("reward", f"must be a reward function name or a callable, got "
                                        f"{type(fn).__name__}")
     name = getattr(fn, "__qualname__", repr(fn))
     takes_prompt = _arity(fn, name) == 2
@@ -82,7 +82,7 @@ def as_reward_fn(fn: str | Callable[..., Any]) -> RewardFn:
         try:
             return float(value)
         except (TypeError, ValueError):
-            raise ConfigError("reward.fn", f"{name} returned {value!r}; a reward function must "
+            raise ConfigError("reward", f"{name} returned {value!r}; a reward function must "
                                            f"return a number") from None
 
     reward_fn.__name__ = getattr(fn, "__name__", type(fn).__name__)
@@ -106,7 +106,7 @@ def _arity(fn: Callable[..., Any], name: str) -> int:
         return 2
     if not required and len(positional) == 1:
         return 1
-    raise ConfigError("reward.fn", f"{name} must take (response) or (prompt_item, response); its "
+    raise ConfigError("reward", f"{name} must take (response) or (prompt_item, response); its "
                                    f"signature is {inspect.signature(fn)}")
 
 
@@ -116,17 +116,20 @@ def _import_callable(spec: str) -> Callable[..., Any]:
     try:
         if target.endswith(".py"):
             if not os.path.isfile(target):
-                raise ConfigError("reward.fn", f"file {target!r} not found")
+                raise ConfigError("reward", f"file {target!r} not found")
             module_spec = importlib.util.spec_from_file_location(
                 f"hybridflow_user_reward_{abs(hash(os.path.abspath(target)))}", target)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
             module = importlib.import_module(target)
-    except ImportError as e:
-        raise ConfigError("reward.fn", f"cannot import {target!r} from {spec!r}: {e}") from None
+    except ConfigError:
+        raise
+    except Exception as e:  # user code: a syntax error or anything it raises on import
+        raise ConfigError("reward", f"cannot import {target!r} from {spec!r}: "
+                                    f"{type(e).__name__}: {e}") from None
     if not hasattr(module, attr):
-        raise ConfigError("reward.fn", f"{target!r} has no {attr!r} (from {spec!r})")
+        raise ConfigError("reward", f"{target!r} has no {attr!r} (from {spec!r})")
     return getattr(module, attr)
 
 

@@ -42,9 +42,8 @@ def _score_fn(dataset_name: str) -> Callable[[str | None, dict[str, Any]], float
     try:
         return reasoning_gym.get_score_answer_fn(dataset_name)
     except ValueError:
-        raise ConfigError("metadata.source_dataset", f"{dataset_name!r} is not a reasoning-gym "
-                                                     f"dataset of the installed version "
-                                                     f"{reasoning_gym.__version__}") from None
+        raise ConfigError("reward", f"{dataset_name!r} is not a reasoning-gym dataset of the "
+                                    f"installed version {reasoning_gym.__version__}") from None
 
 
 def gym_reward(entry: Mapping[str, Any], response: str) -> float:
@@ -52,12 +51,12 @@ def gym_reward(entry: Mapping[str, Any], response: str) -> float:
     (``entry["metadata"]["source_dataset"]``), in [0, 1]."""
     source = (entry.get("metadata") or {}).get("source_dataset")
     if not source:
-        raise ConfigError("metadata.source_dataset", "the prompt's reasoning-gym entry has no "
-                                                     "metadata.source_dataset; load prompts with "
-                                                     "data.source=reasoning_gym, or keep the "
-                                                     "entry's metadata column in the data file")
+        raise ConfigError("reward", "the prompt's reasoning-gym entry has no "
+                                    "metadata.source_dataset; load prompts with "
+                                    "data.source=reasoning_gym, or keep the entry's metadata "
+                                    "column in the data file")
     if "answer" not in entry:
-        raise ConfigError("answer", f"the reasoning-gym entry of {source!r} has no answer to score "
+        raise ConfigError("reward", f"the reasoning-gym entry of {source!r} has no answer to score "
                                     f"against")
     answer = extract_gym_answer(response, str(entry["answer"]))
     return float(_score_fn(source)(answer, dict(entry)))

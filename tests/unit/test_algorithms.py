@@ -29,7 +29,7 @@ from hybridflow.algorithms import (
     safe_rlhf_combined_advantage,
     value_loss,
 )
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError
 
 T = torch.tensor
 
@@ -114,9 +114,9 @@ def test_gae_masked_tokens_are_skipped():
 
 
 def test_gae_rejects_bad_gamma():
-    with pytest.raises(ConfigError, match="algorithm.gamma"):
+    with pytest.raises(ArgumentError, match="gamma"):
         compute_gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), gamma=1.5, lam=0.9)
-    with pytest.raises(ConfigError, match="algorithm.lam"):
+    with pytest.raises(ArgumentError, match="lam"):
         compute_gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), gamma=1.0, lam=-0.1)
 
 
@@ -218,11 +218,11 @@ def test_registry_uniform_call():
 
 
 def test_registry_names_missing_input():
-    with pytest.raises(ConfigError, match="values"):
+    with pytest.raises(ArgumentError, match="values"):
         ADVANTAGE_ESTIMATORS["gae"](AdvantageInputs(mask=torch.ones(1, 3), token_rewards=torch.zeros(1, 3)))
-    with pytest.raises(ConfigError, match="group_ids"):
+    with pytest.raises(ArgumentError, match="group_ids"):
         ADVANTAGE_ESTIMATORS["rloo"](AdvantageInputs(mask=torch.ones(2, 3), scores=torch.zeros(2)))
-    with pytest.raises(ConfigError, match="algorithm.gamma"):
+    with pytest.raises(ArgumentError, match="gamma"):
         AdvantageInputs(mask=torch.ones(1, 1), gamma=2.0)
 
 
@@ -238,7 +238,7 @@ def test_aggregate_modes_differ_on_ragged_masks():
     assert_close(aggregate_loss(loss_mat, mask, "token-mean"), T(2.5))  # (1+2+3+4) / 4
     assert_close(aggregate_loss(loss_mat, mask, "seq-mean-token-sum"), T(5.0))  # (6 + 4) / 2
     assert_close(aggregate_loss(loss_mat, mask, "seq-mean-token-mean"), T(3.0))  # (2 + 4) / 2
-    with pytest.raises(ConfigError, match="algorithm.loss_agg_mode"):
+    with pytest.raises(ArgumentError, match="mode"):
         aggregate_loss(loss_mat, mask, "token-sum")
 
 
@@ -352,9 +352,9 @@ def test_policy_loss_agg_is_passed_through():
 
 def test_policy_loss_rejects_bad_clip():
     x = torch.zeros(1, 2)
-    with pytest.raises(ConfigError, match="algorithm.clip_ratio_low"):
+    with pytest.raises(ArgumentError, match="clip_ratio_low"):
         policy_loss(x, x, x, torch.ones(1, 2), clip_ratio_low=1.0)
-    with pytest.raises(ConfigError, match="algorithm.dual_clip_c"):
+    with pytest.raises(ArgumentError, match="dual_clip_c"):
         policy_loss(x, x, x, torch.ones(1, 2), dual_clip_c=0.5)
 
 
@@ -422,7 +422,7 @@ def test_kl_estimators_known_pair():
     assert_close(kl_penalty(lp, ref, "k2"), T([ln2**2 / 2, ln2**2 / 2]))
     assert_close(kl_penalty(lp, ref, "k3"), T([ln2 - 0.5, 1 - ln2]))
     assert_close(kl_penalty(lp, ref, "abs"), T([ln2, ln2]))
-    with pytest.raises(ConfigError, match="algorithm.kl_penalty"):
+    with pytest.raises(ArgumentError, match="kind"):
         kl_penalty(lp, ref, "k4")
 
 
@@ -458,7 +458,7 @@ def test_adaptive_kl_controller_one_update():
         ctrl = AdaptiveKLController(init_coef=0.2, target=6.0, horizon=10000)
         ctrl.update(current_kl=kl, n_steps=256)
         assert ctrl.value == pytest.approx(expected, rel=1e-12)
-    with pytest.raises(ConfigError, match="algorithm.kl_ctrl.target"):
+    with pytest.raises(ArgumentError, match="target"):
         AdaptiveKLController(init_coef=0.2, target=0.0, horizon=10000)
 
 
@@ -488,7 +488,7 @@ def test_lagrange_multiplier_update_direction():
     down.update(torch.tensor(0.0))
     assert down.value == pytest.approx(math.exp(-0.05))
     assert down.value < 1.0
-    with pytest.raises(ConfigError, match="algorithm.lagrange.init_value"):
+    with pytest.raises(ArgumentError, match="init_value"):
         LagrangeMultiplier(init_value=0.0)
 
 

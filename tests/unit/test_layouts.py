@@ -26,11 +26,12 @@ def test_world_size_mismatch_names_the_fix():
         TrainLayout(tp=2).check_world(4)
 
 
-@pytest.mark.parametrize("kw, field", [(dict(tp=0), "layout.tp"), (dict(pp=-1), "layout.pp"),
-                                        (dict(vpp=2), "layout.vpp")])
+@pytest.mark.parametrize("kw, field", [(dict(tp=0), "tp"), (dict(pp=-1), "pp"),
+                                        (dict(vpp=2), "vpp")])
 def test_bad_sizes(kw, field):
-    with pytest.raises(LayoutError, match=field):
+    with pytest.raises(ConfigError) as e:
         TrainLayout(**kw)
+    assert e.value.field == field
 
 
 @pytest.mark.parametrize("layout, message", [
@@ -50,8 +51,8 @@ def test_sequence_parallel_needs_tp():
 
 
 def test_generation_tp_must_divide_training_tp():
-    with pytest.raises(LayoutError, match=r"generation.tp=3 must divide the training tp=4; pick "
-                                          r"one of \[1, 2, 4\]"):
+    with pytest.raises(ConfigError, match=r"tp: generation tp=3 must divide the training tp=4; "
+                                          r"pick one of \[1, 2, 4\]"):
         GenLayout(train=TrainLayout(tp=4), tp=3)
 
 
@@ -64,7 +65,7 @@ def test_generation_layout_of_the_paper():
 
 
 def test_model_config_errors_name_the_field():
-    with pytest.raises(ConfigError, match="model.num_kv_heads: 3 does not divide num_heads=4"):
+    with pytest.raises(ConfigError, match="^num_kv_heads: 3 does not divide num_heads=4"):
         ModelConfig(num_heads=4, num_kv_heads=3)
-    with pytest.raises(ConfigError, match="engine.dtype"):
+    with pytest.raises(ConfigError, match="^dtype: unknown value 'fp8'"):
         EngineConfig(dtype="fp8")

@@ -147,7 +147,7 @@ def test_registry_math():
 def test_unknown_name_lists_the_known_ones():
     with pytest.raises(ConfigError) as e:
         get_reward_fn("maths")
-    assert e.value.field == "reward.fn"
+    assert e.value.field == "reward"
     for name in REWARD_FUNCTIONS:
         assert name in str(e.value)
 

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.config import to_yaml
+from hybridflow.config.loader import to_yaml
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import TrainLayout
@@ -81,7 +81,7 @@ def copy_batch(cfg: LMDemoConfig, generator: torch.Generator) -> dict[str, torch
 
 
 def run_worker(rank: int, world: int, cfg: LMDemoConfig, run_dir: str) -> dict[str, float]:
-    from hybridflow.hybrid_engine.meta import init_full_weights, llama_param_metas
+    from hybridflow.models.params import init_full_weights, llama_param_metas
 
     engine = TrainEngine(cfg.model, cfg.layout, cfg.engine)
     engine.load_full_weights(init_full_weights(llama_param_metas(cfg.model), seed=cfg.seed))

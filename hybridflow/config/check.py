@@ -1,0 +1,161 @@
+"""What can be known about an RL run before any process starts: the model's shape against the
+layouts, the files the run reads, the reward functions, the reshard plan.
+
+``check_run(cfg)`` raises a ``ConfigError`` naming the key at fault, or returns a ``RunCheck``
+that ``hybridflow check`` prints and ``RLTrainer`` uses (model paths, shapes). It reads config.json
+files and imports reward modules; it starts nothing and writes nothing of the run.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from hybridflow.config.rl import RLConfig
+from hybridflow.data.prompts import load_prompts
+from hybridflow.errors import ConfigError
+from hybridflow.models.config import ModelConfig
+from hybridflow.parallel.layout import GenLayout
+
+
+@dataclass
+class RunCheck:
+    """The resolved facts of a valid run."""
+
+    model_dir: Path
+    """The actor's (and reference's) HF checkpoint."""
+    model: ModelConfig
+    """Its shape."""
+    scorer_dirs: dict[str, Path]
+    """"scores" / "costs": the reward / cost model checkpoints, where the run has them."""
+    gen: GenLayout
+    """The actor's generation layout."""
+    reshard_recv_bytes: list[int]
+    """Bytes each actor rank receives in one switch to the generation layout (3d mode)."""
+    naive_recv_bytes: int
+    """The most any actor rank would receive on the naive path (TP all-gather, PP broadcast)."""
+    prompts: list
+    """``data``'s prompts (PromptItems, not yet tokenized): reading them checks every row."""
+
+    def summary(self, cfg: RLConfig) -> str:
+        a, c = cfg.actor.layout, cfg.critic.layout
+        lines = [
+            f"model: {self.model_dir} ({self.model.arch}, {self.model.num_layers} layers, "
+            f"{self.model.num_heads} heads / {self.model.num_kv_heads} KV, vocab "
+            f"{self.model.vocab_size})",
+            f"actor: {a} -> {a.world_size} ranks; generation tp={self.gen.tp} -> "
+            f"{self.gen.replicas} replica(s) per model-parallel group, "
+            f"{self.gen.replicas * a.dp} in all; backend {cfg.rollout.backend}",
+        ]
+        if cfg.algorithm.name == "ppo" or self.scorer_dirs:
+            users = (["critic"] if cfg.algorithm.name == "ppo" else []) + \
+                [{"scores": "reward model", "costs": "cost model"}[k] for k in self.scorer_dirs]
+            lines.append(f"{' + '.join(users)}: {c} -> {c.world_size} ranks each")
+        per_rank = ", ".join(_mib(b) for b in self.reshard_recv_bytes)
+        lines.append(f"3D-HybridEngine ({cfg.hybrid_engine.mode}): bytes received per actor rank "
+                     f"per switch: {per_rank} (naive, every tensor over the whole group: "
+                     f"{_mib(self.naive_recv_bytes)})")
+        samples = cfg.train_batch_size * cfg.rollout.sampling.n
+        lines.append(f"data: {len(self.prompts)} prompts from {cfg.data.source}")
+        lines.append(f"step: {cfg.train_batch_size} prompts x {cfg.rollout.sampling.n} samples = "
+                     f"{samples}; actor: {cfg.actor.ppo_epochs} epoch(s) x "
+                     f"{cfg.actor.mini_batches} mini-batch(es); {cfg.steps} steps, "
+                     f"algorithm {cfg.algorithm.name}")
+        return "\n".join(lines)
+
+
+def check_run(cfg: RLConfig, skip: set[str] | frozenset[str] = frozenset()) -> RunCheck:
+    """Every check that needs more than the config itself; see the module docstring. ``skip``:
+    "reward" / "cost" where the caller passes those functions itself (Python callables)."""
+    from hybridflow.models.source import resolve_model
+
+    model_dir = resolve_model(cfg.model, "model")
+    model = _model_config(model_dir, "model")
+    _fits(model, cfg, "actor")
+    scorer_dirs = {}
+    for key, field in (("scores", "reward_model"), ("costs", "cost_model")):
+        path = getattr(cfg, field)
+        if path is not None:
+            scorer_dirs[key] = resolve_model(path, field)
+            _fits(_model_config(scorer_dirs[key], field), cfg, "critic", field)
+    if cfg.algorithm.name == "ppo":
+        _fits(model, cfg, "critic")  # the critic starts from the actor's weights
+    if cfg.pad_token_id >= model.vocab_size:
+        raise ConfigError("pad_token_id", f"{cfg.pad_token_id} is not a token of the model "
+                                          f"(vocab_size {model.vocab_size})")
+    _check_reward_functions(cfg, skip)
+    prompts = load_prompts(cfg.data)
+    _check_out_dir(cfg)
+    gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
+    recv, naive = _reshard_bytes(model, gen, cfg)
+    return RunCheck(model_dir=model_dir, model=model, scorer_dirs=scorer_dirs, gen=gen,
+                    reshard_recv_bytes=recv, naive_recv_bytes=naive, prompts=prompts)
+
+
+def _model_config(model_dir: Path, field: str) -> ModelConfig:
+    """The checkpoint's shape, with every tensor's name and shape checked from the file headers
+    (no tensor data is read): a bad checkpoint fails here, not in a worker."""
+    from hybridflow.training.loading import check_hf_checkpoint
+    try:
+        return check_hf_checkpoint(model_dir)
+    except ConfigError as e:
+        raise ConfigError(field, e.message) from None
+
+
+def _fits(model: ModelConfig, cfg: RLConfig, role: str, model_field: str = "model") -> None:
+    """``role``'s layout and engine against the shape of the model at ``model_field``."""
+    from hybridflow.training.engine import check_model_fits_layout
+    part = getattr(cfg, role)
+    try:
+        check_model_fits_layout(model, part.layout, part.engine)
+    except ConfigError as e:
+        e = e.under(role)
+        raise ConfigError(e.field, f"{e.message} (the {model_field}'s shape)") from None
+
+
+def _check_reward_functions(cfg: RLConfig, skip) -> None:
+    from hybridflow.rewards import as_reward_fn
+    for field in ("reward", "cost"):
+        spec = getattr(cfg, field)
+        if spec is None or field in skip or (field == "reward" and cfg.reward_model is not None):
+            continue
+        try:
+            as_reward_fn(spec)
+        except ConfigError as e:
+            raise ConfigError(field, e.message) from None
+
+
+def _check_out_dir(cfg: RLConfig) -> None:
+    """The run folder can be made: the nearest existing parent is a writable folder."""
+    parent = Path(cfg.tracking.out_dir).absolute()
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise ConfigError("tracking.out_dir", f"{parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK | os.X_OK):
+        raise ConfigError("tracking.out_dir", f"{parent} is not writable; choose another folder")
+    run_dir = Path(cfg.tracking.out_dir) / cfg.name
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ConfigError("name", f"{run_dir} exists and is not a folder; choose another name")
+
+
+def _reshard_bytes(model: ModelConfig, gen: GenLayout, cfg: RLConfig) -> tuple[list[int], int]:
+    """Bytes each actor rank receives in one switch (the configured mode), and what rank 0
+    the most any rank would receive on the naive path."""
+    from hybridflow.hybrid_engine.plan import plan_reshard
+    from hybridflow.hybrid_engine.switch import generation_metas, naive_recv_bytes
+    from hybridflow.models.params import llama_param_metas
+    # The parameters as the switch reshards them (a tied embedding's last-stage copy included).
+    metas = generation_metas(llama_param_metas(model), model.tie_embeddings, gen)
+    dtype_bytes = 4 if cfg.actor.engine.dtype == "fp32" else 2
+    ranks = range(cfg.actor.layout.world_size)
+    naive = [naive_recv_bytes(gen, metas, r, dtype_bytes) for r in ranks]
+    if cfg.hybrid_engine.mode == "naive":
+        return naive, max(naive)
+    plan = plan_reshard(gen, metas, dtype_bytes, int(cfg.rollout.bucket_mb * 2**20))
+    return [plan.ranks[r].recv_bytes for r in ranks], max(naive)
+
+
+def _mib(n: int) -> str:
+    return f"{n / 2**20:.1f} MiB"

