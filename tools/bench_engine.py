@@ -103,7 +103,7 @@ def main(argv=None) -> dict:
     rank, world = _init_world()
     if world != args.tp:
         raise SystemExit(f"bench_engine: world size {world} != --tp {args.tp}")
-    from hybridflow.hybrid_engine.meta import init_full_weights, llama_param_metas
+    from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
 

@@ -62,12 +62,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from hybridflow.hybrid_engine.execute import (  # noqa: E402
     back_to_training, create_micro_dp_groups, create_train_groups, gather_generation_weights,
     naive_gather, new_storage)
-from hybridflow.hybrid_engine.meta import (  # noqa: E402
-    ParamMeta, llama_param_metas, num_layers_of, owner_stage)
 from hybridflow.hybrid_engine.plan import ReshardPlan, plan_reshard, resident_offsets  # noqa: E402
 from hybridflow.hybrid_engine.switch import (TIED_OUTPUT, generation_metas,  # noqa: E402
                                              naive_recv_bytes, redundant_bytes)
 from hybridflow.models.config import ModelConfig  # noqa: E402
+from hybridflow.models.params import (  # noqa: E402
+    DTYPES, ParamMeta, llama_param_metas, num_layers_of, owner_stage)
 from hybridflow.parallel.layout import GenLayout, TrainLayout  # noqa: E402
 
 PRESETS = {
@@ -83,7 +83,6 @@ PRESETS = {
     "llama-13b": dict(vocab_size=32000, hidden_size=5120, ffn_hidden_size=13824, num_layers=40,
                       num_heads=40, num_kv_heads=40, head_dim=128),
 }
-DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 GiB = 2**30
 
 

@@ -49,6 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from hybridflow.models.config import ModelConfig  # noqa: E402
+from hybridflow.models.params import DTYPES  # noqa: E402
 from hybridflow.rollout.base import SamplingConfig  # noqa: E402
 
 BACKENDS = ("megatron", "hf", "vllm")
@@ -60,7 +61,6 @@ LLAMA_1B = dict(arch="llama", vocab_size=128256, hidden_size=2048, ffn_hidden_si
 LLAMA_09B = dict(arch="llama", vocab_size=32000, hidden_size=2048, ffn_hidden_size=5632,
                  num_layers=16, num_heads=16, num_kv_heads=8, head_dim=128, tie_embeddings=False,
                  rope_theta=10000.0, rms_norm_eps=1e-5, max_position_embeddings=4096)
-_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -71,7 +71,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="prompts generated together; several values: one JSON line each")
     ap.add_argument("--prompt-len", type=int, default=32, help="tokens per prompt")
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
-    ap.add_argument("--dtype", choices=sorted(_TORCH_DTYPES), default=None,
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="default: bf16 on GPU, fp32 on CPU")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--seed", type=int, default=0)
@@ -100,17 +100,18 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def model_dir(name: str, dtype: str, workdir: Path) -> Path:
     """An HF checkpoint directory for the named model."""
-    from hybridflow.hybrid_engine.meta import init_full_weights, llama_param_metas
+    from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.models.hf import megatron_to_hf, save_hf_checkpoint
     from hybridflow.models.tiny import save_tiny_checkpoint, tiny_llama_config
 
     if name == "tiny":
         return save_tiny_checkpoint(workdir / "tiny", tiny_llama_config(), seed=0)
     if name == "smollm2":
-        from hybridflow.models.smollm2 import default_cache_dir, prepare_smollm2
-        return prepare_smollm2(default_cache_dir())
+        from hybridflow.models.smollm2 import prepare_smollm2
+        from hybridflow.models.source import cache_dir
+        return prepare_smollm2(cache_dir())
     cfg = ModelConfig(**(LLAMA_1B if name == "llama-1b" else LLAMA_09B))
-    full = init_full_weights(llama_param_metas(cfg), seed=0, dtype=_TORCH_DTYPES[dtype])
+    full = init_full_weights(llama_param_metas(cfg), seed=0, dtype=DTYPES[dtype])
     return save_hf_checkpoint(workdir / name, megatron_to_hf(full, cfg), cfg)
 
 
@@ -202,7 +203,7 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
 def decode_bytes(cfg: ModelConfig, dtype_bytes: int, batch: int, prompt_len: int,
                  new_tokens: int) -> tuple[int, int]:
     """(weight bytes one decode step reads, KV bytes all decode steps read together)."""
-    from hybridflow.hybrid_engine.meta import llama_param_metas
+    from hybridflow.models.params import llama_param_metas
     params = sum(m.numel for m in llama_param_metas(cfg))
     if not cfg.tie_embeddings:  # the input table is only indexed, B rows a step
         params -= cfg.vocab_size * cfg.hidden_size
@@ -255,7 +256,7 @@ def bench_batch(args, cfg, backend, hf, eager: bool, batch: int, sampling: Sampl
                   new_tokens=args.new_tokens, startup_seconds=round(startup, 3))
     floor = None
     if on_gpu and args.new_tokens > 1:
-        weights, kv = decode_bytes(cfg, _TORCH_DTYPES[dtype].itemsize, batch, args.prompt_len,
+        weights, kv = decode_bytes(cfg, DTYPES[dtype].itemsize, batch, args.prompt_len,
                                    args.new_tokens)
         floor = ((args.new_tokens - 1) * weights + kv) / bandwidth
         result.update(copy_bandwidth_gb_s=round(bandwidth / 1e9, 1),

@@ -5,7 +5,7 @@
     python tools/convert_checkpoint.py megatron-to-hf --ckpt DIR --out DIR [--hf-config-from DIR]
 
 A Megatron checkpoint saved at one (tp, pp) loads at any other. The logic lives in
-hybridflow.models.megatron_ckpt; this file only parses arguments. Exit status 2 on bad input.
+hybridflow.training.megatron_ckpt; this file only parses arguments. Exit status 2 on bad input.
 """
 
 from __future__ import annotations
@@ -53,7 +53,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     from hybridflow.errors import ConfigError
-    from hybridflow.models import megatron_ckpt
+    from hybridflow.training import megatron_ckpt
 
     try:
         if args.command == "hf-to-megatron":
@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
                                                     overwrite=args.overwrite,
                                                     verbose=not args.quiet)
     except ConfigError as e:
+        if e.field == "model":  # the library's name for the HF checkpoint; here it is a flag
+            e = ConfigError("--hf" if args.command == "hf-to-megatron" else "--hf-config-from",
+                            e.message)
         print(f"convert_checkpoint: error: {e}", file=sys.stderr)
         return 2
     return 0

@@ -1,10 +1,11 @@
 """Generation weights (Megatron names, one generation TP rank's shards) -> the rollout's names.
 
-Two views, both lazy iterators of ``(name, tensor)`` so a backend can load one tensor at a time:
+Two views of the parameter table (``models/params.py``), both lazy iterators of
+``(name, tensor)`` so a backend can load one tensor at a time:
 
 * ``to_vllm_shards(tensors, cfg, gen_tp)``: vLLM's *parameter* names of that generation TP rank,
   with vLLM's fused layouts: ``self_attn.qkv_proj`` = [q of the rank's heads; k; v of its query
-  groups] (``megatron_qkv_to_vllm``), ``mlp.gate_up_proj`` = [gate_r; up_r] (Megatron's
+  groups] (``to_vllm_layout``), ``mlp.gate_up_proj`` = [gate_r; up_r] (Megatron's
   ``linear_fc1`` shard as is), ``o_proj``/``down_proj`` (the row-parallel shards as is), the norms,
   ``model.embed_tokens.weight`` and ``lm_head.weight`` (vocab shards). These are what the rank's
   vLLM parameters hold, for a backend that copies them in directly (``param.data.copy_``), which
@@ -33,42 +34,17 @@ Tied embeddings: ``output_layer.weight`` (present on the last of several generat
 
 from __future__ import annotations
 
-import re
 from typing import Iterator, Mapping
 
 import torch
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError
 from hybridflow.models.config import ModelConfig
-from hybridflow.models.hf import megatron_qkv_to_vllm, split_megatron_to_hf
+from hybridflow.models.hf import split_megatron_to_hf
+from hybridflow.models.params import to_vllm_layout
 
 VLLM_VOCAB_PADDING = 64
 """vLLM's DEFAULT_VOCAB_PADDING_SIZE (model_executor/layers/vocab_parallel_embedding.py)."""
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.+)$")
-_VLLM_LAYER = {
-    "input_layernorm.weight": "input_layernorm.weight",
-    "self_attention.linear_qkv.weight": "self_attn.qkv_proj.weight",
-    "self_attention.linear_qkv.bias": "self_attn.qkv_proj.bias",
-    "self_attention.linear_proj.weight": "self_attn.o_proj.weight",
-    "pre_mlp_layernorm.weight": "post_attention_layernorm.weight",
-    "mlp.linear_fc1.weight": "mlp.gate_up_proj.weight",
-    "mlp.linear_fc2.weight": "mlp.down_proj.weight",
-}
-
-
-def vllm_name(mg_name: str, cfg: ModelConfig) -> str:
-    """vLLM parameter name of a Megatron parameter (global layer index)."""
-    m = _LAYER.match(mg_name)
-    if m is not None and m.group(2) in _VLLM_LAYER:
-        return f"model.layers.{m.group(1)}.{_VLLM_LAYER[m.group(2)]}"
-    if mg_name == "embedding.word_embeddings.weight":
-        return "model.embed_tokens.weight"
-    if mg_name == "decoder.final_layernorm.weight":
-        return "model.norm.weight"
-    if mg_name == "output_layer.weight":
-        return "model.embed_tokens.weight" if cfg.tie_embeddings else "lm_head.weight"
-    raise ConfigError(mg_name, "not a Megatron parameter of a Llama/Qwen2 model")
 
 
 def to_vllm_shards(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, gen_tp: int
@@ -77,20 +53,12 @@ def to_vllm_shards(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, gen_tp
     order given. Views where the layouts agree; ``qkv_proj`` is a new tensor (per-group
     interleave -> [q; k; v])."""
     if gen_tp > 1 and cfg.vocab_size % VLLM_VOCAB_PADDING:
-        raise ConfigError("rollout.tensor_parallel_size",
+        raise ArgumentError("gen_tp",
                           f"vLLM splits the vocabulary padded to a multiple of "
                           f"{VLLM_VOCAB_PADDING}; vocab_size={cfg.vocab_size} is not one, so its "
                           f"vocab shards at tp={gen_tp} differ from Megatron's; use tp=1")
-    return _vllm_iter(tensors, cfg, gen_tp)  # checked now, converted as the backend asks
-
-
-def _vllm_iter(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, gen_tp: int
-               ) -> Iterator[tuple[str, torch.Tensor]]:
-    for name, tensor in tensors.items():
-        out = vllm_name(name, cfg)
-        if name.endswith(("self_attention.linear_qkv.weight", "self_attention.linear_qkv.bias")):
-            tensor = megatron_qkv_to_vllm(tensor, cfg, gen_tp)
-        yield out, tensor
+    # checked now, converted as the backend asks
+    return (to_vllm_layout(name, tensor, cfg, gen_tp) for name, tensor in tensors.items())
 
 
 def to_hf(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, gen_tp: int = 1
@@ -98,7 +66,7 @@ def to_hf(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, gen_tp: int = 1
     """(HF name, full tensor) for each generation tensor, for vLLM's ``load_weights`` (which
     stacks q/k/v and gate/up itself and slices by its own TP rank). Needs ``gen_tp == 1``."""
     if gen_tp != 1:
-        raise ConfigError("rollout.tensor_parallel_size",
+        raise ArgumentError("gen_tp",
                           f"HF names need full tensors, the generation shards at tp={gen_tp} are "
                           f"not (vLLM's weight loaders slice full tensors themselves); use "
                           f"to_vllm_shards and copy them into the rank's parameters")

@@ -32,8 +32,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.distributed_c10d import _coalescing_manager
 
-from hybridflow.hybrid_engine.meta import ParamMeta, num_layers_of, owner_stage, shard, unshard
 from hybridflow.hybrid_engine.plan import Bucket, GenParam, ReshardPlan, StagePlan
+from hybridflow.models.params import ParamMeta, num_layers_of, owner_stage, shard, unshard
 from hybridflow.parallel.layout import GenLayout, TrainLayout
 
 Groups = Union[Mapping[tuple[int, ...], "dist.ProcessGroup | None"],

@@ -61,7 +61,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hybridflow.hybrid_engine.meta import ParamMeta, num_layers_of, owner_stage, stage_layers
+from hybridflow.models.params import ParamMeta, num_layers_of, owner_stage, stage_layers
 from hybridflow.parallel.layout import GenLayout, LayoutError
 
 MODES = ("alias", "view", "concat", "rearrange")

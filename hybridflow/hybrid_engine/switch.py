@@ -46,8 +46,8 @@ import torch.distributed as dist
 from hybridflow.hybrid_engine.execute import (back_to_training, create_micro_dp_groups,
                                               gather_generation_weights, naive_gather,
                                               new_storage)
-from hybridflow.hybrid_engine.meta import ParamMeta, num_layers_of, owner_stage
 from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
+from hybridflow.models.params import ParamMeta, num_layers_of, owner_stage
 from hybridflow.parallel.layout import GenLayout
 
 if TYPE_CHECKING:

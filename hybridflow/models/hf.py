@@ -3,10 +3,10 @@
 Three parts, each usable alone:
 
 * configs: ``model_config_from_hf`` / ``hf_config_from_model_config``;
-* names and layouts: an HF state dict (full tensors) <-> Megatron-Core ``GPTModel`` local-spec
-  names (full, unsharded; TP/PP sharding is the caller's), one tensor at a time for streaming
-  (``hf_sources`` + ``merge_hf_to_megatron``, ``split_megatron_to_hf``) or whole dicts
-  (``hf_to_megatron``, ``megatron_to_hf``), plus the vLLM per-TP-rank view of ``linear_qkv``;
+* names and layouts, the HF view of the parameter table (``models/params.py``): an HF state dict
+  (full tensors) <-> Megatron-Core ``GPTModel`` local-spec names (full, unsharded; TP/PP sharding
+  is the caller's), one tensor at a time for streaming (``hf_sources`` + ``merge_hf_to_megatron``,
+  ``split_megatron_to_hf``) or whole dicts (``hf_to_megatron``, ``megatron_to_hf``);
 * checkpoint I/O on HF directories: ``load_hf_state_dict`` / ``save_hf_checkpoint``.
 
 Where Megatron-Core's GPTModel and HF Llama/Qwen2 differ, and what the training side must set:
@@ -18,10 +18,8 @@ Where Megatron-Core's GPTModel and HF Llama/Qwen2 differ, and what the training 
   ``num_key_value_heads``; ``normalization="RMSNorm"``, ``layernorm_epsilon`` = ``rms_norm_eps``;
   ``gated_linear_unit=True`` with SiLU; ``add_bias_linear=False``; ``add_qkv_bias`` = Qwen2's
   q/k/v biases (HF Llama's ``attention_bias`` also biases o_proj, which Megatron cannot express).
-* Fused weights: ``linear_qkv`` is grouped per query group (``[q_0..q_{r-1}, k, v]`` for each
-  group) so that a contiguous TP slice holds whole groups; ``linear_fc1`` is ``[gate; up]`` for the
-  full tensor, but Megatron's TP rank r holds ``[gate_r; up_r]`` (each half sliced separately),
-  which is also vLLM's ``gate_up_proj`` of rank r.
+* Fused weights (``linear_qkv`` grouped per query group, ``linear_fc1`` = ``[gate; up]``): see
+  ``models/params.py``.
 * Megatron pads the vocabulary (``make_vocab_size_divisible_by`` x TP) and numbers layers per
   pipeline stage from 0; the names here are for the unpadded vocabulary and global layer indices.
 * ``share_embeddings_and_output_weights`` = ``tie_word_embeddings``; with PP > 1 the last stage
@@ -36,14 +34,15 @@ import re
 import shutil
 import struct
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.models.config import ModelConfig
+from hybridflow.models.params import (hf_shapes, megatron_param_names, merge, model_params,
+                                      resolve, split, tied)
 
 # ----------------------------------------------------------------------------------------------
 # configs
@@ -73,27 +72,27 @@ def model_config_from_hf(hf_cfg: Any) -> ModelConfig:
     model_type = getattr(hf_cfg, "model_type", None)
     archs = getattr(hf_cfg, "architectures", None) or []
     if model_type not in _ARCHS:
-        raise ConfigError(
-            "config.json:architectures",
-            f"unsupported model {archs or model_type!r} (model_type={model_type!r}); "
-            f"supported: {', '.join(cls for _, cls in _ARCHS.values())}")
+        raise ConfigError("model", "config.json:architectures: unsupported model "
+                                   f"{archs or model_type!r} (model_type={model_type!r}); "
+                                   f"supported: {', '.join((cls for _, cls in _ARCHS.values()))}")
     arch = _ARCHS[model_type][0]
     theta, scaling = _rope(hf_cfg)
     if scaling is not None:
-        raise ConfigError(
-            "config.json:rope_scaling",
-            f"scaled RoPE {scaling!r} is not supported yet (Megatron GPTModel is built with plain "
-            "RoPE here); use a model without rope_scaling")
+        raise ConfigError("model", f"config.json:rope_scaling: scaled RoPE {scaling!r} is not "
+                                   "supported yet (Megatron GPTModel is built with plain RoPE "
+                                   "here); use a model without rope_scaling")
     act = getattr(hf_cfg, "hidden_act", "silu")
     if act != "silu":
-        raise ConfigError("config.json:hidden_act", f"{act!r} is not supported; only silu (SwiGLU)")
+        raise ConfigError("model", f"config.json:hidden_act: {act!r} is not supported; only silu "
+                                   "(SwiGLU)")
     if getattr(hf_cfg, "attention_bias", False):
-        raise ConfigError("config.json:attention_bias",
-                          "Llama attention_bias (biases on q, k, v and o_proj) is not supported")
+        raise ConfigError("model", "config.json:attention_bias: Llama attention_bias (biases on "
+                                   "q, k, v and o_proj) is not supported")
     if getattr(hf_cfg, "mlp_bias", False):
-        raise ConfigError("config.json:mlp_bias", "MLP biases are not supported")
+        raise ConfigError("model", "config.json:mlp_bias: MLP biases are not supported")
     if getattr(hf_cfg, "use_sliding_window", False):
-        raise ConfigError("config.json:use_sliding_window", "sliding-window attention is not supported")
+        raise ConfigError("model", "config.json:use_sliding_window: sliding-window attention is "
+                                   "not supported")
     heads = hf_cfg.num_attention_heads
     return ModelConfig(
         arch=arch,
@@ -143,170 +142,56 @@ def hf_config_from_model_config(cfg: ModelConfig, **extra: Any) -> Any:
 
 
 # ----------------------------------------------------------------------------------------------
-# the one implementation of the per-query-group qkv interleave
+# names and layouts: the HF view of the parameter table (models/params.py)
 
-
-def qkv_merge(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, num_kv_heads: int) -> torch.Tensor:
-    """Separate q [nh*hd, ...], k and v [ng*hd, ...] -> Megatron linear_qkv [(nh+2ng)*hd, ...],
-    grouped as [q heads of group 0, k_0, v_0, q heads of group 1, k_1, v_1, ...].
-    Works for weights ([., h]) and biases ([.])."""
-    rest = q.shape[1:]
-    return torch.cat([t.reshape(num_kv_heads, -1, *rest) for t in (q, k, v)], dim=1).reshape(-1, *rest)
-
-
-def qkv_split(qkv: torch.Tensor, num_heads: int, num_kv_heads: int, head_dim: int
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of ``qkv_merge``: Megatron linear_qkv (or a TP shard of it, given that shard's head
-    counts) -> (q [nh*hd, ...], k [ng*hd, ...], v [ng*hd, ...])."""
-    rest = qkv.shape[1:]
-    q_per_group = num_heads // num_kv_heads * head_dim
-    groups = qkv.reshape(num_kv_heads, q_per_group + 2 * head_dim, *rest)
-    q, k, v = groups.split([q_per_group, head_dim, head_dim], dim=1)
-    return tuple(t.reshape(-1, *rest) for t in (q, k, v))
-
-
-def megatron_qkv_to_vllm(qkv_shard: torch.Tensor, cfg: ModelConfig, tp: int) -> torch.Tensor:
-    """One TP rank's Megatron ``linear_qkv`` shard (weight or bias: rows ``[(nh+2ng)/tp * hd]``)
-    -> vLLM's ``qkv_proj`` of the same rank: ``[q of its nh/tp heads; k; v of its ng/tp groups]``.
-
-    The MLP needs no conversion: Megatron's ``linear_fc1`` shard of rank r is ``[gate_r; up_r]``,
-    which is exactly vLLM's ``gate_up_proj`` of rank r.
-    """
-    if cfg.num_kv_heads % tp:
-        raise ConfigError("rollout.tensor_parallel_size",
-                          f"tp={tp} must divide num_kv_heads={cfg.num_kv_heads} (Megatron keeps whole "
-                          "query groups per rank)")
-    q, k, v = qkv_split(qkv_shard, cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim)
-    return torch.cat([q, k, v], dim=0)
-
-
-# ----------------------------------------------------------------------------------------------
-# names and layouts
-
-
-@dataclass(frozen=True)
-class _Rule:
-    """One Megatron tensor and the HF tensors it is made of ({i} is the layer index)."""
-
-    mg: str
-    hf: tuple[str, ...]
-    kind: str = "copy"  # copy | qkv | fc1
-
-
-_LAYER_RULES = (
-    _Rule("decoder.layers.{i}.input_layernorm.weight", ("model.layers.{i}.input_layernorm.weight",)),
-    _Rule("decoder.layers.{i}.self_attention.linear_qkv.weight",
-          tuple(f"model.layers.{{i}}.self_attn.{p}_proj.weight" for p in "qkv"), "qkv"),
-    _Rule("decoder.layers.{i}.self_attention.linear_qkv.bias",
-          tuple(f"model.layers.{{i}}.self_attn.{p}_proj.bias" for p in "qkv"), "qkv"),
-    _Rule("decoder.layers.{i}.self_attention.linear_proj.weight",
-          ("model.layers.{i}.self_attn.o_proj.weight",)),
-    _Rule("decoder.layers.{i}.pre_mlp_layernorm.weight",
-          ("model.layers.{i}.post_attention_layernorm.weight",)),
-    _Rule("decoder.layers.{i}.mlp.linear_fc1.weight",
-          ("model.layers.{i}.mlp.gate_proj.weight", "model.layers.{i}.mlp.up_proj.weight"), "fc1"),
-    _Rule("decoder.layers.{i}.mlp.linear_fc2.weight", ("model.layers.{i}.mlp.down_proj.weight",)),
-)
-_EMBED = _Rule("embedding.word_embeddings.weight", ("model.embed_tokens.weight",))
-_FINAL_NORM = _Rule("decoder.final_layernorm.weight", ("model.norm.weight",))
-_OUTPUT = _Rule("output_layer.weight", ("lm_head.weight",))
-_TIED_OUTPUT = _Rule("output_layer.weight", ("model.embed_tokens.weight",))
-
-_LAYER_RE = re.compile(r"^(decoder\.layers|model\.layers)\.(\d+)\.(.+)$")
 # HF tensors that carry no weights: old checkpoints saved RoPE's inverse frequencies.
 _HF_IGNORED = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
 
-def _rules(cfg: ModelConfig) -> list[_Rule]:
-    """The layer rules that apply to cfg, with {i} left in."""
-    return [r for r in _LAYER_RULES if cfg.qkv_bias or not r.mg.endswith("linear_qkv.bias")]
-
-
-def _resolve(name: str, cfg: ModelConfig, side: str) -> tuple[_Rule, int | None]:
-    """The rule whose ``side`` ("mg" or "hf") names ``name``, and the layer index (None outside
-    layers). Raises ConfigError for names that are not part of cfg's model."""
-    m = _LAYER_RE.match(name)
-    if m is not None:
-        i = int(m.group(2))
-        if i >= cfg.num_layers:
-            raise ConfigError(name, f"layer {i} is out of range for num_layers={cfg.num_layers}")
-        templ = f"{m.group(1)}.{{i}}.{m.group(3)}"
-        for rule in _rules(cfg):
-            if (side == "mg" and templ == rule.mg) or (side == "hf" and templ in rule.hf):
-                return rule, i
-    else:
-        top = [_EMBED, _FINAL_NORM, _TIED_OUTPUT if cfg.tie_embeddings else _OUTPUT]
-        for rule in top:
-            if side == "mg" and name == rule.mg:
-                return rule, None
-            if side == "hf" and name in rule.hf and rule is not _TIED_OUTPUT:
-                return rule, None
-    kind = "Megatron" if side == "mg" else "HF"
-    hint = " (tied embeddings: there is no lm_head)" if name == "lm_head.weight" else ""
-    raise ConfigError(name, f"not a {kind} parameter of a {cfg.arch} model with qkv_bias="
-                            f"{cfg.qkv_bias}, tie_embeddings={cfg.tie_embeddings}{hint}")
-
-
-def megatron_param_names(cfg: ModelConfig) -> list[str]:
-    """All Megatron GPTModel (local spec) parameter names of the full model, in model order."""
-    names = [_EMBED.mg]
-    for i in range(cfg.num_layers):
-        names += [r.mg.format(i=i) for r in _rules(cfg)]
-    names.append(_FINAL_NORM.mg)
-    if not cfg.tie_embeddings:
-        names.append(_OUTPUT.mg)
-    return names
-
-
 def hf_param_names(cfg: ModelConfig) -> list[str]:
     """All HF parameter names of the full model (no lm_head when tied), in model order."""
-    return [hf for mg in megatron_param_names(cfg) for hf in hf_sources(mg, cfg)]
+    return list(hf_param_shapes(cfg))
+
+
+def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
+    """HF name -> (shape, which config fields give it), for the full model, in model order."""
+    return {name: shape for p, layer, _ in model_params(cfg)
+            for name, shape in hf_shapes(p, layer, cfg).items()}
 
 
 def hf_sources(mg_name: str, cfg: ModelConfig) -> list[str]:
-    """The HF tensors needed to build the Megatron parameter ``mg_name`` (for a streaming loader)."""
-    rule, i = _resolve(mg_name, cfg, "mg")
-    return [h.format(i=i) for h in rule.hf]
+    """The HF tensors needed to build the Megatron parameter ``mg_name`` (for a streaming loader);
+    for the last stage's copy of a tied output layer, the embedding's."""
+    p, layer = resolve(mg_name, cfg)
+    return list(hf_shapes(p, layer, cfg))
 
 
 def megatron_name_for_hf(hf_name: str, cfg: ModelConfig) -> str | None:
     """The Megatron parameter the HF tensor ``hf_name`` feeds; None for tensors that carry no
     weights (RoPE inv_freq) and for lm_head.weight of a tied model."""
-    if _HF_IGNORED.search(hf_name) or (cfg.tie_embeddings and hf_name == "lm_head.weight"):
+    if _HF_IGNORED.search(hf_name):
         return None
-    rule, i = _resolve(hf_name, cfg, "hf")
-    return rule.mg.format(i=i) if i is not None else rule.mg
+    p, layer = resolve(hf_name, cfg, "hf")
+    return None if tied(p, cfg) else p.megatron.format(i=layer)
 
 
 def merge_hf_to_megatron(mg_name: str, tensors: dict[str, torch.Tensor], cfg: ModelConfig
                          ) -> torch.Tensor:
     """Build the full Megatron parameter ``mg_name`` from the HF tensors named by
     ``hf_sources(mg_name, cfg)`` (``tensors`` may hold more)."""
-    rule, _ = _resolve(mg_name, cfg, "mg")
+    p, _ = resolve(mg_name, cfg)
     names = hf_sources(mg_name, cfg)
     missing = [n for n in names if n not in tensors]
     if missing:
         raise ConfigError(missing[0], f"needed for {mg_name} but not in the HF state dict")
-    parts = [tensors[n] for n in names]
-    if rule.kind == "qkv":
-        return qkv_merge(*parts, cfg.num_kv_heads)
-    if rule.kind == "fc1":
-        return torch.cat(parts, dim=0)
-    return parts[0]
+    return merge(p, [tensors[n] for n in names], cfg)
 
 
 def split_megatron_to_hf(mg_name: str, tensor: torch.Tensor, cfg: ModelConfig
                          ) -> dict[str, torch.Tensor]:
     """The HF tensors held by the full Megatron parameter ``mg_name`` (views, no copies)."""
-    rule, _ = _resolve(mg_name, cfg, "mg")
-    names = hf_sources(mg_name, cfg)
-    if rule.kind == "qkv":
-        parts = qkv_split(tensor, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim)
-    elif rule.kind == "fc1":
-        parts = tensor.chunk(2, dim=0)
-    else:
-        parts = (tensor,)
-    return dict(zip(names, parts))
+    p, _ = resolve(mg_name, cfg)
+    return dict(zip(hf_sources(mg_name, cfg), split(p, tensor, cfg)))
 
 
 def hf_to_megatron(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -316,12 +201,9 @@ def hf_to_megatron(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
     if cfg.tie_embeddings and "lm_head.weight" in hf_sd:
         lm, emb = hf_sd["lm_head.weight"], hf_sd.get("model.embed_tokens.weight")
         if emb is not None and lm.data_ptr() != emb.data_ptr() and not torch.equal(lm, emb):
-            raise ConfigError("lm_head.weight", "differs from model.embed_tokens.weight but the "
-                                                "config ties them (tie_word_embeddings=true)")
-    out = {}
-    for mg in megatron_param_names(cfg):
-        out[mg] = merge_hf_to_megatron(mg, hf_sd, cfg)
-    return out
+            raise ConfigError("model", "lm_head.weight: differs from model.embed_tokens.weight "
+                                       "but the config ties them (tie_word_embeddings=true)")
+    return {mg: merge_hf_to_megatron(mg, hf_sd, cfg) for mg in megatron_param_names(cfg)}
 
 
 def megatron_to_hf(mg_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, torch.Tensor]:
@@ -329,48 +211,13 @@ def megatron_to_hf(mg_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
     metadata) are skipped, and so is output_layer.weight of a tied model."""
     out = {}
     for name, tensor in mg_sd.items():
-        if name.endswith("._extra_state"):
-            continue
-        if cfg.tie_embeddings and name == _OUTPUT.mg:
+        if name.endswith("._extra_state") or tied(resolve(name, cfg)[0], cfg):
             continue
         out.update(split_megatron_to_hf(name, tensor, cfg))
     missing = [n for n in hf_param_names(cfg) if n not in out]
     if missing:
         mg = megatron_name_for_hf(missing[0], cfg)
         raise ConfigError(mg, "missing from the Megatron state dict")
-    return out
-
-
-# ----------------------------------------------------------------------------------------------
-# expected HF shapes (for checks and error messages)
-
-
-def hf_param_shapes(cfg: ModelConfig) -> dict[str, tuple[tuple[int, ...], str]]:
-    """HF name -> (shape, which config fields give it), for the full model."""
-    h, f, v, hd = cfg.hidden_size, cfg.ffn_hidden_size, cfg.vocab_size, cfg.head_dim
-    q, kv = cfg.num_heads * hd, cfg.num_kv_heads * hd
-    why_q = f"num_attention_heads={cfg.num_heads} x head_dim={hd}, hidden_size={h}"
-    why_kv = f"num_key_value_heads={cfg.num_kv_heads} x head_dim={hd}, hidden_size={h}"
-    by_suffix = {
-        "embed_tokens.weight": ((v, h), f"vocab_size={v}, hidden_size={h}"),
-        "lm_head.weight": ((v, h), f"vocab_size={v}, hidden_size={h}"),
-        "layernorm.weight": ((h,), f"hidden_size={h}"),
-        "norm.weight": ((h,), f"hidden_size={h}"),
-        "q_proj.weight": ((q, h), why_q),
-        "k_proj.weight": ((kv, h), why_kv),
-        "v_proj.weight": ((kv, h), why_kv),
-        "q_proj.bias": ((q,), why_q),
-        "k_proj.bias": ((kv,), why_kv),
-        "v_proj.bias": ((kv,), why_kv),
-        "o_proj.weight": ((h, q), f"hidden_size={h}, " + why_q.split(",")[0]),
-        "gate_proj.weight": ((f, h), f"intermediate_size={f}, hidden_size={h}"),
-        "up_proj.weight": ((f, h), f"intermediate_size={f}, hidden_size={h}"),
-        "down_proj.weight": ((h, f), f"hidden_size={h}, intermediate_size={f}"),
-    }
-    out = {}
-    for name in hf_param_names(cfg):
-        key = next(k for k in by_suffix if name.endswith(k))
-        out[name] = by_suffix[key]
     return out
 
 
@@ -388,23 +235,25 @@ def _safetensors_header(path: Path) -> dict[str, dict]:
     with open(path, "rb") as f:
         raw = f.read(8)
         if len(raw) < 8:
-            raise ConfigError(str(path), f"is not a safetensors file ({size} bytes; truncated?)")
+            raise ConfigError("model", f"{path}: is not a safetensors file ({size} bytes; "
+                                       "truncated?)")
         (n,) = struct.unpack("<Q", raw)
         if n > size - 8:
-            raise ConfigError(str(path), f"header of {n} bytes runs past the end of the file "
-                                         f"({size} bytes): truncated or not a safetensors file")
+            raise ConfigError("model", f"{path}: header of {n} bytes runs past the end of the "
+                                       f"file ({size} bytes): truncated or not a safetensors file")
         try:
             header = json.loads(f.read(n))
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(str(path), f"corrupt safetensors header ({e}); re-save the checkpoint")
+            raise ConfigError("model", f"{path}: corrupt safetensors header ({e}); re-save the "
+                                       "checkpoint")
     header.pop("__metadata__", None)
     data_bytes = size - 8 - n
     for name, info in header.items():
         start, end = info["data_offsets"]
         if end > data_bytes:
-            raise ConfigError(
-                str(path), f"tensor {name} needs data bytes [{start}, {end}) but the file holds only "
-                           f"{data_bytes}: the file is truncated; copy or save it again")
+            raise ConfigError("model", f"{path}: tensor {name} needs data bytes [{start}, {end}) "
+                                       f"but the file holds only {data_bytes}: the file is "
+                                       "truncated; copy or save it again")
     return header
 
 
@@ -415,12 +264,12 @@ def _weight_map(ckpt_dir: Path) -> dict[str, Path]:
         try:
             entries = json.loads(index.read_text())["weight_map"]
         except (json.JSONDecodeError, KeyError) as e:
-            raise ConfigError(str(index), f"unreadable index ({e!r}); expected a weight_map")
+            raise ConfigError("model", f"{index}: unreadable index ({e!r}); expected a weight_map")
         return {name: ckpt_dir / file for name, file in entries.items()}
     files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
-        raise ConfigError(str(ckpt_dir), "holds no *.safetensors files (and no "
-                                         f"{_INDEX}); point to an HF checkpoint directory")
+        raise ConfigError("model", f"{ckpt_dir}: holds no *.safetensors files (and no {_INDEX}); "
+                                   "point to an HF checkpoint directory")
     return {name: f for f in files for name in _safetensors_header(f)}
 
 
@@ -430,11 +279,13 @@ def load_hf_config(ckpt_dir: str | os.PathLike) -> ModelConfig:
 
     path = Path(ckpt_dir) / "config.json"
     if not path.exists():
-        raise ConfigError(str(path), "not found; an HF checkpoint directory needs a config.json")
+        raise ConfigError("model", f"{path}: not found; an HF checkpoint directory needs a "
+                                   "config.json")
     try:
         hf_cfg = transformers.AutoConfig.from_pretrained(str(path.parent))
     except (ValueError, KeyError, OSError) as e:
-        raise ConfigError(f"{path}:architectures", f"transformers cannot read it: {e}") from None
+        raise ConfigError("model", f"{path}:architectures: transformers cannot read "
+                                   f"it: {e}") from None
     return model_config_from_hf(hf_cfg)
 
 
@@ -453,34 +304,37 @@ def load_hf_state_dict(ckpt_dir: str | os.PathLike, names: list[str] | None = No
     if cfg is not None and names is None:
         missing = [n for n in hf_param_names(cfg) if n not in weight_map]
         if missing:
-            raise ConfigError(f"{ckpt_dir}: tensor {missing[0]}",
-                              f"missing from the checkpoint ({len(missing)} missing in all)")
+            raise ConfigError("model", f"{ckpt_dir}: tensor {missing[0]}: missing from the "
+                                       f"checkpoint ({len(missing)} missing in all)")
     expected = hf_param_shapes(cfg) if cfg is not None else {}
     by_file: dict[Path, list[str]] = {}
     for name in wanted:
         if name not in weight_map:
-            raise ConfigError(f"{ckpt_dir}: tensor {name}", "not found in the checkpoint")
+            raise ConfigError("model", f"{ckpt_dir}: tensor {name}: not found in the checkpoint")
         by_file.setdefault(weight_map[name], []).append(name)
 
     out = {}
     for path, file_names in by_file.items():
         if not path.exists():
-            raise ConfigError(str(path), f"missing (the index lists it for tensor {file_names[0]})")
+            raise ConfigError("model", f"{path}: missing (the index lists it for tensor "
+                                       f"{file_names[0]})")
         header = _safetensors_header(path)
         for name in file_names:
             if name not in header:
-                raise ConfigError(str(path), f"tensor {name} is listed in the index but not in the file")
+                raise ConfigError("model", f"{path}: tensor {name} is listed in the index but "
+                                           "not in the file")
             shape = tuple(header[name]["shape"])
             if name in expected and shape != expected[name][0]:
                 want, why = expected[name]
-                raise ConfigError(str(path), f"tensor {name} has shape {list(shape)}, expected "
-                                             f"{list(want)} for {why}")
+                raise ConfigError("model", f"{path}: tensor {name} has shape {list(shape)}, "
+                                           f"expected {list(want)} for {why}")
         try:
             with safe_open(str(path), framework="pt") as f:
                 for name in file_names:
                     out[name] = f.get_tensor(name)
         except SafetensorError as e:
-            raise ConfigError(str(path), f"cannot read tensors {file_names[:3]}...: {e}") from None
+            raise ConfigError("model", f"{path}: cannot read tensors "
+                                       f"{file_names[:3]}...: {e}") from None
     return out
 
 
@@ -491,12 +345,12 @@ def _check_hf_sd(hf_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str, 
         megatron_name_for_hf(name, cfg)  # raises for names that do not belong
     missing = [n for n in expected if n not in hf_sd]
     if missing:
-        raise ConfigError(f"tensor {missing[0]}", f"missing from the state dict to save "
-                                                  f"({len(missing)} missing in all)")
+        raise ConfigError("model", f"tensor {missing[0]}: missing from the state dict to save "
+                                   f"({len(missing)} missing in all)")
     for name, (shape, why) in expected.items():
         if tuple(hf_sd[name].shape) != shape:
-            raise ConfigError(f"tensor {name}", f"has shape {list(hf_sd[name].shape)}, expected "
-                                                f"{list(shape)} for {why}")
+            raise ConfigError("model", f"tensor {name}: has shape {list(hf_sd[name].shape)}, "
+                                       f"expected {list(shape)} for {why}")
     return {n: hf_sd[n] for n in expected}
 
 
@@ -536,7 +390,7 @@ def save_hf_checkpoint(ckpt_dir: str | os.PathLike, hf_sd: dict[str, torch.Tenso
     tensors = _check_hf_sd(hf_sd, cfg)
     dtypes = {t.dtype for t in tensors.values()}
     if len(dtypes) != 1:
-        raise ConfigError("hf_sd", f"mixed dtypes {sorted(map(str, dtypes))}; cast to one first")
+        raise ArgumentError("hf_sd", f"mixed dtypes {sorted(map(str, dtypes))}; cast to one first")
     ids = {}
     if tokenizer is not None:
         ids = {k: getattr(tokenizer, k) for k in ("bos_token_id", "eos_token_id", "pad_token_id")}

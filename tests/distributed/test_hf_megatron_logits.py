@@ -47,11 +47,11 @@ def engine_work(rank: int, world: int, ckpts: dict[str, str], tool_ckpt: str, ou
     and loaded at (2,1,dp2); the tool's (2,1) checkpoint loaded at (1,2,dp2)."""
     import torch.distributed as dist
 
-    from hybridflow.models.loading import export_engine_to_hf, load_hf_into_engine
-    from hybridflow.models.megatron_ckpt import (MODEL_FILE, load_megatron_checkpoint,
-                                                 save_megatron_checkpoint)
     from hybridflow.models.hf import hf_to_megatron, load_hf_state_dict
     from hybridflow.training.engine import VALUE_HEAD, EngineConfig, TrainEngine
+    from hybridflow.training.loading import export_engine_to_hf, load_hf_into_engine
+    from hybridflow.training.megatron_ckpt import (MODEL_FILE, load_megatron_checkpoint,
+                                                   save_megatron_checkpoint)
 
     out = Path(out)
     logits = {}
@@ -163,8 +163,8 @@ def test_round_trip_is_bit_exact(run, arch, name):
 
 
 def test_megatron_checkpoint_keeps_config_and_tokenizer(run):
-    from hybridflow.models.megatron_ckpt import (TOKENIZER_DIR, checkpoint_dtype,
-                                                 read_checkpoint_model)
+    from hybridflow.training.megatron_ckpt import (TOKENIZER_DIR, checkpoint_dtype,
+                                                   read_checkpoint_model)
 
     root = run.root
     for name, arch in (("qwen2-tool-tp2pp1", "qwen2"), ("llama-mg-tp2pp2", "llama")):
@@ -177,7 +177,7 @@ def test_megatron_checkpoint_keeps_config_and_tokenizer(run):
 def test_checkpoint_of_another_model_is_refused(run):
     with_config, without_config = run.errors
     assert with_config is not None and without_config is not None
-    assert with_config.startswith("model.arch: the checkpoint ")
+    assert with_config.startswith("model: model.arch: the checkpoint ")
     assert "has arch='llama' but the engine was built with 'qwen2'" in with_config
     assert "does not fit this model (KeyError" in without_config
     assert "linear_qkv.bias" in without_config  # llama has no q/k/v biases

@@ -14,9 +14,9 @@ import torch
 from hybridflow.hybrid_engine.execute import (back_to_training, create_micro_dp_groups,
                                               create_train_groups, gather_generation_weights,
                                               naive_gather, new_storage)
-from hybridflow.hybrid_engine.meta import llama_param_metas, num_layers_of, owner_stage, shard
 from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
 from hybridflow.models.config import ModelConfig
+from hybridflow.models.params import llama_param_metas, num_layers_of, owner_stage, shard
 from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.parallel.spawn import spawn
 

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from hybridflow.errors import ConfigError
+from hybridflow.models.source import cache_dir
 from hybridflow.parallel.spawn import spawn
 
 transformers = pytest.importorskip("transformers")
@@ -26,7 +27,7 @@ NEW_TOKENS = 8
 def greedy_work(rank: int, world: int, path: str, ids: torch.Tensor, mask: torch.Tensor,
                 steps: int) -> torch.Tensor:
     from hybridflow.models.hf import load_hf_config
-    from hybridflow.models.loading import load_hf_into_engine
+    from hybridflow.training.loading import load_hf_into_engine
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training.engine import EngineConfig, TrainEngine
 
@@ -51,7 +52,7 @@ def test_smollm2_greedy_continuation_matches_transformers():
     from hybridflow.models import smollm2
 
     try:
-        path = smollm2.prepare_smollm2(smollm2.default_cache_dir())
+        path = smollm2.prepare_smollm2(cache_dir())
     except ConfigError as e:
         pytest.skip(str(e))
     tok = transformers.AutoTokenizer.from_pretrained(path)

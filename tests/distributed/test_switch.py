@@ -62,10 +62,10 @@ def _engine(model, layout, full, adam: bool):
 
 
 def _run_case(rank: int, case) -> dict:
-    from hybridflow.hybrid_engine.meta import (init_full_weights, llama_param_metas,
-                                               num_layers_of, owner_stage, shard)
     from hybridflow.hybrid_engine.switch import TIED_OUTPUT, HybridEngine, naive_recv_bytes
     from hybridflow.models.config import ModelConfig
+    from hybridflow.models.params import (init_full_weights, llama_param_metas,
+                                          num_layers_of, owner_stage, shard)
     from hybridflow.parallel.layout import TrainLayout
 
     (t, p, d), (tg, pg), tied = case

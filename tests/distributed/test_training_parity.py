@@ -50,7 +50,7 @@ def value_loss_fn(values, mb):
 
 
 def run_layouts(rank, world, layouts, qwen):
-    from hybridflow.hybrid_engine.meta import init_full_weights, llama_param_metas
+    from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.errors import ConfigError
     from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
 

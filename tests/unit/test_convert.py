@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hybridflow.errors import ConfigError
-from hybridflow.hybrid_engine.convert import to_hf, to_vllm_shards, vllm_name
-from hybridflow.hybrid_engine.meta import llama_param_metas, shard
+from hybridflow.errors import ArgumentError, ConfigError
+from hybridflow.hybrid_engine.convert import to_hf, to_vllm_shards
 from hybridflow.models import hf
+from hybridflow.models.params import llama_param_metas, shard, vllm_name
 from hybridflow.models.tiny import tiny_tp4_config
 
 CONFIGS = {"llama": tiny_tp4_config("llama", num_layers=2),
@@ -121,10 +121,10 @@ def test_streams_one_tensor_at_a_time():
 def test_refusals_name_the_field():
     cfg = CONFIGS["llama"]
     gen = _gen_shards(cfg, _hf_state_dict(cfg), 2, 0)
-    with pytest.raises(ConfigError, match="rollout.tensor_parallel_size.*to_vllm_shards"):
+    with pytest.raises(ArgumentError, match="gen_tp.*to_vllm_shards"):
         to_hf(gen, cfg, gen_tp=2)  # raised at the call, not at the first tensor
     odd = tiny_tp4_config("llama", num_layers=2, vocab_size=520)
-    with pytest.raises(ConfigError, match="multiple of 64"):
+    with pytest.raises(ArgumentError, match="multiple of 64"):
         to_vllm_shards({}, odd, 2)
     assert list(to_vllm_shards({}, odd, 1)) == []
     with pytest.raises(ConfigError, match="decoder.layers.0.bogus"):

@@ -13,13 +13,13 @@ import pytest
 import torch
 
 from hybridflow.errors import ConfigError
-from hybridflow.hybrid_engine.meta import ParamMeta, llama_param_metas, shard
 from hybridflow.models import hf
-from hybridflow.models.loading import check_hf_checkpoint, load_hf_into_engine
+from hybridflow.models.params import ParamMeta, llama_param_metas, shard
 from hybridflow.models.tiny import (make_tiny_hf_model, save_tiny_checkpoint, tiny_llama_config,
                                     tiny_qwen2_config, tiny_tp4_config)
 from hybridflow.parallel.layout import TrainLayout
 from hybridflow.training.engine import VALUE_HEAD
+from hybridflow.training.loading import check_hf_checkpoint, load_hf_into_engine
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]
@@ -105,7 +105,7 @@ def test_truncated_file_names_the_tensor(checkpoints, tmp_path):
     os.truncate(path, path.stat().st_size - 4096)
     with pytest.raises(ConfigError) as err:
         load_hf_into_engine(RankStandIn(CONFIGS["llama"], 2, 0), ckpt)
-    assert err.value.field == str(path)
+    assert err.value.field == "model" and err.value.message.startswith(f"{path}: ")
     assert "truncated" in str(err.value) and "tensor model." in str(err.value)
 
 
@@ -129,7 +129,8 @@ def test_mismatched_shape_names_the_file_and_tensor(checkpoints, tmp_path):
                    lambda sd: sd.update({bad: sd[bad][:-8].clone()}))
     with pytest.raises(ConfigError) as err:
         load_hf_into_engine(RankStandIn(CONFIGS["qwen2"], 1, 0), ckpt)
-    assert err.value.field == str(ckpt / "model.safetensors")
+    assert err.value.field == "model"
+    assert err.value.message.startswith(f"{ckpt / 'model.safetensors'}: ")
     assert f"tensor {bad} has shape [248, 128], expected [256, 128]" in str(err.value)
 
 
@@ -144,7 +145,7 @@ def test_config_mismatch_names_the_field(checkpoints):
     engine = RankStandIn(tiny_llama_config(num_layers=2, rms_norm_eps=1e-5), 1, 0)
     with pytest.raises(ConfigError) as err:
         load_hf_into_engine(engine, checkpoints["llama"])
-    assert err.value.field == "model.rms_norm_eps"
+    assert err.value.field == "model" and err.value.message.startswith("model.rms_norm_eps: ")
     assert "has rms_norm_eps=1e-06 but the engine was built with 1e-05" in str(err.value)
     assert check_hf_checkpoint(checkpoints["llama"]) == CONFIGS["llama"]
 
@@ -156,18 +157,18 @@ def test_tool_bad_input_is_one_message(tmp_path):
                          timeout=120, cwd=ROOT)
     assert out.returncode == 2, out.stderr
     assert out.stderr.strip().splitlines() == [
-        f"convert_checkpoint: error: {tmp_path / 'no'}: is not a directory; point to an HF "
+        f"convert_checkpoint: error: --hf: {tmp_path / 'no'}: is not a directory; point to an HF "
         "checkpoint directory"]
 
 
 def test_conversion_checks_input_before_starting_processes(checkpoints, tmp_path):
-    from hybridflow.models.megatron_ckpt import (hf_to_megatron_checkpoint,
-                                                 megatron_to_hf_checkpoint)
+    from hybridflow.training.megatron_ckpt import (hf_to_megatron_checkpoint,
+                                                   megatron_to_hf_checkpoint)
 
     out = tmp_path / "o"
-    with pytest.raises(ConfigError, match=r"^layout.tp: tp=4 must divide model.num_kv_heads=2$"):
+    with pytest.raises(ConfigError, match=r"^--tp: tp=4 must divide model.num_kv_heads=2$"):
         hf_to_megatron_checkpoint(checkpoints["llama"], out, tp=4, verbose=False)
-    with pytest.raises(ConfigError, match="layout: layout.pp must be a positive integer"):
+    with pytest.raises(ConfigError, match="^--pp: must be a positive integer"):
         hf_to_megatron_checkpoint(checkpoints["llama"], out, pp=0, verbose=False)
     with pytest.raises(ConfigError, match="is the input directory"):
         hf_to_megatron_checkpoint(checkpoints["llama"], checkpoints["llama"], verbose=False)

@@ -8,8 +8,8 @@ import time
 import pytest
 import torch
 
-from hybridflow.errors import ConfigError
-from hybridflow.models import hf
+from hybridflow.errors import ArgumentError, ConfigError
+from hybridflow.models import hf, params
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.tiny import (make_tiny_hf_model, make_tiny_tokenizer, save_tiny_checkpoint,
                                     tiny_llama_config, tiny_qwen2_config, tiny_tp4_config)
@@ -30,18 +30,18 @@ def _col(*values: int) -> torch.Tensor:
 def test_qkv_interleave_hand_example():
     # nh=4, ng=2, hd=1, h=1: group 0 = (q0, q1, k0, v0), group 1 = (q2, q3, k1, v1)
     q, k, v = _col(0, 1, 2, 3), _col(10, 11), _col(20, 21)
-    qkv = hf.qkv_merge(q, k, v, num_kv_heads=2)
+    qkv = params.qkv_merge(q, k, v, num_kv_heads=2)
     assert qkv[:, 0].tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
     # biases are 1-D and follow the same order
-    assert hf.qkv_merge(q[:, 0], k[:, 0], v[:, 0], 2).tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
-    back = hf.qkv_split(qkv, num_heads=4, num_kv_heads=2, head_dim=1)
+    assert params.qkv_merge(q[:, 0], k[:, 0], v[:, 0], 2).tolist() == [0, 1, 10, 20, 2, 3, 11, 21]
+    back = params.qkv_split(qkv, num_heads=4, num_kv_heads=2, head_dim=1)
     assert [t[:, 0].tolist() for t in back] == [[0, 1, 2, 3], [10, 11], [20, 21]]
 
 
 def test_qkv_interleave_hand_example_head_dim_2():
     # nh=2, ng=1, hd=2, h=1: one group, so Megatron's order is simply q, k, v
     q, k, v = _col(0, 1, 2, 3), _col(10, 11), _col(20, 21)
-    assert hf.qkv_merge(q, k, v, 1)[:, 0].tolist() == [0, 1, 2, 3, 10, 11, 20, 21]
+    assert params.qkv_merge(q, k, v, 1)[:, 0].tolist() == [0, 1, 2, 3, 10, 11, 20, 21]
 
 
 def test_qkv_goes_through_the_mapping():
@@ -58,13 +58,15 @@ def test_vllm_qkv_view_hand_example():
     # nh=8, ng=4, hd=1, tp=2: rank 0 holds groups 0-1, rank 1 groups 2-3
     cfg = ModelConfig(arch="llama", vocab_size=4, hidden_size=1, ffn_hidden_size=2, num_layers=1,
                       num_heads=8, num_kv_heads=4, head_dim=1)
-    qkv = hf.qkv_merge(_col(*range(8)), _col(10, 11, 12, 13), _col(20, 21, 22, 23), 4)
+    qkv = params.qkv_merge(_col(*range(8)), _col(10, 11, 12, 13), _col(20, 21, 22, 23), 4)
     assert qkv[:, 0].tolist() == [0, 1, 10, 20, 2, 3, 11, 21, 4, 5, 12, 22, 6, 7, 13, 23]
     rank0, rank1 = qkv.chunk(2, dim=0)  # Megatron's TP shards are contiguous row blocks
-    assert hf.megatron_qkv_to_vllm(rank0, cfg, tp=2)[:, 0].tolist() == [0, 1, 2, 3, 10, 11, 20, 21]
-    assert hf.megatron_qkv_to_vllm(rank1, cfg, tp=2)[:, 0].tolist() == [4, 5, 6, 7, 12, 13, 22, 23]
-    with pytest.raises(ConfigError, match="tp=8 must divide num_kv_heads=4"):
-        hf.megatron_qkv_to_vllm(qkv, cfg, tp=8)
+    assert params.megatron_qkv_to_vllm(rank0, cfg, tp=2)[:, 0].tolist() == \
+        [0, 1, 2, 3, 10, 11, 20, 21]
+    assert params.megatron_qkv_to_vllm(rank1, cfg, tp=2)[:, 0].tolist() == \
+        [4, 5, 6, 7, 12, 13, 22, 23]
+    with pytest.raises(ArgumentError, match="tp=8 must divide num_kv_heads=4"):
+        params.megatron_qkv_to_vllm(qkv, cfg, tp=8)
 
 
 @pytest.mark.parametrize("tp", [1, 2, 4])
@@ -77,7 +79,7 @@ def test_vllm_qkv_view_matches_hf_slices(tp):
         q, k, v = (sd[f"model.layers.1.self_attn.{p}_proj.{suffix}"] for p in "qkv")
         for rank, shard in enumerate(mg.chunk(tp, dim=0)):
             want = torch.cat([q.chunk(tp)[rank], k.chunk(tp)[rank], v.chunk(tp)[rank]])
-            assert torch.equal(hf.megatron_qkv_to_vllm(shard, cfg, tp), want)
+            assert torch.equal(params.megatron_qkv_to_vllm(shard, cfg, tp), want)
 
 
 # ------------------------------------------------------------------------------ names
@@ -85,7 +87,7 @@ def test_vllm_qkv_view_matches_hf_slices(tp):
 
 def test_layer_names_follow_megatron_local_spec():
     cfg = CONFIGS["qwen2"]
-    got = {mg: hf.hf_sources(mg, cfg) for mg in hf.megatron_param_names(cfg)[:8]}
+    got = {mg: hf.hf_sources(mg, cfg) for mg in params.megatron_param_names(cfg)[:8]}
     L = "model.layers.0"
     assert got == {
         "embedding.word_embeddings.weight": ["model.embed_tokens.weight"],
@@ -99,8 +101,8 @@ def test_layer_names_follow_megatron_local_spec():
         "decoder.layers.0.mlp.linear_fc1.weight": [f"{L}.mlp.gate_proj.weight", f"{L}.mlp.up_proj.weight"],
         "decoder.layers.0.mlp.linear_fc2.weight": [f"{L}.mlp.down_proj.weight"],
     }
-    assert hf.megatron_param_names(cfg)[-1] == "decoder.final_layernorm.weight"  # tied: no output layer
-    assert hf.megatron_param_names(CONFIGS["llama"])[-1] == "output_layer.weight"
+    assert params.megatron_param_names(cfg)[-1] == "decoder.final_layernorm.weight"  # tied: no output layer
+    assert params.megatron_param_names(CONFIGS["llama"])[-1] == "output_layer.weight"
     assert hf.hf_sources("output_layer.weight", CONFIGS["llama"]) == ["lm_head.weight"]
     # a tied model's last pipeline stage still holds an output layer: it is the embedding
     assert hf.hf_sources("output_layer.weight", cfg) == ["model.embed_tokens.weight"]
@@ -120,7 +122,7 @@ def test_round_trip_is_bit_exact(arch):
     cfg = CONFIGS[arch]
     sd = make_tiny_hf_model(cfg, seed=1).state_dict()
     mg = hf.hf_to_megatron(sd, cfg)
-    assert list(mg) == hf.megatron_param_names(cfg)
+    assert list(mg) == params.megatron_param_names(cfg)
     h, f = cfg.hidden_size, cfg.ffn_hidden_size
     assert mg["decoder.layers.2.self_attention.linear_qkv.weight"].shape == \
         ((cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim, h)
@@ -252,8 +254,9 @@ def test_truncated_file_names_file_and_tensor(tmp_path):
     path.write_bytes(data[: len(data) - 1000])
     with pytest.raises(ConfigError) as err:
         hf.load_hf_state_dict(dest)
-    msg = str(err.value)
-    assert msg.startswith(f"{path}: tensor ") and "the file is truncated" in msg, msg
+    msg = err.value.message
+    assert err.value.field == "model" and msg.startswith(f"{path}: tensor ") and \
+        "the file is truncated" in msg, msg
     # a header cut short is reported too
     path.write_bytes(data[:100])
     with pytest.raises(ConfigError, match=f"{path}: header of .* runs past the end of the file"):
@@ -272,7 +275,7 @@ def test_wrong_shape_names_file_tensor_and_config(tmp_path):
     with pytest.raises(ConfigError) as err:
         hf.load_hf_state_dict(dest)
     assert str(err.value) == (
-        f"{path}: tensor model.layers.3.mlp.up_proj.weight has shape [200, 128], expected "
+        f"model: {path}: tensor model.layers.3.mlp.up_proj.weight has shape [200, 128], expected "
         "[256, 128] for intermediate_size=256, hidden_size=128")
     del sd["model.layers.3.mlp.up_proj.weight"]
     save_file(sd, path)

@@ -8,10 +8,11 @@ from fractions import Fraction
 import pytest
 import torch
 
-from hybridflow.hybrid_engine.meta import (ParamMeta, llama_param_metas, num_layers_of,
-                                           owner_stage, shard, stage_layers, unshard)
 from hybridflow.hybrid_engine.plan import plan_reshard
 from hybridflow.models.config import ModelConfig
+from hybridflow.models.params import (ParamMeta, llama_param_metas, num_layers_of,
+                                      owner_stage, shard, stage_layers, unshard)
+from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import GenLayout, LayoutError, TrainLayout
 
 LLAMA = ModelConfig(arch="llama", vocab_size=256, hidden_size=128, ffn_hidden_size=128,
@@ -227,9 +228,9 @@ def test_pipeline_split() -> None:
 
 
 def test_bad_layouts_name_the_field() -> None:
-    with pytest.raises(LayoutError, match="generation.tp"):
+    with pytest.raises(ConfigError, match="^tp: generation tp"):
         GenLayout(train=TrainLayout(tp=4), tp=3)
-    with pytest.raises(LayoutError, match="generation.pp"):
+    with pytest.raises(ConfigError, match="^pp: generation pp"):
         GenLayout(train=TrainLayout(pp=4), pp=3)
     metas = llama_param_metas(LLAMA)  # 256 qkv rows do not split 3 ways
     with pytest.raises(LayoutError, match="layout.tp"):

@@ -23,12 +23,13 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from hybridflow.errors import ConfigError
-from hybridflow.hybrid_engine.meta import ParamMeta
+from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.hf import (_safetensors_header, _weight_map, hf_param_names,
                                   hf_param_shapes, hf_sources, load_hf_config, megatron_to_hf,
                                   merge_hf_to_megatron, save_hf_checkpoint)
+from hybridflow.models.params import ParamMeta
+from hybridflow.training.engine import VALUE_HEAD
 
 _EMBEDDING = "embedding.word_embeddings.weight"
 _OUTPUT = "output_layer.weight"
@@ -43,10 +44,10 @@ def check_same_model(expected: ModelConfig, found: ModelConfig, where: str,
     if diffs:
         name = diffs[0]
         also = f" (also differ: {', '.join(diffs[1:])})" if len(diffs) > 1 else ""
-        raise ConfigError(f"model.{name}",
-                          f"the checkpoint {where} has {name}={getattr(found, name)!r} but the "
-                          f"engine was built with {getattr(expected, name)!r}{also}; build the "
-                          "engine from the checkpoint's config (load_hf_config)")
+        raise ConfigError("model", f"model.{name}: the checkpoint {where} has "
+                                   f"{name}={getattr(found, name)!r} but the engine was built "
+                                   f"with {getattr(expected, name)!r}{also}; build the engine "
+                                   "from the checkpoint's config (load_hf_config)")
 
 
 def check_hf_checkpoint(hf_dir: str | os.PathLike, cfg: ModelConfig | None = None) -> ModelConfig:
@@ -60,7 +61,8 @@ def check_hf_checkpoint(hf_dir: str | os.PathLike, cfg: ModelConfig | None = Non
 def _checked_weight_map(hf_dir: Path, cfg: ModelConfig | None, ignore: tuple[str, ...] = ()
                         ) -> tuple[ModelConfig, dict[str, Path]]:
     if not hf_dir.is_dir():
-        raise ConfigError(str(hf_dir), "is not a directory; point to an HF checkpoint directory")
+        raise ConfigError("model", f"{hf_dir}: is not a directory; point to an HF checkpoint "
+                                   "directory")
     found = load_hf_config(hf_dir)
     if cfg is not None:
         check_same_model(cfg, found, str(hf_dir), ignore)
@@ -69,20 +71,21 @@ def _checked_weight_map(hf_dir: Path, cfg: ModelConfig | None, ignore: tuple[str
     headers: dict[Path, dict] = {}
     for name in hf_param_names(found):
         if name not in weight_map:
-            raise ConfigError(f"{hf_dir}: tensor {name}", "missing from the checkpoint")
+            raise ConfigError("model", f"{hf_dir}: tensor {name}: missing from the checkpoint")
         path = weight_map[name]
         if path not in headers:
             if not path.exists():
-                raise ConfigError(str(path), f"missing (the index lists it for tensor {name})")
+                raise ConfigError("model", f"{path}: missing (the index lists it for tensor "
+                                           f"{name})")
             headers[path] = _safetensors_header(path)
         if name not in headers[path]:
-            raise ConfigError(str(path), f"tensor {name} is listed in the index but not in "
-                                         "the file")
+            raise ConfigError("model", f"{path}: tensor {name} is listed in the index but not in "
+                                       "the file")
         shape = tuple(headers[path][name]["shape"])
         want, why = expected[name]
         if shape != want:
-            raise ConfigError(str(path), f"tensor {name} has shape {list(shape)}, expected "
-                                         f"{list(want)} for {why}")
+            raise ConfigError("model", f"{path}: tensor {name} has shape {list(shape)}, expected "
+                                       f"{list(want)} for {why}")
     return found, weight_map
 
 
@@ -110,7 +113,7 @@ class _SliceReader:
             block = slice(index * size, (index + 1) * size)
             return view[block] if dim == 0 else view[:, block]
         except SafetensorError as e:
-            raise ConfigError(str(path), f"cannot read tensor {name}: {e}") from None
+            raise ConfigError("model", f"{path}: cannot read tensor {name}: {e}") from None
 
 
 def _read_shard(reader: _SliceReader, mg_name: str, meta: ParamMeta, cfg: ModelConfig, tp: int,
@@ -135,9 +138,7 @@ def load_hf_into_engine(engine, hf_dir: str | os.PathLike) -> None:
     cfg: ModelConfig = engine.model_config
     # A critic or reward model (head="value") starts from an LM checkpoint: the engine unties its
     # embeddings, and its value head, which no HF LM carries, keeps its fresh initialisation.
-    value_head = None
-    if getattr(engine, "head", "lm") == "value":
-        from hybridflow.training.engine import VALUE_HEAD as value_head
+    value_head = VALUE_HEAD if getattr(engine, "head", "lm") == "value" else None
     ignore = ("tie_embeddings",) if value_head else ()
     _, weight_map = _checked_weight_map(Path(hf_dir), cfg, ignore)
     tp = engine.layout.tp
@@ -189,7 +190,7 @@ def export_engine_to_hf(engine, out_dir: str | os.PathLike,
     when given). Collective over all ranks; global rank 0 writes, atomically (a temporary
     directory renamed into place), in the engine's dtype."""
     if getattr(engine, "head", "lm") != "lm":
-        raise ConfigError("head", f"an engine with head={engine.head!r} has no HF causal-LM "
+        raise ArgumentError("head", f"an engine with head={engine.head!r} has no HF causal-LM "
                                   "form; export the actor (head='lm')")
     full = engine.full_weights()
     error = None

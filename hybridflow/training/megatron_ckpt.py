@@ -27,15 +27,18 @@ import torch.distributed as dist
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.hf import replace_dir_atomically
-from hybridflow.models.loading import (_raise_everywhere, check_hf_checkpoint, check_same_model,
-                                       export_engine_to_hf, load_hf_into_engine)
+from hybridflow.models.params import DTYPES
+from hybridflow.training.loading import (_raise_everywhere, check_hf_checkpoint,
+                                         check_same_model, export_engine_to_hf,
+                                         load_hf_into_engine)
 
 MODEL_FILE = "hybridflow_model.json"
 """Our ModelConfig (and the layout it was saved at, for information) beside the checkpoint."""
 TOKENIZER_DIR = "tokenizer"
 """The tokenizer of the HF checkpoint it came from, when there was one."""
 _FORMAT = 1
-_DTYPES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp32"}
+# A dtype we do not train in (fp16) loads as fp32.
+_DTYPE_NAMES = {t: name for name, t in DTYPES.items()}
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model")
 
 
@@ -101,14 +104,14 @@ def read_checkpoint_model(ckpt_dir: str | os.PathLike) -> ModelConfig:
     """The ModelConfig stored beside a checkpoint written by ``save_megatron_checkpoint``."""
     path = Path(ckpt_dir) / MODEL_FILE
     if not path.exists():
-        raise ConfigError(str(path), "not found: this checkpoint was not written by hybridflow; "
-                                     "give the HF config it was made from (--hf-config-from)")
+        raise ConfigError("--hf-config-from", f"{path} not found: this checkpoint was not written "
+                                              "by hybridflow; give the HF config it was made from")
     try:
         info = json.loads(path.read_text())
         return ModelConfig(**info["model"])
     except (json.JSONDecodeError, KeyError, TypeError) as e:
-        raise ConfigError(str(path), f"unreadable ({e!r}); expected {{'model': {{ModelConfig "
-                                     "fields}}}") from None
+        raise ConfigError("--ckpt", f"{path} is unreadable ({e!r}); expected {{'model': "
+                                    "{ModelConfig fields}}") from None
 
 
 def checkpoint_dtype(ckpt_dir: str | os.PathLike) -> str:
@@ -119,8 +122,9 @@ def checkpoint_dtype(ckpt_dir: str | os.PathLike) -> str:
     meta = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
     key = "embedding.word_embeddings.weight"
     if key not in meta:
-        raise ConfigError(f"{ckpt_dir}: tensor {key}", "not in the checkpoint; is it a GPT model?")
-    return _DTYPES.get(meta[key].dtype, "fp32")
+        raise ConfigError("--ckpt", f"{ckpt_dir}: tensor {key} is not in the checkpoint; is it a "
+                                    "GPT model?")
+    return _DTYPE_NAMES.get(meta[key].dtype, "fp32")
 
 
 def check_is_megatron_checkpoint(ckpt_dir: str | os.PathLike) -> None:
@@ -128,10 +132,11 @@ def check_is_megatron_checkpoint(ckpt_dir: str | os.PathLike) -> None:
     from megatron.core import dist_checkpointing
 
     if not Path(ckpt_dir).is_dir():
-        raise ConfigError(str(ckpt_dir), "is not a directory; point to a Megatron checkpoint")
+        raise ConfigError("--ckpt", f"{ckpt_dir} is not a directory; point to a Megatron "
+                                    "checkpoint")
     if not dist_checkpointing.check_is_distributed_checkpoint(str(ckpt_dir)):
-        raise ConfigError(str(ckpt_dir), "is not a Megatron-Core distributed checkpoint (no "
-                                         "metadata.json)")
+        raise ConfigError("--ckpt", f"{ckpt_dir} is not a Megatron-Core distributed checkpoint "
+                                    "(no metadata.json)")
 
 
 def load_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike) -> None:
@@ -151,9 +156,9 @@ def load_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike) -> None:
         # collective) wraps each rank's error with its traceback; the first error is the story.
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
         text = str(cause)
-        raise ConfigError(str(ckpt_dir), f"does not fit this model ({type(cause).__name__}: "
-                                         f"{text[:300]}{'...' if len(text) > 300 else ''}); is "
-                                         "the model config the one it was saved with?") from None
+        raise ConfigError("--ckpt", f"{ckpt_dir} does not fit this model ({type(cause).__name__}: "
+                                    f"{text[:300]}{'...' if len(text) > 300 else ''}); is the "
+                                    "model config the one it was saved with?") from None
     for i, chunk in enumerate(engine.chunks):
         chunk.module.load_state_dict(loaded[f"chunk{i}"], strict=True)
     if engine.optimizer is not None:
@@ -217,19 +222,19 @@ def _spawn(fn: Callable, world: int, *args) -> None:
 
 def _check_out_dir(out_dir: Path, source: Path, overwrite: bool) -> None:
     if out_dir.resolve() == source.resolve():
-        raise ConfigError(str(out_dir), "is the input directory; write the output elsewhere")
+        raise ConfigError("--out", f"{out_dir} is the input directory; write the output elsewhere")
     if out_dir.exists() and (not out_dir.is_dir() or any(out_dir.iterdir())) and not overwrite:
-        raise ConfigError(str(out_dir), "exists; remove it or pass --overwrite to replace it")
+        raise ConfigError("--out", f"{out_dir} exists; remove it or pass --overwrite to replace it")
 
 
 def _check_layout(cfg: ModelConfig, tp: int, pp: int, dtype: str) -> None:
-    from hybridflow.parallel.layout import LayoutError, TrainLayout
+    from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training.engine import EngineConfig, check_model_fits_layout
-    try:
-        layout = TrainLayout(tp=tp, pp=pp, dp=1)
-    except LayoutError as e:
-        raise ConfigError("layout", str(e)) from None
-    check_model_fits_layout(cfg, layout, EngineConfig(dtype=dtype))
+    try:  # the tool's flags are --tp and --pp
+        check_model_fits_layout(cfg, TrainLayout(tp=tp, pp=pp, dp=1), EngineConfig(dtype=dtype))
+    except ConfigError as e:
+        flag = "--" + e.field.rpartition(".")[2]
+        raise ConfigError(flag if flag in ("--tp", "--pp") else e.field, e.message) from None
 
 
 def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathLike, tp: int = 1,
@@ -276,8 +281,8 @@ def megatron_to_hf_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.Pat
         from hybridflow.models.hf import load_hf_config
         hf_config_from = Path(hf_config_from)
         if not hf_config_from.is_dir():
-            raise ConfigError(str(hf_config_from), "is not a directory; give an HF checkpoint "
-                                                   "directory (its config.json is used)")
+            raise ConfigError("--hf-config-from", f"{hf_config_from} is not a directory; give an "
+                                                  "HF checkpoint directory (its config.json is used)")
         cfg = load_hf_config(hf_config_from)
         if (ckpt_dir / MODEL_FILE).exists():
             check_same_model(read_checkpoint_model(ckpt_dir), cfg, str(hf_config_from))
