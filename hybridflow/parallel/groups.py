@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch.distributed as dist
 
-from hybridflow.parallel.layout import TrainLayout
+from hybridflow.parallel.layout import GenLayout, TrainLayout
 
 # Megatron's order string, innermost first: TP, then PP, then DP, so that the ranks of one TP x PP
 # group are consecutive (HybridFlow's p-t-d; the generation micro-DP groups live inside them).
@@ -81,3 +81,17 @@ def generation_process_groups(gen):
     pgs.tp, pgs.pp, pgs.cp, pgs.tp_cp, pgs.mp = tp_group, alone, alone, tp_group, tp_group
     pgs.embd = pgs.pos_embd = None  # one stage: no embedding sharing between stages
     return pgs
+
+
+def single_replica_generation_groups(seed: int = 1234):
+    """Generation groups in which the whole default group is one TP group (one replica, tp = the
+    world size), e.g. for a MegatronRollout in a test or a benchmark. Megatron's forward also reads
+    state of its own (the attention buffer, the RNG tracker): it is set up for that layout unless
+    something (a TrainEngine) already did. Collective over the world."""
+    from megatron.core import parallel_state
+
+    world = dist.get_world_size()
+    layout = TrainLayout(tp=world)
+    if not parallel_state.model_parallel_is_initialized():
+        init_megatron_parallel(layout, seed=seed)
+    return generation_process_groups(GenLayout(train=layout, tp=world))

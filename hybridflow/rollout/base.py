@@ -7,8 +7,15 @@ A backend generates from token-id prompts and takes new weights in place, withou
 * ``update_weights_hf(weights)``: full (unsharded) HF-named tensors, e.g. what the
   3D-HybridEngine's gather + convert produce; any subset of the model, as long as each fused
   parameter's parts come together (q, k, v; gate, up);
+* ``load_from_switch(tensors)``: the generation-layout Megatron shards the 3D-HybridEngine's
+  switch leaves on this rank (by default converted to HF names for ``update_weights_hf``);
 * ``sleep()`` / ``wake()``: free and restore what generation holds between calls (the KV cache);
 * ``close()``.
+
+Sampling is decided by seeds alone, never by the process's global RNG (which ``generate`` leaves
+untouched): ``sampling.seed`` when given, else ``call_seed(seed, k)`` for the backend's k-th
+``generate`` call, ``seed`` being its constructor's. The ranks of one generation TP group must
+sample the same tokens, so they are all built with the same seed: one per replica, not per rank.
 
 Log-probs are always the model's own: ``log softmax(logits)`` at temperature 1, before top-k/top-p,
 of the token that was sampled -- the quantity the training engine recomputes for PPO's ratio
@@ -18,6 +25,7 @@ token was actually drawn from.
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -28,7 +36,7 @@ from typing import Iterable
 
 import torch
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError, ConfigError, check_float, check_int
 from hybridflow.models.config import ModelConfig
 
 @dataclass(kw_only=True)
@@ -48,7 +56,7 @@ class SamplingConfig:
     """Samples per prompt."""
     seed: int | None = None
     """Seed of the sampling RNG (prompt i's samples use seed + i*n + j where a backend seeds per
-    sample); None draws a fresh one."""
+    sample); None: a seed derived from the backend's own and its count of calls (``call_seed``)."""
     stop_token_ids: tuple[int, ...] = ()
     """Tokens that end a sample besides the model's EOS; the stop token is kept in the response."""
     ignore_eos: bool = False
@@ -56,25 +64,15 @@ class SamplingConfig:
 
     def __post_init__(self) -> None:
         self.stop_token_ids = tuple(self.stop_token_ids)
-        if not self.temperature >= 0:
-            raise ConfigError("sampling.temperature", f"must be >= 0 (0 = greedy), got "
-                                                      f"{self.temperature}")
-        if not 0 < self.top_p <= 1:
-            raise ConfigError("sampling.top_p", f"must be in (0, 1] (1 disables), got {self.top_p}")
-        if not isinstance(self.top_k, int) or self.top_k < 0:
-            raise ConfigError("sampling.top_k", f"must be an integer >= 0 (0 disables), got "
-                                                f"{self.top_k!r}")
-        for name in ("max_tokens", "n"):
-            value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
-                raise ConfigError(f"sampling.{name}", f"must be a positive integer, got {value!r}")
-        if self.seed is not None and (not isinstance(self.seed, int) or self.seed < 0):
-            raise ConfigError("sampling.seed", f"must be a non-negative integer or null, got "
-                                               f"{self.seed!r}")
+        check_float("temperature", self.temperature, low=0)
+        check_float("top_p", self.top_p, low=0, high=1, low_open=True)
+        check_int("top_k", self.top_k, low=0)
+        check_int("max_tokens", self.max_tokens)
+        check_int("n", self.n)
+        check_int("seed", self.seed, low=0, none_ok=True)
         bad = [t for t in self.stop_token_ids if not isinstance(t, int) or t < 0]
         if bad:
-            raise ConfigError("sampling.stop_token_ids",
-                              f"must be non-negative token ids, got {bad}")
+            raise ConfigError("stop_token_ids", f"must be non-negative token ids, got {bad}")
 
     @property
     def greedy(self) -> bool:
@@ -109,6 +107,11 @@ class RolloutOutput:
 class RolloutBackend(ABC):
     """A generation engine that takes new weights in place (see the module docstring)."""
 
+    model_config: ModelConfig
+    """The architecture generated with; every backend sets it in its constructor."""
+    tp: int = 1
+    """Generation tensor-parallel size: the TP layout of the shards ``load_from_switch`` takes."""
+
     @abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
                  ) -> list[RolloutOutput]:
@@ -118,6 +121,13 @@ class RolloutBackend(ABC):
     def update_weights_hf(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Load full HF-named tensors; bad names/shapes or a fused parameter with a part missing
         raise ConfigError before anything is loaded."""
+
+    def load_from_switch(self, tensors: dict[str, torch.Tensor]) -> None:
+        """Load the generation-layout Megatron shards this rank holds after the 3D-HybridEngine's
+        switch (Megatron names, global layer indices). By default they are converted to full
+        HF-named tensors for ``update_weights_hf``, which needs them unsharded (tp = 1)."""
+        from hybridflow.hybrid_engine.convert import to_hf
+        self.update_weights_hf(to_hf(tensors, self.model_config, self.tp))
 
     @abstractmethod
     def sleep(self) -> None:
@@ -187,19 +197,28 @@ def eos_token_ids(model_dir: str | os.PathLike) -> tuple[int, ...]:
     return ()
 
 
+def call_seed(seed: int, call: int) -> int:
+    """The sampling seed of a backend's ``call``-th ``generate`` call (0-based) when
+    ``sampling.seed`` is None: a fixed function of the backend's seed and the call, far from the
+    seeds of neighbouring calls and backends (not ``seed + call``: the seeds of backends built with
+    seed and seed+1 would overlap). In [0, 2**31), leaving room for per-prompt offsets."""
+    digest = hashlib.blake2b(f"{seed}:{call}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") % 2**31
+
+
 def check_prompts(prompt_token_ids: list[list[int]], max_tokens: int, max_model_len: int,
                   vocab_size: int | None = None) -> None:
     """Prompts are non-empty lists of token ids that leave room for ``max_tokens``."""
     if not prompt_token_ids:
-        raise ConfigError("prompt_token_ids", "no prompts given")
+        raise ArgumentError("prompt_token_ids", "no prompts given")
     for i, p in enumerate(prompt_token_ids):
         if len(p) == 0:
-            raise ConfigError(f"prompt_token_ids[{i}]", "is empty")
+            raise ArgumentError(f"prompt_token_ids[{i}]", "is empty")
         if len(p) + max_tokens > max_model_len:
-            raise ConfigError("sampling.max_tokens", f"prompt {i} has {len(p)} tokens; with "
+            raise ArgumentError("max_tokens", f"prompt {i} has {len(p)} tokens; with "
                               f"max_tokens={max_tokens} it exceeds max_model_len={max_model_len}")
         if vocab_size is not None and not all(0 <= t < vocab_size for t in p):
-            raise ConfigError(f"prompt_token_ids[{i}]", f"holds ids outside [0, {vocab_size})")
+            raise ArgumentError(f"prompt_token_ids[{i}]", f"holds ids outside [0, {vocab_size})")
 
 
 def rollout_batch(outputs: list[RolloutOutput], pad_token_id: int = 0,
@@ -251,8 +270,8 @@ def group_hf_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConf
     an unknown name, a wrong shape, a name given twice, or a fused parameter with a part missing
     (a partly loaded fused module would silently keep uninitialised rows in vLLM).
     """
-    from hybridflow.models.hf import (hf_param_shapes, hf_sources, megatron_name_for_hf,
-                                      megatron_param_names)
+    from hybridflow.models.hf import hf_param_shapes, hf_sources, megatron_name_for_hf
+    from hybridflow.models.params import megatron_param_names
 
     shapes = hf_param_shapes(cfg)
     groups: dict[str, dict[str, torch.Tensor]] = {}
@@ -262,15 +281,15 @@ def group_hf_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConf
             continue
         want, why = shapes[name]
         if tuple(tensor.shape) != want:
-            raise ConfigError(f"weights[{name}]", f"has shape {list(tensor.shape)}, expected "
+            raise ArgumentError(f"weights[{name}]", f"has shape {list(tensor.shape)}, expected "
                                                   f"{list(want)} for {why}")
         if name in groups.setdefault(mg, {}):
-            raise ConfigError(f"weights[{name}]", "given twice in one update")
+            raise ArgumentError(f"weights[{name}]", "given twice in one update")
         groups[mg][name] = tensor
     for mg, parts in groups.items():
         missing = [n for n in hf_sources(mg, cfg) if n not in parts]
         if missing:
-            raise ConfigError(f"weights[{missing[0]}]",
+            raise ArgumentError(f"weights[{missing[0]}]",
                               f"missing: {mg} is fused from {hf_sources(mg, cfg)}, which must be "
                               f"updated together (got only {sorted(parts)})")
     order = {n: i for i, n in enumerate(megatron_param_names(cfg))}

@@ -12,13 +12,13 @@ from typing import Iterable
 
 import torch
 
-from hybridflow.errors import ConfigError
-from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, check_prompts,
-                                     eos_token_ids, group_hf_weights, left_pad)
+from hybridflow.errors import ArgumentError
+from hybridflow.models.params import DTYPES
+from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, call_seed,
+                                     check_prompts, eos_token_ids, group_hf_weights, left_pad)
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 
 class HFRollout(RolloutBackend):
@@ -27,22 +27,24 @@ class HFRollout(RolloutBackend):
     def __init__(self, model_dir: str | os.PathLike, *, dtype: str = "fp32",
                  max_model_len: int | None = None, seed: int = 0, device: str | None = None,
                  pad_token_id: int | None = None, cache_implementation: str | None = None):
-        """``cache_implementation``: transformers' KV cache ("static" for the compiled-friendly
-        one; None = dynamic)."""
+        """``seed``: decides the samples of calls without ``sampling.seed`` (with the count of
+        calls). ``cache_implementation``: transformers' KV cache ("static" for the
+        compiled-friendly one; None = dynamic)."""
         import transformers
 
         from hybridflow.models.hf import load_hf_config
 
-        if dtype not in _DTYPES:
-            raise ConfigError("rollout.dtype", f"unknown dtype {dtype!r}; one of {sorted(_DTYPES)}")
+        if dtype not in DTYPES:
+            raise ArgumentError("dtype", f"unknown dtype {dtype!r}; one of {sorted(DTYPES)}")
         self.model_dir = Path(model_dir)
         self.model_config = load_hf_config(self.model_dir)
         self.max_model_len = max_model_len or self.model_config.max_position_embeddings
         self.seed, self.cache_implementation = seed, cache_implementation
+        self._calls = 0  # generate calls so far: with the seed, decides the next call's draws
         self.device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
         self.eos_token_ids = eos_token_ids(self.model_dir)
         self.model = transformers.AutoModelForCausalLM.from_pretrained(
-            str(self.model_dir), dtype=_DTYPES[dtype]).to(self.device).eval()
+            str(self.model_dir), dtype=DTYPES[dtype]).to(self.device).eval()
         if pad_token_id is None:
             pad_token_id = self.model.config.pad_token_id
         self.pad_token_id = 0 if pad_token_id is None else pad_token_id
@@ -56,6 +58,7 @@ class HFRollout(RolloutBackend):
                       self.model_config.vocab_size)
         stops = sampling.stop_ids(self.eos_token_ids)
         ids, mask = left_pad(prompt_token_ids, self.pad_token_id, self.device)
+        call, self._calls = self._calls, self._calls + 1
         kwargs = dict(
             max_new_tokens=sampling.max_tokens, do_sample=not sampling.greedy,
             num_return_sequences=sampling.n, eos_token_id=stops or None,
@@ -64,9 +67,10 @@ class HFRollout(RolloutBackend):
         if not sampling.greedy:
             kwargs.update(temperature=sampling.temperature, top_p=sampling.top_p,
                           top_k=sampling.top_k)  # 0 disables; None would mean 50
+        # transformers samples from the global RNG: seed it for this call and restore it after.
         with torch.random.fork_rng(devices=[self.device] if self.device.type == "cuda" else []):
             torch.manual_seed(sampling.seed if sampling.seed is not None else
-                              int(torch.randint(2**62, (1,))))
+                              call_seed(self.seed, call))
             out = self.model.generate(input_ids=ids, attention_mask=mask, **kwargs)
         new = out.sequences[:, ids.shape[1]:]
         # output_logits: the raw logits, before temperature/top-k/top-p (transformers >= 4.38).

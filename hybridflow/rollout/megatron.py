@@ -20,11 +20,11 @@ differently in each):
 * otherwise Megatron-Core's own forward with its KV cache (``StaticInferenceContext``), freed
   after every call; launch-bound on GPU (~10x more host time per step than GPU time; 4%).
 
-Tensor parallelism: the model takes its groups from a ``ProcessGroupCollection``; by default
-Megatron's global groups (``init_megatron_parallel``), which a single process gets from a
-1-process gloo group. At TP > 1 every rank runs ``generate`` with the same prompts and sampling;
-logits are gathered over TP and every rank draws from an identically seeded generator, so all
-ranks sample the same tokens.
+Tensor parallelism: the model takes its groups from a ``ProcessGroupCollection``; by default the
+whole default group is one TP group (``single_replica_generation_groups``; a single process gets
+one from a 1-process gloo group). At TP > 1 every rank runs ``generate`` with the same prompts and
+sampling; logits are gathered over TP and every rank draws from its own generator, seeded alike
+(same constructor seed, same call count), so all ranks sample the same tokens.
 """
 
 from __future__ import annotations
@@ -38,15 +38,15 @@ from typing import Iterable
 
 import torch
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError
 from hybridflow.models.config import ModelConfig
-from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, check_prompts,
-                                     group_hf_weights, left_pad)
+from hybridflow.models.params import DTYPES
+from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, call_seed,
+                                     check_prompts, group_hf_weights, left_pad)
 from hybridflow.rollout.base import eos_token_ids as checkpoint_eos_ids
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
 
 
@@ -138,17 +138,20 @@ class MegatronRollout(RolloutBackend):
         """``model``: an HF checkpoint directory (config and weights loaded from it) or a
         ModelConfig (weights arrive later through ``load_generation_weights``).
         ``max_batch_size``: most sequences (prompts x n) decoded together; larger calls run in
-        chunks. ``eos_token_ids`` default: the checkpoint's, none for a bare ModelConfig.
+        chunks. ``seed``: decides the samples of calls without ``sampling.seed``; one per
+        generation replica: every rank of a TP group must pass the same one (a per-rank seed
+        would make the ranks sample different tokens). ``eos_token_ids`` default: the
+        checkpoint's, none for a bare ModelConfig.
         ``pg_collection``: the generation groups (Megatron's ProcessGroupCollection, pp = 1);
-        default Megatron's global groups, initialised for a 1-process world if they are not.
+        default: the whole default group is one TP group (``single_replica_generation_groups``).
         ``fast_decode``: decode with ``FastDecoder`` (CUDA graphs on GPU, eager on CPU) instead of
         Megatron's forward; None = on for a CUDA device at TP = 1 (TP > 1 works eagerly and is
         checked on CPU, but its graphs have not been run on GPUs yet, so it is opt-in). The
         attribute of that name may be switched between ``generate`` calls."""
         from hybridflow.models.hf import load_hf_config, load_hf_state_dict
 
-        if dtype not in _DTYPES:
-            raise ConfigError("rollout.dtype", f"unknown dtype {dtype!r}; one of {sorted(_DTYPES)}")
+        if dtype not in DTYPES:
+            raise ArgumentError("dtype", f"unknown dtype {dtype!r}; one of {sorted(DTYPES)}")
         model_dir = None
         if not isinstance(model, ModelConfig):
             model_dir = Path(model)
@@ -156,7 +159,7 @@ class MegatronRollout(RolloutBackend):
             if eos_token_ids is None:
                 eos_token_ids = checkpoint_eos_ids(model_dir)
         self.model_config, self.model_dir = model, model_dir
-        self.dtype, self.max_model_len, self.seed = _DTYPES[dtype], max_model_len, seed
+        self.dtype, self.max_model_len, self.seed = DTYPES[dtype], max_model_len, seed
         self.max_batch_size, self.pad_token_id = max_batch_size, pad_token_id
         self.eos_token_ids = tuple(eos_token_ids or ())
         self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -164,10 +167,13 @@ class MegatronRollout(RolloutBackend):
         self.tp = self.pg.tp.size()
         self.tp_rank = self.pg.tp.rank()
         if self.pg.pp.size() != 1:
-            raise ConfigError("rollout.pp", "generation with pipeline parallelism is not "
+            raise ArgumentError("pp", "generation with pipeline parallelism is not "
                                             "supported; use pp=1 for the generation layout")
         self.model = self._build()
         self.params = dict(self._named_params())
+        # Sampling never touches the global RNG: its state here is per rank, ours per replica.
+        self._generator = torch.Generator(device=self.device).manual_seed(seed)
+        self._calls = 0  # generate calls so far: with the seed, decides the next call's draws
         self.fast_decode = (self.device.type == "cuda" and self.tp == 1) if fast_decode is None \
             else bool(fast_decode)
         self._fast = None  # the FastDecoder, built on first use
@@ -180,23 +186,18 @@ class MegatronRollout(RolloutBackend):
     def _default_groups(self):
         import torch.distributed as dist
 
-        from hybridflow.parallel.groups import init_megatron_parallel
-        from hybridflow.parallel.layout import TrainLayout
-        import megatron_patches
-        megatron_patches.apply()
-        from megatron.core import parallel_state
-        from megatron.core.process_groups_config import ProcessGroupCollection
+        from hybridflow.parallel.groups import single_replica_generation_groups
 
         if not dist.is_initialized():
             raise RuntimeError(
                 "MegatronRollout needs torch.distributed: call dist.init_process_group first (one "
                 "process: a 1-process gloo group, as hybridflow.parallel.spawn sets up) or pass "
                 "pg_collection")
-        if not parallel_state.model_parallel_is_initialized():
-            init_megatron_parallel(TrainLayout(tp=dist.get_world_size()), seed=self.seed)
-        return ProcessGroupCollection.use_mpu_process_groups()
+        return single_replica_generation_groups(seed=self.seed)
 
     def _build(self):
+        import megatron_patches
+        megatron_patches.apply()
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
@@ -241,20 +242,24 @@ class MegatronRollout(RolloutBackend):
             if name not in self.params:
                 hint = (" (tied embeddings: there is no output_layer)"
                         if name == "output_layer.weight" else "")
-                raise ConfigError(f"weights[{name}]", f"not a parameter of the generation model"
+                raise ArgumentError(f"weights[{name}]", f"not a parameter of the generation model"
                                                       f"{hint}")
             want = tuple(self.params[name].shape)
             if tuple(t.shape) != want:
-                raise ConfigError(f"weights[{name}]", f"shard of shape {list(t.shape)}, the model "
+                raise ArgumentError(f"weights[{name}]", f"shard of shape {list(t.shape)}, the model "
                                   f"holds {list(want)} at generation tp={self.tp}")
         for name, t in tensors.items():
             self.params[name].data = t.to(device=self.device, dtype=self.dtype)
             self._unloaded.discard(name)
 
+    def load_from_switch(self, tensors: dict[str, torch.Tensor]) -> None:
+        """The switch's shards are this model's own layout: they become its parameters."""
+        self.load_generation_weights(tensors)
+
     def update_weights_hf(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full HF-named tensors -> Megatron layout -> this rank's TP shard -> the model."""
-        from hybridflow.hybrid_engine.meta import llama_param_metas, shard
         from hybridflow.models.hf import merge_hf_to_megatron
+        from hybridflow.models.params import llama_param_metas, shard
 
         metas = {m.name: m for m in llama_param_metas(self.model_config)}
         groups = group_hf_weights(weights, self.model_config)
@@ -275,11 +280,11 @@ class MegatronRollout(RolloutBackend):
         check_prompts(prompt_token_ids, sampling.max_tokens, self.max_model_len,
                       self.model_config.vocab_size)
         rows = [(i, j) for i in range(len(prompt_token_ids)) for j in range(sampling.n)]
+        call, self._calls = self._calls, self._calls + 1
         generator = None
         if not sampling.greedy:
-            generator = torch.Generator(device=self.device)
-            generator.manual_seed(sampling.seed if sampling.seed is not None else
-                                  int(torch.randint(2**62, (1,))))
+            generator = self._generator.manual_seed(
+                sampling.seed if sampling.seed is not None else call_seed(self.seed, call))
         out: list[RolloutOutput] = []
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start:start + self.max_batch_size]

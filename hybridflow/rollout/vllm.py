@@ -36,14 +36,13 @@ from typing import Iterable
 
 import torch
 
-from hybridflow.errors import ConfigError
-from hybridflow.models.hf import megatron_param_names
-from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, check_prompts,
-                                     eos_token_ids, group_hf_weights)
+from hybridflow.errors import ArgumentError
+from hybridflow.models.params import DTYPES, megatron_param_names
+from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, call_seed,
+                                     check_prompts, eos_token_ids, group_hf_weights)
 
 log = logging.getLogger(__name__)
 
-_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 _EXTENSION = "hybridflow.rollout.vllm_worker.WeightUpdateExtension"
 
 
@@ -93,39 +92,41 @@ class VLLMRollout(RolloutBackend):
                  external_launcher: bool = False, engine_kwargs: dict | None = None):
         """``kv_cache_bytes``: KV-cache size (required in effect on CPU, where vLLM's memory
         profiling fails; default 256 MiB there); on GPU None leaves it to
-        ``gpu_memory_utilization``. ``bucket_bytes``: most bytes per weight-update RPC (fused
-        groups are never split). ``transport``: "direct" (the tensors themselves: the engine runs in
-        this process, VLLM_ENABLE_V1_MULTIPROCESSING=0, at tp=1), "bytes" (safetensors in the RPC),
-        "file" (a
-        safetensors file in a temporary directory, for payloads too large for the RPC socket).
+        ``gpu_memory_utilization``. ``seed``: the engine's, and with the count of calls the
+        sampling seed of calls without ``sampling.seed``. ``bucket_bytes``: most bytes per
+        weight-update RPC (fused groups are never split). ``transport``: "direct" (the tensors
+        themselves: the engine runs in this process, VLLM_ENABLE_V1_MULTIPROCESSING=0, at tp=1),
+        "bytes" (safetensors in the RPC), "file" (a safetensors file in a temporary directory, for
+        payloads too large for the RPC socket).
         ``external_launcher``: the engine runs inside the caller's processes (SPMD: every rank
         of an initialised torch.distributed world of ``tp`` ranks builds it and makes the same
         calls), as when generation is colocated with training; otherwise vLLM starts its own
         workers (in-process at tp=1 with VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
         from hybridflow.models.hf import load_hf_config
 
-        if dtype not in _DTYPES:
-            raise ConfigError("rollout.dtype", f"unknown dtype {dtype!r}; one of {sorted(_DTYPES)}")
+        if dtype not in DTYPES:
+            raise ArgumentError("dtype", f"unknown dtype {dtype!r}; one of {sorted(DTYPES)}")
         if transport == "auto":
             in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"
             transport = "direct" if in_process and tp == 1 and not external_launcher else "bytes"
         if transport not in ("direct", "bytes", "file"):
-            raise ConfigError("rollout.transport", f"{transport!r}; use auto, direct, bytes or "
+            raise ArgumentError("transport", f"{transport!r}; use auto, direct, bytes or "
                                                    "file")
         if not isinstance(tp, int) or tp < 1:
-            raise ConfigError("rollout.tp", f"must be a positive integer, got {tp!r}")
+            raise ArgumentError("tp", f"must be a positive integer, got {tp!r}")
         self.model_dir = Path(model_dir)
         self.model_config = load_hf_config(self.model_dir)
         if self.model_config.num_kv_heads % tp:
-            raise ConfigError("rollout.tp", f"tp={tp} must divide num_kv_heads="
+            raise ArgumentError("tp", f"tp={tp} must divide num_kv_heads="
                                             f"{self.model_config.num_kv_heads}")
         self.tp, self.max_model_len, self.seed = tp, max_model_len, seed
+        self._calls = 0  # generate calls so far: with the seed, decides the next call's draws
         self.bucket_bytes, self.transport = bucket_bytes, transport
         self.external_launcher = external_launcher
         if external_launcher:
             import torch.distributed as dist
             if not dist.is_initialized():
-                raise ConfigError("rollout.external_launcher", "needs torch.distributed "
+                raise ArgumentError("external_launcher", "needs torch.distributed "
                                   "initialised in every rank (torchrun, Ray workers, or "
                                   "hybridflow.parallel.spawn) before the engine is built")
         self.eos_token_ids = eos_token_ids(self.model_dir)
@@ -136,7 +137,7 @@ class VLLMRollout(RolloutBackend):
         self._sleeping = False
         self._warned_sleep = False
         self._engine_kwargs = dict(
-            model=str(self.model_dir), tensor_parallel_size=tp, dtype=_DTYPES[dtype],
+            model=str(self.model_dir), tensor_parallel_size=tp, dtype=str(DTYPES[dtype]).removeprefix("torch."),
             max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
             skip_tokenizer_init=True,  # prompts are token ids; EOS comes from the config files
             generation_config="vllm",  # no sampling defaults from the checkpoint
@@ -196,15 +197,22 @@ class VLLMRollout(RolloutBackend):
         check_prompts(prompt_token_ids, sampling.max_tokens, self.max_model_len,
                       self.model_config.vocab_size)
         stops = sampling.stop_ids(self.eos_token_ids)
+        call, self._calls = self._calls, self._calls + 1
+        # Always a per-request seed: without one vLLM samples from torch's global RNG of the
+        # process that samples, whose state depends on whatever drew from it before.
+        seed = sampling.seed if sampling.seed is not None else call_seed(self.seed, call)
         params = [SamplingParams(
             n=sampling.n, temperature=sampling.temperature, top_p=sampling.top_p,
             top_k=sampling.top_k, max_tokens=sampling.max_tokens,
             # vLLM gives sample j of a request seed + j: space the prompts n apart.
-            seed=None if sampling.seed is None else sampling.seed + i * sampling.n,
+            seed=seed + i * sampling.n,
             stop_token_ids=stops, ignore_eos=True,  # EOS is in `stops` unless ignored
             logprobs=0, detokenize=False) for i in range(len(prompt_token_ids))]
         requests = [{"prompt_token_ids": list(p)} for p in prompt_token_ids]
-        outputs = self.llm.generate(requests, params, use_tqdm=False)
+        # On CPU vLLM draws from the global RNG even when every request is seeded; where the
+        # engine runs in this process that must not move the caller's RNG.
+        with torch.random.fork_rng(devices=[]):
+            outputs = self.llm.generate(requests, params, use_tqdm=False)
         result = []
         for i, (prompt, out) in enumerate(zip(prompt_token_ids, outputs)):
             for j, c in enumerate(sorted(out.outputs, key=lambda c: c.index)):

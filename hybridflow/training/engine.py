@@ -18,13 +18,12 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
-from hybridflow.errors import ConfigError
-from hybridflow.hybrid_engine.meta import ParamMeta, llama_param_metas, shard
+from hybridflow.errors import ArgumentError, ConfigError, check_choice, check_float, check_int
 from hybridflow.models.config import ModelConfig
+from hybridflow.models.params import DTYPES, ParamMeta, llama_param_metas, shard
 from hybridflow.parallel.groups import init_megatron_parallel
 from hybridflow.parallel.layout import TrainLayout
 
-_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 
 # A loss function sees this micro-batch's per-token outputs [b, s] -- log-probs for an LM head,
 # values for a value head -- and the micro-batch itself, and returns (loss, metrics): loss is this
@@ -54,12 +53,13 @@ class OptimConfig:
     """Shard optimizer state across data-parallel ranks (ZeRO-1, Megatron's distributed optimizer)."""
 
     def __post_init__(self) -> None:
-        if self.name not in ("adam", "sgd"):
-            raise ConfigError("optim.name", f"unknown optimizer {self.name!r}; use adam or sgd")
-        if not self.lr >= 0:
-            raise ConfigError("optim.lr", f"must be >= 0, got {self.lr}")
-        if not self.clip_grad >= 0:
-            raise ConfigError("optim.clip_grad", f"must be >= 0 (0 disables), got {self.clip_grad}")
+        check_choice("name", self.name, ("adam", "sgd"))
+        check_float("lr", self.lr, low=0)
+        check_float("weight_decay", self.weight_decay, low=0)
+        check_float("clip_grad", self.clip_grad, low=0)
+        check_float("adam_beta1", self.adam_beta1, low=0, high=1, high_open=True)
+        check_float("adam_beta2", self.adam_beta2, low=0, high=1, high_open=True)
+        check_float("adam_eps", self.adam_eps, low=0, low_open=True)
 
 
 @dataclass(kw_only=True)
@@ -83,16 +83,12 @@ class EngineConfig:
     """Optimizer."""
 
     def __post_init__(self) -> None:
-        if isinstance(self.optim, dict):
-            self.optim = OptimConfig(**self.optim)
-        if self.dtype not in _DTYPES:
-            raise ConfigError("engine.dtype", f"unknown dtype {self.dtype!r}; use fp32 or bf16")
-        for name in ("micro_batch_size", "forward_micro_batch_size"):
-            value = getattr(self, name)
-            if name == "forward_micro_batch_size" and value is None:
-                continue
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
-                raise ConfigError(f"engine.{name}", f"must be a positive integer, got {value!r}")
+        check_choice("dtype", self.dtype, tuple(DTYPES))
+        check_int("micro_batch_size", self.micro_batch_size)
+        check_int("forward_micro_batch_size", self.forward_micro_batch_size, none_ok=True)
+        check_int("seed", self.seed, low=0)
+        if not isinstance(self.optim, OptimConfig):
+            raise ConfigError("optim", f"must be an OptimConfig, got {type(self.optim).__name__}")
 
 
 def check_model_fits_layout(model: ModelConfig, layout: TrainLayout, engine: EngineConfig) -> None:
@@ -121,7 +117,7 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
-    dtype = _DTYPES[engine.dtype]
+    dtype = DTYPES[engine.dtype]
     return TransformerConfig(
         num_layers=model.num_layers,
         hidden_size=model.hidden_size,
@@ -167,9 +163,10 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
 
 
 def _build_chunks(model: ModelConfig, layout: TrainLayout, tf_config, pg_collection):
-    from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage,
+                                                       is_vp_first_stage, is_vp_last_stage)
 
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
     chunks = []
@@ -180,10 +177,10 @@ def _build_chunks(model: ModelConfig, layout: TrainLayout, tf_config, pg_collect
             transformer_layer_spec=spec,
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_position_embeddings,
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False,
-                                                                vp_stage=vp_stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False,
-                                                               vp_stage=vp_stage),
+            pre_process=(is_pp_first_stage(pg_collection.pp)
+                         and is_vp_first_stage(vp_stage, layout.vpp)),
+            post_process=(is_pp_last_stage(pg_collection.pp)
+                          and is_vp_last_stage(vp_stage, layout.vpp)),
             share_embeddings_and_output_weights=model.tie_embeddings,
             position_embedding_type="rope",
             rotary_base=int(model.rope_theta),
@@ -255,7 +252,7 @@ class TrainEngine:
 
         check_model_fits_layout(model, layout, engine)
         if head not in ("lm", "value"):
-            raise ConfigError("head", f"unknown head {head!r}; use lm or value")
+            raise ArgumentError("head", f"unknown head {head!r}; use lm or value")
         if head == "value" and engine.sequence_parallel:
             raise ConfigError("engine.sequence_parallel", "not supported with a value head yet; "
                               "set it to false for critics and reward models")
@@ -278,7 +275,7 @@ class TrainEngine:
         if head == "value":
             for chunk in chunks:
                 if chunk.post_process:
-                    chunk.output_layer = ValueHead(model.hidden_size, _DTYPES[engine.dtype],
+                    chunk.output_layer = ValueHead(model.hidden_size, DTYPES[engine.dtype],
                                                    self.device)
                     # A critic usually starts from an LM checkpoint: a fresh, small, seeded
                     # head, the same on every rank, unless the weights loaded carry one.
@@ -305,7 +302,7 @@ class TrainEngine:
                     optimizer=o.name, lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay,
                     clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
                     adam_eps=o.adam_eps, use_distributed_optimizer=o.distributed,
-                    bf16=engine.dtype == "bf16", params_dtype=_DTYPES[engine.dtype],
+                    bf16=engine.dtype == "bf16", params_dtype=DTYPES[engine.dtype],
                 ),
                 self.chunks, use_gloo_process_groups=False, pg_collection=self.pg)
 
@@ -500,7 +497,7 @@ class TrainEngine:
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Gather every parameter to its full shape on every rank (for tests and export; the
         generation path uses the 3D-HybridEngine instead)."""
-        from hybridflow.hybrid_engine.meta import unshard
+        from hybridflow.models.params import unshard
         local = {name: p.detach() for name, p in self.named_local_params()}
         out = {}
         for name, meta in self.metas.items():

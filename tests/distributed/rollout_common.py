@@ -13,6 +13,7 @@ CFG = tiny_llama_config()
 PROMPTS = [[1, 40, 41, 42, 43, 44], [1, 77, 78], [1, 200, 201, 202, 203, 204, 205, 206, 207, 5]]
 GREEDY = SamplingConfig(temperature=0.0, max_tokens=12)
 SAMPLED = SamplingConfig(temperature=0.8, top_k=40, top_p=0.9, max_tokens=12, n=2, seed=5)
+UNSEEDED = SamplingConfig(temperature=1.0, max_tokens=12, n=2)  # the backend's seed decides
 MAX_MODEL_LEN = 64
 
 

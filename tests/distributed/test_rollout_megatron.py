@@ -14,14 +14,14 @@ import torch
 
 from hybridflow.parallel.spawn import spawn
 from tests.distributed.rollout_common import (CFG, GREEDY, MAX_MODEL_LEN, PROMPTS, SAMPLED,
-                                              logprob_pairs, perturbed, summary, train_engine)
+                                              UNSEEDED, logprob_pairs, perturbed, summary,
+                                              train_engine)
 
 
 def _errors(fn) -> str:
-    from hybridflow.errors import ConfigError
     try:
         fn()
-    except ConfigError as e:
+    except ValueError as e:  # ArgumentError for a wrong tensor, ConfigError for a wrong name
         return str(e)
     return "no error"
 
@@ -89,7 +89,19 @@ def megatron_checks(rank, world, ckpt):
                    _errors(lambda: rollout.update_weights_hf(no_partner.items())),
                    _errors(lambda: rollout.load_generation_weights(bad_shard))]
     r["after_errors"] = summary(rollout.generate(PROMPTS, GREEDY))
+    r["unseeded"] = [unseeded_calls(MegatronRollout(ckpt, max_model_len=MAX_MODEL_LEN, seed=seed),
+                                    global_seed)
+                     for seed, global_seed in ((7, 100), (7, 200), (8, 100))]
     return r
+
+
+def unseeded_calls(rollout, global_seed: int):
+    """Two calls with sampling.seed=None after seeding the global RNG with global_seed: (their
+    samples, whether the global RNG was left as it was)."""
+    torch.manual_seed(global_seed)
+    state = torch.get_rng_state()
+    samples = [summary(rollout.generate(PROMPTS, UNSEEDED)) for _ in range(2)]
+    return samples, torch.equal(state, torch.get_rng_state())
 
 
 def megatron_tp2(rank, world, ckpt):
@@ -101,8 +113,10 @@ def megatron_tp2(rank, world, ckpt):
     rollout.fast_decode = True
     fast = rollout.generate(PROMPTS, GREEDY)
     fast_sampled = rollout.generate(PROMPTS, SAMPLED)
+    rollout.fast_decode = False
+    unseeded = unseeded_calls(rollout, global_seed=100 + rank)  # each rank's global RNG differs
     return (rollout.tp, summary(greedy), [o.logprobs for o in greedy], summary(sampled),
-            summary(fast), [o.logprobs for o in fast], summary(fast_sampled))
+            summary(fast), [o.logprobs for o in fast], summary(fast_sampled), unseeded)
 
 
 def fast_on_cuda(rank, world, ckpt):
@@ -154,6 +168,14 @@ def test_sampling_is_seeded_and_samples_differ(results):
     assert sampled[0][2] != sampled[1][2]  # two samples of one prompt
 
 
+def test_unseeded_sampling_is_decided_by_the_rollout_seed(results):
+    (a, a_kept), (b, b_kept), (c, _) = results["unseeded"]
+    assert a == b  # same rollout seed, the global RNG seeded differently
+    assert a[0] != a[1]  # consecutive calls draw differently
+    assert a != c  # another rollout seed
+    assert a_kept and b_kept  # generate leaves the global RNG alone
+
+
 def test_stop_token_ends_the_response(results):
     ours, ref, (i, k, stop_token) = results["stop"]
     assert ours == ref
@@ -194,16 +216,28 @@ def test_fast_path_sees_new_weights_and_sleep_frees_its_cache(results):
     assert results["fast_released"]
 
 
-def test_tp2_matches_tp1(ckpt, results):
-    ranks = spawn(megatron_tp2, 2, ckpt)
+@pytest.fixture(scope="module")
+def tp2_ranks(ckpt):
+    return spawn(megatron_tp2, 2, ckpt)
+
+
+def test_tp2_matches_tp1(tp2_ranks, results):
+    ranks = tp2_ranks
     assert [r[0] for r in ranks] == [2, 2]
-    assert ranks[0][1:] == ranks[1][1:]  # every TP rank samples the same tokens
-    tp, greedy, logprobs, sampled, fast, fast_logprobs, fast_sampled = ranks[0]
+    assert ranks[0][1:-1] == ranks[1][1:-1]  # every TP rank samples the same tokens
+    tp, greedy, logprobs, sampled, fast, fast_logprobs, fast_sampled, _ = ranks[0]
     assert greedy == results["greedy"][0]
     assert sampled == results["sampled"]
     assert fast == greedy and fast_sampled == sampled
     torch.testing.assert_close(torch.tensor(sum(fast_logprobs, [])),
                                torch.tensor(sum(logprobs, [])), atol=1e-4, rtol=0)
+
+
+def test_tp2_ranks_sample_alike_whatever_their_global_rng(tp2_ranks):
+    (samples0, kept0), (samples1, kept1) = tp2_ranks[0][-1], tp2_ranks[1][-1]
+    assert samples0 == samples1
+    assert samples0[0] != samples0[1]
+    assert kept0 and kept1
 
 
 @pytest.mark.gpu

@@ -12,6 +12,7 @@ import time
 import pytest
 
 from hybridflow.errors import ConfigError
+from hybridflow.models.source import cache_dir
 from hybridflow.parallel.spawn import spawn
 from hybridflow.rollout.base import SamplingConfig
 
@@ -38,7 +39,7 @@ def test_smollm2_greedy_same_in_vllm_megatron_transformers(monkeypatch):
     from tests.distributed.rollout_common import summary
 
     try:
-        path = str(smollm2.prepare_smollm2(smollm2.default_cache_dir()))
+        path = str(smollm2.prepare_smollm2(cache_dir()))
     except ConfigError as e:
         pytest.skip(str(e))
     tok = transformers.AutoTokenizer.from_pretrained(path)

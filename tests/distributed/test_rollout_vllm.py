@@ -9,7 +9,7 @@ import logging
 import pytest
 import torch
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.parallel.spawn import spawn
 from tests.distributed.rollout_common import (CFG, GREEDY, MAX_MODEL_LEN, PROMPTS, SAMPLED,
                                               logprob_pairs, perturbed, summary, train_engine)
@@ -129,10 +129,10 @@ def test_weight_update_in_place(rollout, reference, hf_sd, first_outputs, monkey
 
 def test_invalid_update_is_refused_before_sending(rollout, hf_sd, first_outputs):
     bad_shape = {**hf_sd, "model.layers.1.self_attn.q_proj.weight": torch.zeros(3, 128)}
-    with pytest.raises(ConfigError, match=r"q_proj\.weight.*shape \[3, 128\]"):
+    with pytest.raises(ArgumentError, match=r"q_proj\.weight.*shape \[3, 128\]"):
         rollout.update_weights_hf(bad_shape.items())
     no_partner = {n: t for n, t in hf_sd.items() if n != "model.layers.2.self_attn.v_proj.weight"}
-    with pytest.raises(ConfigError, match=r"v_proj\.weight.*together"):
+    with pytest.raises(ArgumentError, match=r"v_proj\.weight.*together"):
         rollout.update_weights_hf(no_partner.items())
     assert summary(rollout.generate(PROMPTS, GREEDY)) == summary(first_outputs["greedy"])
     assert rollout.restarts == 0

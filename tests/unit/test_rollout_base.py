@@ -4,23 +4,23 @@ every backend's update, the sampler, the registry."""
 import pytest
 import torch
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.models.hf import hf_param_names, hf_param_shapes
 from hybridflow.models.tiny import tiny_llama_config, tiny_qwen2_config
-from hybridflow.rollout.base import (ROLLOUT_BACKENDS, SamplingConfig, group_hf_weights, left_pad,
-                                     rollout_backend)
+from hybridflow.rollout.base import (ROLLOUT_BACKENDS, RolloutBackend, SamplingConfig,
+                                     group_hf_weights, left_pad, rollout_backend)
 from hybridflow.rollout.megatron import sample_tokens
 
 
 @pytest.mark.parametrize("kwargs, field", [
-    (dict(temperature=-1.0), "sampling.temperature"),
-    (dict(top_p=0.0), "sampling.top_p"),
-    (dict(top_p=1.5), "sampling.top_p"),
-    (dict(top_k=-1), "sampling.top_k"),
-    (dict(max_tokens=0), "sampling.max_tokens"),
-    (dict(n=0), "sampling.n"),
-    (dict(seed=-3), "sampling.seed"),
-    (dict(stop_token_ids=[1, -2]), "sampling.stop_token_ids"),
+    (dict(temperature=-1.0), "temperature"),
+    (dict(top_p=0.0), "top_p"),
+    (dict(top_p=1.5), "top_p"),
+    (dict(top_k=-1), "top_k"),
+    (dict(max_tokens=0), "max_tokens"),
+    (dict(n=0), "n"),
+    (dict(seed=-3), "seed"),
+    (dict(stop_token_ids=[1, -2]), "stop_token_ids"),
 ])
 def test_sampling_config_names_the_field(kwargs, field):
     with pytest.raises(ConfigError) as e:
@@ -55,20 +55,56 @@ def test_group_hf_weights_errors_name_the_tensor():
     cfg = tiny_llama_config()
     good = dict(_weights(cfg))
     bad_shape = {**good, "model.layers.1.mlp.up_proj.weight": torch.zeros(3, 3)}
-    with pytest.raises(ConfigError, match=r"layers\.1\.mlp\.up_proj\.weight.*shape \[3, 3\]"):
+    with pytest.raises(ArgumentError, match=r"layers\.1\.mlp\.up_proj\.weight.*shape \[3, 3\]"):
         group_hf_weights(bad_shape.items(), cfg)
     partial = [(n, t) for n, t in good.items() if n != "model.layers.2.self_attn.k_proj.weight"]
-    with pytest.raises(ConfigError, match=r"k_proj\.weight.*missing.*together"):
+    with pytest.raises(ArgumentError, match=r"k_proj\.weight.*missing.*together"):
         group_hf_weights(partial, cfg)
     with pytest.raises(ConfigError, match="model.layers.9"):
         group_hf_weights([("model.layers.9.mlp.down_proj.weight", torch.zeros(1))], cfg)
-    with pytest.raises(ConfigError, match="given twice"):
+    with pytest.raises(ArgumentError, match="given twice"):
         group_hf_weights(list(good.items()) + [("model.norm.weight", good["model.norm.weight"])],
                          cfg)
     # A subset is fine as long as every fused group is whole.
     subset = [(n, good[n]) for n in ("model.layers.0.mlp.gate_proj.weight",
                                      "model.layers.0.mlp.up_proj.weight")]
     assert list(group_hf_weights(subset, cfg)) == ["decoder.layers.0.mlp.linear_fc1.weight"]
+
+
+class _Recorder(RolloutBackend):
+    """A backend that keeps what update_weights_hf receives."""
+
+    def __init__(self, cfg, tp: int = 1):
+        self.model_config, self.tp, self.loaded = cfg, tp, None
+
+    def generate(self, prompt_token_ids, sampling):
+        raise NotImplementedError
+
+    def update_weights_hf(self, weights):
+        self.loaded = dict(weights)
+
+    def sleep(self):
+        pass
+
+    def wake(self):
+        pass
+
+    def close(self):
+        pass
+
+
+def test_load_from_switch_default_converts_to_hf_names():
+    from hybridflow.models.hf import hf_to_megatron
+
+    cfg = tiny_llama_config()
+    g = torch.Generator().manual_seed(0)
+    hf = {n: torch.randn(t.shape, generator=g) for n, t in _weights(cfg)}
+    backend = _Recorder(cfg)
+    backend.load_from_switch(hf_to_megatron(hf, cfg))
+    assert sorted(backend.loaded) == sorted(hf)
+    assert all(torch.equal(backend.loaded[n], t) for n, t in hf.items())
+    with pytest.raises(ArgumentError, match="tp=2"):  # HF names need full tensors
+        _Recorder(cfg, tp=2).load_from_switch(hf_to_megatron(hf, cfg))
 
 
 def test_sampler():
