@@ -71,7 +71,8 @@ import torch  # noqa: E402
 from hybridflow.models.config import ModelConfig  # noqa: E402
 
 from bench_reshard import PRESETS  # noqa: E402
-from bench_rollout import _TORCH_DTYPES, LLAMA_09B, copy_bandwidth, decode_bytes  # noqa: E402
+from bench_rollout import LLAMA_09B, copy_bandwidth, decode_bytes  # noqa: E402
+from hybridflow.models.params import DTYPES  # noqa: E402
 
 # Llama-2-7B shapes (bench_reshard's), with the 0.9B model's rope and norm settings.
 LLAMA_7B = dict(LLAMA_09B, **PRESETS["llama-7b"])
@@ -90,7 +91,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="rollout backend")
     ap.add_argument("--tp", type=int, default=2, help="actor (and critic) training TP")
     ap.add_argument("--gen-tp", type=int, default=1, help="generation TP")
-    ap.add_argument("--dtype", choices=sorted(_TORCH_DTYPES), default=None,
+    ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="engine and checkpoint dtype (default: bf16 on GPU, fp32 on CPU)")
     ap.add_argument("--batch", type=int, default=None, help="train_batch_size (prompts per step; "
                     "default 32 on GPU, 4 on CPU)")
@@ -149,12 +150,12 @@ def model_config(name: str) -> ModelConfig:
 def write_checkpoint(name: str, dtype: str, workdir: Path, device: str, seed: int) -> Path:
     """A random HF checkpoint (weights drawn on ``device``, which is fast on a GPU) with the tiny
     BPE tokenizer (its ids all fall below the model's vocabulary)."""
-    from hybridflow.hybrid_engine.meta import llama_param_metas
+    from hybridflow.models.params import llama_param_metas
     from hybridflow.models.hf import megatron_to_hf, save_hf_checkpoint
     from hybridflow.models.tiny import make_tiny_tokenizer
 
     cfg = model_config(name)
-    dt = _TORCH_DTYPES[dtype]
+    dt = DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(seed)
     full = {}
     for m in llama_param_metas(cfg):
@@ -248,7 +249,7 @@ def device_rates(device: str, ranks: int) -> dict:
 
 # ------------------------------------------------------------------------------ accounting
 def matmul_params(cfg: ModelConfig) -> int:
-    from hybridflow.hybrid_engine.meta import llama_param_metas
+    from hybridflow.models.params import llama_param_metas
     n = sum(m.numel for m in llama_param_metas(cfg))
     if not cfg.tie_embeddings:  # the input table is only indexed
         n -= cfg.vocab_size * cfg.hidden_size
@@ -299,37 +300,27 @@ def run_iteration(trainer, items) -> tuple[dict, object]:
     return m, batch
 
 
-def make_config(args, path: Path):
-    """The run's RLConfig, built directly: ``load_config`` would first build every default, and
-    the default ``data.source`` (reasoning_gym) imports reasoning-gym, which the GPU machine
-    lacks; the prompts here come from the script, so ``data.source`` only names a file that is
-    never read."""
-    from dataclasses import replace
+def run_config(args, path: Path, prompts: Path):
+    """The run's RLConfig; ``prompts`` is the jsonl file of the made-up prompts (a file, not the
+    default reasoning-gym source: the GPU machine lacks reasoning-gym)."""
+    from hybridflow.config import RLConfig, make_config
 
-    from hybridflow.controller.worker_group import RayConfig
-    from hybridflow.data.prompts import PromptDataConfig
-    from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.rollout.base import SamplingConfig
-    from hybridflow.trainer import (ActorConfig, AlgorithmConfig, CriticConfig,
-                                    HybridEngineConfig, RefConfig, RLConfig, RolloutConfig)
-
-    actor, critic = ActorConfig(), CriticConfig()
-    sizes = dict(dtype=args.dtype, micro_batch_size=args.micro_batch,
-                 forward_micro_batch_size=args.forward_micro_batch)
-    return RLConfig(
-        name=f"bench-{args.algorithm}", model=str(path),
-        algorithm=AlgorithmConfig(name=args.algorithm),
-        actor=replace(actor, layout=TrainLayout(tp=args.tp), engine=replace(actor.engine, **sizes)),
-        critic=replace(critic, layout=TrainLayout(tp=args.tp),
-                       engine=replace(critic.engine, **sizes)),
-        ref=RefConfig(offload=args.ref_offload),
-        hybrid_engine=HybridEngineConfig(offload_optimizer=args.offload_optimizer),
-        rollout=RolloutConfig(backend=args.backend, tp=args.gen_tp, sampling=SamplingConfig(
-            temperature=1.0, max_tokens=args.max_tokens, n=args.n)),
-        data=PromptDataConfig(source="bench_prompts.jsonl", max_prompt_tokens=args.prompt_max),
-        train_batch_size=args.batch, steps=args.warmup + args.iters, seed=args.seed,
-        ray=RayConfig(num_cpus=None if args.device == "cuda" else 2,
-                      gpus_per_worker=args.gpus_per_worker, colocate=not args.no_colocate))
+    values = {"name": f"bench-{args.algorithm}", "model": str(path),
+              "algorithm.name": args.algorithm, "ref.offload": args.ref_offload,
+              "hybrid_engine.offload_optimizer": args.offload_optimizer,
+              "rollout.backend": args.backend, "rollout.tp": args.gen_tp,
+              "rollout.sampling": {"temperature": 1.0, "max_tokens": args.max_tokens,
+                                   "n": args.n},
+              "data.source": str(prompts), "data.max_prompt_tokens": args.prompt_max,
+              "train_batch_size": args.batch, "steps": args.warmup + args.iters,
+              "seed": args.seed, "ray.num_cpus": None if args.device == "cuda" else 2,
+              "ray.gpus_per_worker": args.gpus_per_worker, "ray.colocate": not args.no_colocate}
+    roles = ("actor", "critic") if args.algorithm == "ppo" else ("actor",)
+    for role in roles:
+        values.update({f"{role}.layout.tp": args.tp, f"{role}.engine.dtype": args.dtype,
+                       f"{role}.engine.micro_batch_size": args.micro_batch,
+                       f"{role}.engine.forward_micro_batch_size": args.forward_micro_batch})
+    return make_config(RLConfig, None, values)
 
 
 # ------------------------------------------------------------------------------ main
@@ -358,11 +349,13 @@ def main(argv=None) -> dict:
         t = time.perf_counter()
         path = write_checkpoint(args.model, args.dtype, Path(tmp), args.device, args.seed)
         result["checkpoint_s"] = round(time.perf_counter() - t, 2)
-        config = make_config(args, path)
-        trainer = RLTrainer(config, reward_fn=length_reward)
+        from transformers import AutoTokenizer
+        records = make_records(AutoTokenizer.from_pretrained(str(path)), args.batch,
+                               args.prompt_min, args.prompt_max, args.seed)
+        prompts = Path(tmp) / "prompts.jsonl"
+        prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
+        trainer = RLTrainer(run_config(args, path, prompts), reward_fn=length_reward)
         try:
-            records = make_records(trainer.tokenizer, args.batch, args.prompt_min,
-                                   args.prompt_max, args.seed)
             items = trainer._prompts(records)
             if len(items) != args.batch:
                 raise RuntimeError(f"{args.batch - len(items)} prompts were dropped")
@@ -378,7 +371,7 @@ def main(argv=None) -> dict:
                 timed = it >= args.warmup
                 if timed:
                     roof = generation_roofline(batch, replicas, cfg_model,
-                                               _TORCH_DTYPES[args.dtype].itemsize,
+                                               DTYPES[args.dtype].itemsize,
                                                result["copy_bandwidth_gb_s"] * 1e9
                                                if result["copy_bandwidth_gb_s"] else None)
                     m["gen_replicas"] = roof

@@ -12,16 +12,12 @@ from __future__ import annotations
 import os
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import torch
 import torch.distributed as dist
 
 from hybridflow.batch import Batch
 from hybridflow.controller.worker_group import Worker
-
-if TYPE_CHECKING:
-    from hybridflow.trainer import RLConfig
 
 # Fields each engine call needs from a Batch; everything else stays on the controller.
 _MODEL_INPUTS = ("input_ids", "attention_mask")
@@ -72,46 +68,55 @@ def _ppo_updates(engine, data: dict[str, torch.Tensor], schedule, agg: str, dp_g
 
 
 class ActorRolloutRefWorker(Worker):
-    """Actor + rollout + reference on one rank."""
+    """Actor + rollout + reference on one rank. It receives its roles' configs only (the
+    ``actor``, ``rollout``, ``ref`` and ``hybrid_engine`` sections of the run config) and the
+    run-wide values it needs: the sampling ``seed``, ``pad_token_id`` and the prompt width
+    ``max_prompt_tokens``."""
 
-    def __init__(self, rank: int, world_size: int, addr: str, port: int, cfg: "RLConfig",
-                 model_dir: str):
+    def __init__(self, rank: int, world_size: int, addr: str, port: int, *, actor, rollout, ref,
+                 hybrid_engine, model_dir: str, seed: int, pad_token_id: int,
+                 max_prompt_tokens: int):
         super().__init__(rank, world_size, addr, port)
         from hybridflow.hybrid_engine.switch import HybridEngine
         from hybridflow.models.hf import load_hf_config
-        from hybridflow.models.loading import load_hf_into_engine
         from hybridflow.training.engine import TrainEngine
+        from hybridflow.training.loading import load_hf_into_engine
 
-        self.cfg, self.model_dir = cfg, model_dir
+        self.actor_cfg, self.rollout_cfg, self.ref_cfg = actor, rollout, ref
+        self.model_dir, self.seed, self.pad_token_id = model_dir, seed, pad_token_id
+        self.max_prompt_tokens = max_prompt_tokens
         self.model_config = load_hf_config(model_dir)
-        layout = cfg.actor.layout
-        self.actor = TrainEngine(self.model_config, layout, cfg.actor.engine)
+        self.actor = TrainEngine(self.model_config, actor.layout, actor.engine)
         load_hf_into_engine(self.actor, model_dir)
         # The reference is always there: its KL to the actor is logged every step.
-        self.ref = TrainEngine(self.model_config, layout, cfg.actor.engine, build_optimizer=False)
+        self.ref = TrainEngine(self.model_config, actor.layout, actor.engine,
+                               build_optimizer=False)
         load_hf_into_engine(self.ref, model_dir)
-        if cfg.ref.offload:
+        if ref.offload:
             self.ref.offload_weights()
-        self.hybrid = HybridEngine(self.actor, gen_tp=cfg.rollout.tp,
-                                   bucket_mb=cfg.rollout.bucket_mb, mode=cfg.hybrid_engine.mode,
-                                   offload_optimizer=cfg.hybrid_engine.offload_optimizer)
+        self.hybrid = HybridEngine(self.actor, gen_tp=rollout.tp, bucket_mb=rollout.bucket_mb,
+                                   mode=hybrid_engine.mode,
+                                   offload_optimizer=hybrid_engine.offload_optimizer)
         self.rollout = self._make_rollout()
         self.dp_group = self.actor.pg.dp
 
     def _make_rollout(self):
-        from hybridflow.rollout.base import eos_token_ids, rollout_backend
-        r = self.cfg.rollout
+        from hybridflow.rollout.base import call_seed, eos_token_ids, rollout_backend
+        r = self.rollout_cfg
         backend = rollout_backend(r.backend)
-        max_len = self.cfg.data.max_prompt_tokens + r.sampling.max_tokens
+        max_len = self.max_prompt_tokens + r.sampling.max_tokens
+        # One seed per generation replica (the ranks of its TP group must sample alike), mixed
+        # with the run's seed so that runs and replicas never share a stream.
+        seed = call_seed(self.seed, self.hybrid.replica)
         if r.backend == "megatron":
             from hybridflow.parallel.groups import generation_process_groups
             # Weights arrive from the switch; the model is built at the generation layout.
-            return backend(self.model_config, dtype=self.cfg.actor.engine.dtype,
-                           max_model_len=max_len, seed=self.cfg.seed + self.rank,
+            return backend(self.model_config, dtype=self.actor_cfg.engine.dtype,
+                           max_model_len=max_len, seed=seed,
                            eos_token_ids=eos_token_ids(self.model_dir),
                            pg_collection=generation_process_groups(self.hybrid.gen))
-        kwargs = dict(dtype=self.cfg.actor.engine.dtype, max_model_len=max_len,
-                      seed=self.cfg.seed + self.rank)
+        kwargs = dict(dtype=self.actor_cfg.engine.dtype, max_model_len=max_len,
+                      seed=seed)
         if r.backend == "vllm":
             kwargs["kv_cache_bytes"] = int(r.kv_cache_mb * 2**20)
             if not torch.cuda.is_available():
@@ -128,7 +133,7 @@ class ActorRolloutRefWorker(Worker):
             gen = self.hybrid.gen
             return self.hybrid.replica, (self.hybrid.gen_tp_rank == 0
                                          and self.hybrid.gen_pp_rank == gen.pp - 1)
-        return _train_view(self.cfg.actor.layout, self.rank)
+        return _train_view(self.actor_cfg.layout, self.rank)
 
     def describe(self) -> str:
         return self.hybrid.summary
@@ -137,15 +142,10 @@ class ActorRolloutRefWorker(Worker):
     def generate(self, batch: Batch, sampling=None) -> Batch:
         """Switch to the generation layout, sample ``sampling.n`` responses per prompt of this
         replica's share, switch back. Returns left-padded prompts + right-padded responses."""
-        from hybridflow.hybrid_engine.convert import to_hf
-        sampling = sampling or self.cfg.rollout.sampling
+        sampling = sampling or self.rollout_cfg.sampling
         start = time.perf_counter()
         weights = self.hybrid.to_generation()
-        if self.cfg.rollout.backend == "megatron":
-            self.rollout.load_generation_weights(weights.tensors)
-        else:
-            self.rollout.update_weights_hf(to_hf(weights.tensors, self.model_config,
-                                                 self.cfg.rollout.tp))
+        self.rollout.load_from_switch(weights.tensors)
         self.rollout.wake()
         loaded = time.perf_counter()
         captured = self.rollout.capture_seconds
@@ -170,8 +170,8 @@ class ActorRolloutRefWorker(Worker):
         from hybridflow.rollout.base import rollout_batch
         # Fixed widths: every replica's rows have the same length, so the controller can
         # concatenate them.
-        tensors = rollout_batch(outputs, self.cfg.pad_token_id,
-                                prompt_width=self.cfg.data.max_prompt_tokens,
+        tensors = rollout_batch(outputs, self.pad_token_id,
+                                prompt_width=self.max_prompt_tokens,
                                 response_width=sampling.max_tokens)
         tensors["response_mask"] = tensors["response_mask"].float()
         index = [o.prompt_index for o in outputs]
@@ -184,10 +184,10 @@ class ActorRolloutRefWorker(Worker):
         return Batch({"old_logprobs": self.actor.compute_logprobs(_engine_batch(batch))})
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        if self.cfg.ref.offload:
+        if self.ref_cfg.offload:
             self.ref.reload_weights()
         logprobs = self.ref.compute_logprobs(_engine_batch(batch))
-        if self.cfg.ref.offload:
+        if self.ref_cfg.offload:
             self.ref.offload_weights()
         return Batch({"ref_logprobs": logprobs})
 
@@ -195,7 +195,7 @@ class ActorRolloutRefWorker(Worker):
     def update_actor(self, batch: Batch) -> Batch:
         """PPO epochs over mini-batches of this DP rank's share; metrics averaged."""
         from hybridflow.algorithms import aggregate_loss, kl_penalty, policy_loss
-        a = self.cfg.actor
+        a = self.actor_cfg
         keys = ["old_logprobs", "advantages", "response_mask"]
         if a.kl_loss_coef:
             keys.append("ref_logprobs")
@@ -219,8 +219,8 @@ class ActorRolloutRefWorker(Worker):
         return _ppo_updates(self.actor, _engine_batch(batch, *keys), a, a.loss_agg_mode,
                             self.dp_group, loss_for, "actor", loss_key="actor/loss")
 
-    def state_for_test(self) -> dict[str, torch.Tensor]:
-        """Full actor weights (tests check that training moved them)."""
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """The actor's full (unsharded) weights by Megatron name, on every rank."""
         return self.actor.full_weights()
 
 
@@ -228,24 +228,25 @@ class CriticWorker(Worker):
     """A value-head model on one rank: the critic (values, clipped value loss) or, with
     ``trainable=False``, a reward/cost model scoring each sequence at its last token."""
 
-    def __init__(self, rank: int, world_size: int, addr: str, port: int, cfg: "RLConfig",
-                 model_dir: str, trainable: bool = True):
+    def __init__(self, rank: int, world_size: int, addr: str, port: int, *, critic,
+                 model_dir: str, trainable: bool = True, model_key: str = "model"):
         super().__init__(rank, world_size, addr, port)
         from hybridflow.models.hf import load_hf_config
-        from hybridflow.models.loading import load_hf_into_engine
         from hybridflow.training.engine import TrainEngine
+        from hybridflow.training.loading import load_hf_into_engine
 
-        self.cfg = cfg
+        self.critic_cfg = critic
         model_config = load_hf_config(model_dir)
-        self.engine = TrainEngine(model_config, cfg.critic.layout, cfg.critic.engine,
+        self.engine = TrainEngine(model_config, critic.layout, critic.engine,
                                   build_optimizer=trainable, head="value")
         load_hf_into_engine(self.engine, model_dir)
-        self._load_score_head(model_dir)
+        self._load_score_head(model_dir, model_key)
         self.dp_group = self.engine.pg.dp
 
-    def _load_score_head(self, model_dir: str) -> None:
+    def _load_score_head(self, model_dir: str, model_key: str) -> None:
         """A reward model saved as transformers' *ForSequenceClassification keeps its scalar head
-        as ``score.weight`` [1, hidden]; an LM checkpoint has none and keeps the fresh head."""
+        as ``score.weight`` [1, hidden]; an LM checkpoint has none and keeps the fresh head.
+        ``model_key``: the config key that named the checkpoint, for the error."""
         from hybridflow.models.hf import _weight_map
         from hybridflow.training.engine import VALUE_HEAD
         from safetensors import safe_open
@@ -258,14 +259,14 @@ class CriticWorker(Worker):
             if name == VALUE_HEAD:
                 if head.shape != param.shape:
                     from hybridflow.errors import ConfigError
-                    raise ConfigError(f"{files['score.weight']}: score.weight",
+                    raise ConfigError(model_key, f"{files['score.weight']}: score.weight has "
                                       f"shape {list(head.shape)}, expected {list(param.shape)} "
                                       "(one label)")
                 with torch.no_grad():
                     param.copy_(head)
 
     def dispatch_info(self, view: str) -> tuple[int, bool]:
-        return _train_view(self.cfg.critic.layout, self.rank)
+        return _train_view(self.critic_cfg.layout, self.rank)
 
     @staticmethod
     def _state_values(raw: torch.Tensor) -> torch.Tensor:
@@ -285,7 +286,7 @@ class CriticWorker(Worker):
 
     def update_critic(self, batch: Batch) -> Batch:
         from hybridflow.algorithms import value_loss
-        c = self.cfg.critic
+        c = self.critic_cfg
 
         def loss_for(denom):
             def loss_fn(raw, mb):

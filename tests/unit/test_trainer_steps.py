@@ -1,0 +1,156 @@
+"""The controller's logic without Ray: RLTrainer's steps over stand-in worker groups that answer
+like the real ones (same methods, same Batch keys), so what the driver does with the answers --
+which prompts it draws, how it scores, which KL it applies, what it logs -- is checked exactly."""
+
+import json
+
+import pytest
+import torch
+
+from hybridflow.algorithms import FixedKLController, estimate_advantages
+from hybridflow.batch import Batch
+from hybridflow.trainer import RLTrainer
+
+T = 3  # response tokens per sample
+
+
+class FakeActor:
+    """Answers generate / log-prob calls like ActorRolloutRefWorker's group: every sample is T
+    response tokens; the policy's log-prob of a token is -0.5, the reference's
+    -0.5 - kl_gap * (the row's index), so sample i is kl_gap * i nats per token from it."""
+
+    def __init__(self, kl_gap=0.0):
+        self.kl_gap, self.generated, self.samplings = kl_gap, [], []
+
+    def run_by_dp(self, method, batch, view="train", sampling=None):
+        if method == "generate":
+            return self._generate(batch, sampling)
+        b = len(batch)
+        if method == "compute_log_prob":
+            return Batch({"old_logprobs": torch.full((b, T), -0.5)})
+        if method == "compute_ref_log_prob":
+            gap = self.kl_gap * torch.arange(b, dtype=torch.float32)[:, None]
+            return Batch({"ref_logprobs": -0.5 - gap.expand(b, T)})
+        if method == "update_actor":
+            return Batch(meta={"actor/pg_loss": 0.0})
+        raise AssertionError(method)
+
+    def _generate(self, batch, sampling):
+        self.samplings.append(sampling)
+        n = 1 if sampling is not None else 2
+        rows = [j for j in range(len(batch)) for _ in range(n)]
+        self.generated.append([batch["item"][j].messages[-1]["content"] for j in range(len(batch))])
+        # 1 prompt token, T response tokens; row r of the output ends in token 10 + r.
+        ids = torch.tensor([[7, 8, 9, 10 + r] for r in range(len(rows))])
+        response = torch.tensor([[0, 1, 1, 1]] * len(rows), dtype=torch.float32)
+        out = Batch({"input_ids": ids, "attention_mask": torch.ones_like(ids),
+                     "response_mask": response[:, 1:].contiguous(),
+                     "rollout_logprobs": torch.full((len(rows), T), -2.0)},
+                    {k: [v[j] for j in rows] for k, v in batch.lists.items()})
+        out.tensors["input_ids"] = ids[:, 1:]
+        out.tensors["attention_mask"] = torch.ones_like(ids[:, 1:])
+        out.lists["finish_reason"] = ["stop"] * len(rows)
+        return out
+
+
+class FakeRewardModel:
+    """A reward-model group: scores 10 + the id of the sample's last token."""
+
+    def run_by_dp(self, method, batch, **_):
+        assert method == "compute_scores"
+        return Batch({"scores": 10.0 + batch["input_ids"][:, -1].float()})
+
+
+def make_trainer(tmp_path, *overrides, actor=None, reward_model=False, **kwargs):
+    cfg = {"model": "tiny-llama", "rollout": {"backend": "hf", "sampling": {"n": 2}},
+           "train_batch_size": 2, "actor": {"engine": {"micro_batch_size": 1}},
+           "tracking": {"out_dir": str(tmp_path)}}
+    trainer = RLTrainer(cfg, reward_fn=lambda response: 1.0, **dict(overrides), **kwargs)
+    # The worker groups, as _start_workers would leave them.
+    trainer.actor, trainer.critic = actor or FakeActor(), None
+    trainer.scorers = {"scores": FakeRewardModel()} if reward_model else {}
+    trainer.kl_ctrl = FixedKLController(coef=trainer.config.algorithm.kl_coef)
+    trainer.lagrange = None
+    trainer._workers_started = True
+    return trainer
+
+
+@pytest.fixture(autouse=True)
+def cache(tmp_path_factory, monkeypatch):
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path_factory.getbasetemp() / "cache"))
+
+
+PROMPTS = [{"prompt": f"question {i}"} for i in range(6)]
+
+
+def test_remax_baseline_is_scored_like_the_samples(tmp_path):
+    trainer = make_trainer(tmp_path, algorithm="remax", reward_model=True)
+    batch = trainer.score(trainer.generate(PROMPTS[:2]))
+    # Samples end in tokens 10, 11 (prompt 0) and 12, 13 (prompt 1); the greedy responses, one
+    # per prompt, end in 10 and 11: the reward model scores them 20 and 21 (the rule says 1).
+    assert batch["scores"].tolist() == [20.0, 21.0, 22.0, 23.0]
+    assert trainer.actor.samplings[-1].temperature == 0.0
+    expected = torch.tensor([0.0, 1.0, 1.0, 2.0])[:, None].expand(4, T)
+    torch.testing.assert_close(batch["advantages"], expected)
+
+
+@pytest.mark.parametrize("algorithm", ["grpo", "rloo", "remax", "reinforce_plus_plus"])
+def test_kl_in_reward_acts_for_every_estimator(tmp_path, algorithm):
+    advantages = {}
+    for kl_in_reward in (False, True):
+        extra = {"algorithm.kl_in_reward": True, "algorithm.kl_coef": 0.5} if kl_in_reward else {}
+        trainer = make_trainer(tmp_path, actor=FakeActor(kl_gap=0.1), algorithm=algorithm,
+                               **extra)
+        advantages[kl_in_reward] = trainer.score(trainer.generate(PROMPTS[:2]))["advantages"]
+    # Every sample has reward 1: without the KL penalty the sequence estimators see no
+    # difference between samples; with it, the samples further from the reference lose.
+    if algorithm != "reinforce_plus_plus":
+        assert torch.count_nonzero(advantages[False]) == 0
+    assert not torch.allclose(advantages[False], advantages[True])
+    first = advantages[True][:, 0]
+    assert first[0] > first[1] or algorithm == "remax"  # within a prompt: less KL, more advantage
+
+
+def test_sequence_kl_penalty_by_hand():
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    logprobs = torch.tensor([[-1.0, -1.0, 5.0], [-1.0, -1.0, -1.0]])
+    ref = torch.tensor([[-1.5, -1.2, 0.0], [-1.0, -2.0, -1.0]])
+    scores = torch.tensor([1.0, 1.0])
+    # k1 per token = logprobs - ref: row 0 sums 0.5 + 0.2 = 0.7 (the padded token is ignored),
+    # row 1 sums 1.0. With coef 0.5 the scores become 0.65 and 0.5; GRPO over the group of two:
+    # mean 0.575, std (unbiased) 0.10607 -> +0.7071, -0.7071.
+    adv, _ = estimate_advantages("grpo", scores=scores, mask=mask, logprobs=logprobs,
+                                 ref_logprobs=ref, kl_coef=0.5, group_ids=[0, 0])
+    torch.testing.assert_close(adv[:, 0], torch.tensor([0.7071, -0.7071]), atol=1e-3, rtol=0)
+    assert adv[0, 2] == 0
+    plain, _ = estimate_advantages("grpo", scores=scores, mask=mask, logprobs=logprobs,
+                                   ref_logprobs=ref, kl_coef=0.0, group_ids=[0, 0])
+    assert torch.count_nonzero(plain) == 0
+    # REINFORCE++ reads the same penalty per token instead: returns-to-go of -0.5 * kl_t, plus
+    # the score on the last token, whitened over the batch.
+    tok, _ = estimate_advantages("reinforce_plus_plus", scores=scores, mask=mask,
+                                 logprobs=logprobs, ref_logprobs=ref, kl_coef=0.5)
+    tok0, _ = estimate_advantages("reinforce_plus_plus", scores=scores, mask=mask,
+                                  logprobs=logprobs, ref_logprobs=ref, kl_coef=0.0)
+    assert not torch.allclose(tok, tok0)
+
+
+def test_prompt_order_follows_data_shuffle_and_data_seed(tmp_path):
+    def order(*overrides):
+        trainer = make_trainer(tmp_path, *[(k, v) for k, v in overrides], steps=3)
+        trainer.fit(PROMPTS)
+        return [q for step in trainer.actor.generated for q in step]
+
+    in_order = order(("data.shuffle", False))
+    assert in_order == [f"question {i}" for i in range(6)]
+    seed_1, seed_2 = order(("data.seed", 1)), order(("data.seed", 2))
+    assert sorted(seed_1) == sorted(in_order) and seed_1 != in_order and seed_1 != seed_2
+    assert order(("data.seed", 1), ("seed", 5)) == seed_1  # the run's seed is the samplers'
+
+
+def test_logged_metrics_name_what_they_measure(tmp_path):
+    trainer = make_trainer(tmp_path, steps=1)
+    trainer.fit(PROMPTS)
+    row = json.loads((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "entropy" not in row
+    assert row["rollout/neg_logprob"] == pytest.approx(2.0)  # -log p of the sampled tokens
