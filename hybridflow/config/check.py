@@ -54,8 +54,8 @@ class RunCheck:
             lines.append(f"{' + '.join(users)}: {c} -> {c.world_size} ranks each")
         per_rank = ", ".join(_mib(b) for b in self.reshard_recv_bytes)
         lines.append(f"3D-HybridEngine ({cfg.hybrid_engine.mode}): bytes received per actor rank "
-                     f"per switch: {per_rank} (naive, every tensor over the whole group: "
-                     f"{_mib(self.naive_recv_bytes)})")
+                     f"per switch: {per_rank} (naive path, a TP all-gather and PP broadcast of "
+                     f"every tensor: up to {_mib(self.naive_recv_bytes)})")
         samples = cfg.train_batch_size * cfg.rollout.sampling.n
         lines.append(f"data: {len(self.prompts)} prompts from {cfg.data.source}")
         lines.append(f"step: {cfg.train_batch_size} prompts x {cfg.rollout.sampling.n} samples = "

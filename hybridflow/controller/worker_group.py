@@ -10,7 +10,10 @@ send results back.
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 import time
+import uuid
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,8 +27,9 @@ class RayConfig:
     """How the controller reaches Ray."""
 
     address: str = "local"
-    """"local" starts Ray on this machine bound to loopback; "auto" or host:port joins a cluster
-    (what launch/slurm does)."""
+    """"local" starts Ray on this machine (Ray 2.60's own servers listen on every interface: it
+    has no setting to confine them to loopback; our gloo rendezvous and connections stay on
+    loopback); "auto" or host:port joins a cluster (what launch/slurm does)."""
     num_cpus: int | None = None
     """CPUs Ray may schedule locally (None: all)."""
     gpus_per_worker: float = 0.0
@@ -54,8 +58,9 @@ def init_ray(cfg: RayConfig) -> None:
                         "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
                         "RAY_DEDUP_LOGS": "1"}}
     if cfg.address == "local":
-        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, _node_ip_address="127.0.0.1",
-                 runtime_env=env, logging_level="WARNING", log_to_driver=True)
+        # (Ray turns a _node_ip_address of 127.0.0.1 into the machine's address: no use passing it.)
+        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env,
+                 logging_level="WARNING", log_to_driver=True)
     else:
         ray.init(address=cfg.address, runtime_env=env, logging_level="WARNING")
 
@@ -63,12 +68,12 @@ def init_ray(cfg: RayConfig) -> None:
 class Worker:
     """Base of every worker: joins the group's torch.distributed world in its constructor."""
 
-    def __init__(self, rank: int, world_size: int, master_addr: str, master_port: int):
+    def __init__(self, rank: int, world_size: int, rendezvous: str):
+        """``rendezvous``: torch.distributed's init_method, from the WorkerGroup."""
         import torch
         import torch.distributed as dist
-        os.environ.update(MASTER_ADDR=master_addr, MASTER_PORT=str(master_port),
-                          RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        if master_addr == "127.0.0.1":  # a local run: gloo's connections stay on loopback too
+        os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
+        if rendezvous.startswith("file://"):  # a local run: gloo connects over loopback only
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.rank, self.world_size = rank, world_size
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -76,7 +81,7 @@ class Worker:
             torch.cuda.set_device(0)  # Ray gives each actor its own GPU, visible as device 0
         else:
             torch.set_num_threads(1)
-        dist.init_process_group(backend, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size)
 
     def dispatch_info(self, view: str) -> tuple[int, bool]:
         """(data group index, whether this rank returns the group's output) for ``view``."""
@@ -173,17 +178,22 @@ class WorkerGroup:
             raise ValueError(f"a pool of {pool.world_size} bundles cannot hold {world_size} ranks")
         self.name, self.world_size, self.pool = name, world_size, pool
         placement = [pool.options(r) for r in range(world_size)]
+        self._rendezvous_dir = None
         if cfg.address == "local":
-            addr, port = "127.0.0.1", free_port()
+            # A file store: nothing listens (torch's TCP store would, on every interface).
+            self._rendezvous_dir = tempfile.mkdtemp(prefix=f"hybridflow-{name}-")
+            rendezvous = f"file://{self._rendezvous_dir}/store"
         else:
             # On a cluster rank 0 may land on any node: ask the node of bundle 0 for its address
             # and a free port.
             probe = ray.remote(num_cpus=0)(_node_address).options(
                 scheduling_strategy=placement[0]["scheduling_strategy"])
             addr, port = ray.get(probe.remote())
+            rendezvous = f"tcp://{addr}:{port}"
         actor_cls = ray.remote(worker_cls)
-        self.actors = [actor_cls.options(name=f"{name}-{r}-{port}", **placement[r]).remote(
-            r, world_size, addr, port, *args, **kwargs) for r in range(world_size)]
+        tag = uuid.uuid4().hex[:8]  # actor names are global in a Ray cluster
+        self.actors = [actor_cls.options(name=f"{name}-{r}-{tag}", **placement[r]).remote(
+            r, world_size, rendezvous, *args, **kwargs) for r in range(world_size)]
         ray.get([a.ping.remote() for a in self.actors])  # surfaces constructor errors here
         self._dispatch: dict[str, list[tuple[int, bool]]] = {}
 
@@ -220,3 +230,5 @@ class WorkerGroup:
         self.actors = []
         if self.own_pool:
             self.pool.close()
+        if self._rendezvous_dir is not None:
+            shutil.rmtree(self._rendezvous_dir, ignore_errors=True)

@@ -73,10 +73,10 @@ class ActorRolloutRefWorker(Worker):
     run-wide values it needs: the sampling ``seed``, ``pad_token_id`` and the prompt width
     ``max_prompt_tokens``."""
 
-    def __init__(self, rank: int, world_size: int, addr: str, port: int, *, actor, rollout, ref,
+    def __init__(self, rank: int, world_size: int, rendezvous: str, *, actor, rollout, ref,
                  hybrid_engine, model_dir: str, seed: int, pad_token_id: int,
                  max_prompt_tokens: int):
-        super().__init__(rank, world_size, addr, port)
+        super().__init__(rank, world_size, rendezvous)
         from hybridflow.hybrid_engine.switch import HybridEngine
         from hybridflow.models.hf import load_hf_config
         from hybridflow.training.engine import TrainEngine
@@ -228,9 +228,9 @@ class CriticWorker(Worker):
     """A value-head model on one rank: the critic (values, clipped value loss) or, with
     ``trainable=False``, a reward/cost model scoring each sequence at its last token."""
 
-    def __init__(self, rank: int, world_size: int, addr: str, port: int, *, critic,
+    def __init__(self, rank: int, world_size: int, rendezvous: str, *, critic,
                  model_dir: str, trainable: bool = True, model_key: str = "model"):
-        super().__init__(rank, world_size, addr, port)
+        super().__init__(rank, world_size, rendezvous)
         from hybridflow.models.hf import load_hf_config
         from hybridflow.training.engine import TrainEngine
         from hybridflow.training.loading import load_hf_into_engine

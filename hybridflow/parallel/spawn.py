@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import os
 import pickle
+import shutil
 import socket
+import tempfile
 import traceback
 from typing import Any, Callable
 
@@ -22,7 +24,7 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, queue) -> None:
     # One thread per worker: several workers share two cores, and oversubscription is slower.
     os.environ["OMP_NUM_THREADS"] = "1"
     import warnings
@@ -32,10 +34,12 @@ def _worker(rank: int, world_size: int, port: int, fn: Callable, args: tuple, qu
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
     import torch
     torch.set_num_threads(1)
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank))
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
+                      GLOO_SOCKET_IFNAME="lo")
     try:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        # A file store and gloo on loopback: nothing of ours listens beyond this machine.
+        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+                                world_size=world_size)
         # Plain pickle: tensors travel by value, not as shared-memory handles that die with the
         # worker before the parent reads them.
         queue.put((rank, True, pickle.dumps(fn(rank, world_size, *args))))
@@ -54,8 +58,9 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port = free_port()
-    procs = [ctx.Process(target=_worker, args=(r, world_size, port, fn, args, queue))
+    store_dir = tempfile.mkdtemp(prefix="hybridflow-spawn-")
+    procs = [ctx.Process(target=_worker, args=(r, world_size, f"{store_dir}/store", fn, args,
+                                               queue))
              for r in range(world_size)]
     for p in procs:
         p.start()
@@ -76,6 +81,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
             p.join(timeout=30)
             if p.is_alive():
                 p.kill()
+        shutil.rmtree(store_dir, ignore_errors=True)
     if errors:
         raise RuntimeError("worker failed\n" + "\n".join(errors))
     return [results[r] for r in range(world_size)]

@@ -13,8 +13,8 @@ class EchoWorker(Worker):
     """A 2-way 'tensor parallel' x 2-way 'data parallel' worker: TP ranks of a DP group must get
     the same shard; only TP rank 0 answers."""
 
-    def __init__(self, rank, world_size, addr, port, layout):
-        super().__init__(rank, world_size, addr, port)
+    def __init__(self, rank, world_size, rendezvous, layout):
+        super().__init__(rank, world_size, rendezvous)
         self.layout = layout
 
     def dispatch_info(self, view):
