@@ -28,6 +28,13 @@ from hybridflow.tracking import Tracker
 
 log = logging.getLogger("hybridflow")
 
+# RLTrainer's keywords of Python RL trainers -> the config keys they set.
+_KEYWORDS = {"model": "model", "algorithm": "algorithm.name", "max_steps": "steps",
+             "per_device_train_batch_size": "actor.engine.micro_batch_size",
+             "learning_rate": "actor.engine.optim.lr", "num_generations": "rollout.sampling.n",
+             "max_new_tokens": "rollout.sampling.max_tokens",
+             "use_3d_hybrid": "hybrid_engine.mode"}
+
 
 # --------------------------------------------------------------------------------- the trainer
 class RLTrainer:
@@ -53,17 +60,13 @@ class RLTrainer:
                  **overrides: Any):
         from hybridflow.rewards import as_reward_fn
 
-        keywords = {"model": model, "algorithm.name": algorithm, "steps": max_steps,
-                    "actor.engine.micro_batch_size": per_device_train_batch_size,
-                    "actor.engine.optim.lr": learning_rate,
-                    "hybrid_engine.mode": None if use_3d_hybrid is None
-                    else ("3d" if use_3d_hybrid else "naive"),
-                    "rollout.sampling.n": num_generations,
-                    "rollout.sampling.max_tokens": max_new_tokens}
-        names = dict(zip(keywords, ("model", "algorithm", "max_steps",
-                                    "per_device_train_batch_size", "learning_rate",
-                                    "use_3d_hybrid", "num_generations", "max_new_tokens")))
-        given = {k: v for k, v in keywords.items() if v is not None}
+        typed = {"model": model, "algorithm": algorithm, "max_steps": max_steps,
+                 "per_device_train_batch_size": per_device_train_batch_size,
+                 "learning_rate": learning_rate, "num_generations": num_generations,
+                 "max_new_tokens": max_new_tokens,
+                 "use_3d_hybrid": None if use_3d_hybrid is None
+                 else ("3d" if use_3d_hybrid else "naive")}
+        given = {_KEYWORDS[k]: v for k, v in typed.items() if v is not None}
         # A callable is recorded in config.yaml by name (module:function, a form the config takes).
         for key, fn in (("reward", reward_fn), ("cost", cost_fn)):
             if fn is not None:
@@ -72,9 +75,10 @@ class RLTrainer:
             cfg = make_config(RLConfig, config, {**overrides, **given})
             if gradient_accumulation_steps is not None:
                 cfg = _with_accumulation(cfg, gradient_accumulation_steps)
-        except ConfigError as e:  # name what the caller typed
-            if e.field in names and e.field in given:
-                raise ConfigError(names[e.field], e.message) from None
+        except ConfigError as e:  # name the keyword the caller typed
+            keyword = {key: k for k, key in _KEYWORDS.items()}.get(e.field)
+            if keyword is not None and e.field in given:
+                raise ConfigError(keyword, e.message) from None
             raise
         self.config = cfg
         python_fns = {k for k, fn in (("reward", reward_fn), ("cost", cost_fn))

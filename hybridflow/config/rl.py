@@ -315,6 +315,9 @@ class RLConfig:
             trains = name == "actor" or self.algorithm.name == "ppo"
             if not trains and not scorers:
                 continue  # the critic's layout also runs reward and cost models
+            if name == "critic" and part.engine.sequence_parallel:
+                raise ConfigError("critic.engine.sequence_parallel", "value heads (critic, reward "
+                                  "and cost models) do not support it yet; set it to false")
             per_step = part.layout.dp * part.mini_batches * part.engine.micro_batch_size
             if trains and samples % per_step:
                 raise ConfigError(f"{name}.mini_batches", f"{samples} samples per step "

@@ -154,6 +154,8 @@ PROBES = [  # (overrides, the key the error must name, a piece of its message)
     (["actor.engine.dtype=fp8"], "actor.engine.dtype", "fp8"),
     (["data.tasks=[]"], "data.tasks", "at least one"),
     (["tracking.out_dir="], "tracking.out_dir", "Incompatible value 'None'"),
+    (["algorithm.name=ppo", "critic.layout.tp=2", "critic.engine.sequence_parallel=true"],
+     "critic.engine.sequence_parallel", "value heads"),
 ]
 
 

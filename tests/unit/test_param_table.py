@@ -102,16 +102,14 @@ def test_hf_megatron_hf_round_trip_is_bit_exact(key):
         assert tensor.dtype == sd[name].dtype and torch.equal(tensor, sd[name]), name
 
 
-@pytest.mark.parametrize("tp", [2])
-@pytest.mark.parametrize("key", list(CONFIGS))
-def test_tp_shard_is_made_of_hf_blocks(key, tp):
+@pytest.mark.parametrize("key", [k for k, c in CONFIGS.items() if c.num_kv_heads % 2 == 0])
+def test_tp_shard_is_made_of_hf_blocks(key, tp=2):
     """TP rank r's shard of each parameter is its merge of block r (along tp_dim) of each HF
-    tensor, with the rank's share of the heads: what the sliced HF loader relies on."""
+    tensor, with the rank's share of the heads: what the sliced HF loader relies on. (Models
+    whose KV heads do not split over tp cannot be sharded so.)"""
     import dataclasses
 
     cfg = CONFIGS[key]
-    if cfg.num_kv_heads % tp:
-        pytest.skip(f"num_kv_heads={cfg.num_kv_heads} does not split over tp={tp}")
     sd = make_tiny_hf_model(cfg, seed=3).state_dict()
     full = hf.hf_to_megatron(sd, cfg)
     rank_cfg = dataclasses.replace(cfg, num_heads=cfg.num_heads // tp,
