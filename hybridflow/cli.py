@@ -47,7 +47,8 @@ def main(argv: list[str] | None = None) -> int:
     for job in JOBS:
         run_p = sub.add_parser(job, help=HELP[job])
         run_p.add_argument("config", nargs="?", metavar="CONFIG", help="YAML config (optional)")
-        run_p.add_argument("overrides", nargs="*", help="key=value, e.g. steps=20 actor.layout.pp=2")
+        run_p.add_argument("overrides", nargs="*",
+                           help="key=value, e.g. steps=20 actor.layout.pp=2")
     defaults_p = sub.add_parser("defaults", help="print a command's default config as YAML")
     defaults_p.add_argument("job", choices=("train", "lm-demo"))
     args = parser.parse_args(argv)

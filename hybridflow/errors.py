@@ -30,7 +30,8 @@ def check_int(field: str, value, *, low: int = 1, none_ok: bool = False) -> None
     if none_ok and value is None:
         return
     if not isinstance(value, int) or isinstance(value, bool) or value < low:
-        what = {0: "a non-negative integer", 1: "a positive integer"}.get(low, f"an integer >= {low}")
+        what = {0: "a non-negative integer", 1: "a positive integer"}.get(
+            low, f"an integer >= {low}")
         raise ConfigError(field, f"must be {what}{' or null' if none_ok else ''}, got {value!r}")
 
 
@@ -45,9 +46,11 @@ def check_float(field: str, value, *, low: float | None = None, high: float | No
     if ok and high is not None:
         ok = value < high if high_open else value <= high
     if not ok:
+        opening = "(" if low_open or low is None else "["
+        closing = ")" if high_open or high is None else "]"
         lo = "-inf" if low is None else f"{low:g}"
         hi = "inf" if high is None else f"{high:g}"
-        interval = f"{'(' if low_open or low is None else '['}{lo}, {hi}{')' if high_open or high is None else ']'}"
+        interval = f"{opening}{lo}, {hi}{closing}"
         raise ConfigError(field, f"must be a finite number in {interval}"
                           f"{' or null' if none_ok else ''}, got {value!r}")
 
@@ -55,7 +58,8 @@ def check_float(field: str, value, *, low: float | None = None, high: float | No
 def check_choice(field: str, value, choices) -> None:
     """``value`` is one of ``choices``."""
     if value not in choices:
-        raise ConfigError(field, f"unknown value {value!r}; use one of {', '.join(map(str, choices))}")
+        raise ConfigError(field, f"unknown value {value!r}; use one of "
+                                 f"{', '.join(map(str, choices))}")
 
 
 class ArgumentError(ValueError):

@@ -130,7 +130,7 @@ def _group_stats(scores: torch.Tensor, group_ids: torch.Tensor | Sequence) -> tu
         ids = torch.tensor([index.setdefault(g, len(index)) for g in group_ids], device=scores.device)
     if ids.shape != scores.shape:
         raise ArgumentError("group_ids", f"must have one id per sample ({scores.shape[0]}), "
-                                       f"got shape {tuple(ids.shape)}")
+                                         f"got shape {tuple(ids.shape)}")
     unique_ids, inverse = torch.unique(ids, return_inverse=True)
     n_groups = unique_ids.numel()
 

@@ -33,7 +33,7 @@ def kl_penalty(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kind: str = "
     """
     if logprobs.shape != ref_logprobs.shape:
         raise ArgumentError("ref_logprobs", f"shape {tuple(ref_logprobs.shape)} does not match "
-                                          f"logprobs {tuple(logprobs.shape)}")
+                                            f"logprobs {tuple(logprobs.shape)}")
     log_ratio = logprobs - ref_logprobs
     if kind == "k1":
         return log_ratio

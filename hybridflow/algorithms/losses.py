@@ -51,7 +51,7 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "toke
         per_seq = masked_mean(loss_mat, mask, dim=-1)
     else:
         raise ArgumentError("mode",
-                          f"unknown mode {mode!r}; use one of {', '.join(AGG_MODES)}")
+                            f"unknown mode {mode!r}; use one of {', '.join(AGG_MODES)}")
     if denominator is not None:
         return torch.where(has_tokens, per_seq, 0.0).sum() / denominator
     return masked_mean(per_seq, has_tokens)
@@ -91,7 +91,7 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         raise ArgumentError("clip_ratio_high", f"must be > 0, got {clip_ratio_high!r}")
     if dual_clip_c is not None and not dual_clip_c > 1.0:
         raise ArgumentError("dual_clip_c",
-                          f"must be > 1 (typically 3.0), or None to disable, got {dual_clip_c!r}")
+                            f"must be > 1 (typically 3.0), or None to disable, got {dual_clip_c!r}")
     for name, x in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
         _check_token_shape(name, x, mask)
 
@@ -143,7 +143,7 @@ def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Te
     """
     if clip_range is not None and not clip_range > 0.0:
         raise ArgumentError("clip_range",
-                          f"must be > 0, or None to disable, got {clip_range!r}")
+                            f"must be > 0, or None to disable, got {clip_range!r}")
     for name, x in (("values", values), ("old_values", old_values), ("returns", returns)):
         _check_token_shape(name, x, mask)
 

@@ -31,7 +31,7 @@ def safe_rlhf_combined_advantage(reward_adv: torch.Tensor, cost_adv: torch.Tenso
     """
     if reward_adv.shape != cost_adv.shape:
         raise ArgumentError("cost_adv", f"shape {tuple(cost_adv.shape)} does not match "
-                                      f"reward_adv {tuple(reward_adv.shape)}")
+                                        f"reward_adv {tuple(reward_adv.shape)}")
     if not isinstance(lagrange_multiplier, torch.Tensor) and lagrange_multiplier < 0:
         raise ArgumentError("lagrange_multiplier", f"must be >= 0, got {lagrange_multiplier!r}")
     return (reward_adv - lagrange_multiplier * cost_adv) / (1.0 + lagrange_multiplier)
@@ -57,7 +57,7 @@ class LagrangeMultiplier:
         if not self.init_value > 0:
             raise ArgumentError("init_value",
                               f"must be > 0 (lambda = exp(log_lambda) cannot be 0), got {self.init_value!r}; "
-                              f"use a small value such as 1e-3 to start nearly unconstrained")
+                                f"use a small value such as 1e-3 to start nearly unconstrained")
         if not self.lr > 0:
             raise ArgumentError("lr", f"must be > 0, got {self.lr!r}")
         self.log_value = math.log(self.init_value)

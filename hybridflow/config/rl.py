@@ -234,7 +234,8 @@ class RLConfig:
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*",
                                                                self.name):
             raise ConfigError("name", f"{self.name!r} is not a plain name; use letters, digits, "
-                                      "'.', '_' and '-' (it names the folder tracking.out_dir/<name>)")
+                                      "'.', '_' and '-' (it names the folder "
+                                      "tracking.out_dir/<name>)")
         for key in ("model", "reward"):
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 raise ConfigError(key, "must not be empty")
@@ -279,7 +280,8 @@ class RLConfig:
               for k in ("cost_limit", "lagrange_init", "lagrange_lr")),
             ("actor.kl_loss_type", self.actor.kl_loss_coef == 0, "set actor.kl_loss_coef > 0"),
             *((f"critic.{k}", not ppo, "algorithm.name=ppo (reward and cost models only read "
-                                       "critic.layout and critic.engine's micro-batching and dtype)")
+                                       "critic.layout and critic.engine's micro-batching and "
+                                       "dtype)")
               for k in ("ppo_epochs", "mini_batches", "value_clip", "engine.optim")),
             ("critic", not ppo and not scorers, "algorithm.name=ppo, reward_model or cost_model"),
             ("reward", self.reward_model is not None, "remove reward_model"),

@@ -193,7 +193,8 @@ def _jsonl_rows(path: str) -> Iterable[tuple[int, Any]]:
                 yield number, json.loads(line)
             except json.JSONDecodeError as e:
                 raise ConfigError("data.source", f"{path}: row {number}: not valid JSON ({e.msg} "
-                                  f"at column {e.colno}); each line must be one JSON object") from None
+                                  f"at column {e.colno}); each line must be one JSON "
+                                  "object") from None
 
 
 def _items_from_rows(rows: Iterable[tuple[int, Any]], field: str, where: str,

@@ -54,9 +54,9 @@ def to_vllm_shards(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, gen_tp
     interleave -> [q; k; v])."""
     if gen_tp > 1 and cfg.vocab_size % VLLM_VOCAB_PADDING:
         raise ArgumentError("gen_tp",
-                          f"vLLM splits the vocabulary padded to a multiple of "
-                          f"{VLLM_VOCAB_PADDING}; vocab_size={cfg.vocab_size} is not one, so its "
-                          f"vocab shards at tp={gen_tp} differ from Megatron's; use tp=1")
+                            f"vLLM splits the vocabulary padded to a multiple of "
+                            f"{VLLM_VOCAB_PADDING}; vocab_size={cfg.vocab_size} is not one, so its "
+                            f"vocab shards at tp={gen_tp} differ from Megatron's; use tp=1")
     # checked now, converted as the backend asks
     return (to_vllm_layout(name, tensor, cfg, gen_tp) for name, tensor in tensors.items())
 
@@ -67,8 +67,8 @@ def to_hf(tensors: Mapping[str, torch.Tensor], cfg: ModelConfig, gen_tp: int = 1
     stacks q/k/v and gate/up itself and slices by its own TP rank). Needs ``gen_tp == 1``."""
     if gen_tp != 1:
         raise ArgumentError("gen_tp",
-                          f"HF names need full tensors, the generation shards at tp={gen_tp} are "
-                          f"not (vLLM's weight loaders slice full tensors themselves); use "
-                          f"to_vllm_shards and copy them into the rank's parameters")
+                            f"HF names need full tensors, the generation shards at tp={gen_tp} are "
+                            f"not (vLLM's weight loaders slice full tensors themselves); use "
+                            f"to_vllm_shards and copy them into the rank's parameters")
     return (pair for name, tensor in tensors.items()
             for pair in split_megatron_to_hf(name, tensor, cfg).items())

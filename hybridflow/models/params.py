@@ -423,8 +423,8 @@ def megatron_qkv_to_vllm(qkv_shard: torch.Tensor, cfg: ModelConfig, tp: int) -> 
     groups]``."""
     if cfg.num_kv_heads % tp:
         raise ArgumentError("tp",
-                          f"tp={tp} must divide num_kv_heads={cfg.num_kv_heads} (Megatron keeps "
-                          "whole query groups per rank)")
+                            f"tp={tp} must divide num_kv_heads={cfg.num_kv_heads} (Megatron keeps "
+                            "whole query groups per rank)")
     q, k, v = qkv_split(qkv_shard, cfg.num_heads // tp, cfg.num_kv_heads // tp, cfg.head_dim)
     return torch.cat([q, k, v], dim=0)
 

@@ -216,7 +216,7 @@ def check_prompts(prompt_token_ids: list[list[int]], max_tokens: int, max_model_
             raise ArgumentError(f"prompt_token_ids[{i}]", "is empty")
         if len(p) + max_tokens > max_model_len:
             raise ArgumentError("max_tokens", f"prompt {i} has {len(p)} tokens; with "
-                              f"max_tokens={max_tokens} it exceeds max_model_len={max_model_len}")
+                                f"max_tokens={max_tokens} it exceeds max_model_len={max_model_len}")
         if vocab_size is not None and not all(0 <= t < vocab_size for t in p):
             raise ArgumentError(f"prompt_token_ids[{i}]", f"holds ids outside [0, {vocab_size})")
 
@@ -282,7 +282,7 @@ def group_hf_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConf
         want, why = shapes[name]
         if tuple(tensor.shape) != want:
             raise ArgumentError(f"weights[{name}]", f"has shape {list(tensor.shape)}, expected "
-                                                  f"{list(want)} for {why}")
+                                                    f"{list(want)} for {why}")
         if name in groups.setdefault(mg, {}):
             raise ArgumentError(f"weights[{name}]", "given twice in one update")
         groups[mg][name] = tensor
@@ -290,7 +290,7 @@ def group_hf_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConf
         missing = [n for n in hf_sources(mg, cfg) if n not in parts]
         if missing:
             raise ArgumentError(f"weights[{missing[0]}]",
-                              f"missing: {mg} is fused from {hf_sources(mg, cfg)}, which must be "
-                              f"updated together (got only {sorted(parts)})")
+                                f"missing: {mg} is fused from {hf_sources(mg, cfg)}, which must be "
+                                f"updated together (got only {sorted(parts)})")
     order = {n: i for i, n in enumerate(megatron_param_names(cfg))}
     return dict(sorted(groups.items(), key=lambda kv: order[kv[0]]))

@@ -167,8 +167,8 @@ class MegatronRollout(RolloutBackend):
         self.tp = self.pg.tp.size()
         self.tp_rank = self.pg.tp.rank()
         if self.pg.pp.size() != 1:
-            raise ArgumentError("pp", "generation with pipeline parallelism is not "
-                                            "supported; use pp=1 for the generation layout")
+            raise ArgumentError("pp", "generation with pipeline parallelism is not supported; "
+                                      "use pp=1 for the generation layout")
         self.model = self._build()
         self.params = dict(self._named_params())
         # Sampling never touches the global RNG: its state here is per rank, ours per replica.
@@ -243,11 +243,11 @@ class MegatronRollout(RolloutBackend):
                 hint = (" (tied embeddings: there is no output_layer)"
                         if name == "output_layer.weight" else "")
                 raise ArgumentError(f"weights[{name}]", f"not a parameter of the generation model"
-                                                      f"{hint}")
+                                                        f"{hint}")
             want = tuple(self.params[name].shape)
             if tuple(t.shape) != want:
-                raise ArgumentError(f"weights[{name}]", f"shard of shape {list(t.shape)}, the model "
-                                  f"holds {list(want)} at generation tp={self.tp}")
+                raise ArgumentError(f"weights[{name}]", f"shard of shape {list(t.shape)}, the "
+                                    f"model holds {list(want)} at generation tp={self.tp}")
         for name, t in tensors.items():
             self.params[name].data = t.to(device=self.device, dtype=self.dtype)
             self._unloaded.discard(name)

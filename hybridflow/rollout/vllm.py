@@ -127,8 +127,8 @@ class VLLMRollout(RolloutBackend):
             import torch.distributed as dist
             if not dist.is_initialized():
                 raise ArgumentError("external_launcher", "needs torch.distributed "
-                                  "initialised in every rank (torchrun, Ray workers, or "
-                                  "hybridflow.parallel.spawn) before the engine is built")
+                                    "initialised in every rank (torchrun, Ray workers, or "
+                                    "hybridflow.parallel.spawn) before the engine is built")
         self.eos_token_ids = eos_token_ids(self.model_dir)
         from vllm.platforms import current_platform
         self.sleep_supported = current_platform.is_sleep_mode_available()
@@ -137,7 +137,8 @@ class VLLMRollout(RolloutBackend):
         self._sleeping = False
         self._warned_sleep = False
         self._engine_kwargs = dict(
-            model=str(self.model_dir), tensor_parallel_size=tp, dtype=str(DTYPES[dtype]).removeprefix("torch."),
+            model=str(self.model_dir), tensor_parallel_size=tp,
+            dtype=str(DTYPES[dtype]).removeprefix("torch."),  # vLLM's names: float32, bfloat16
             max_model_len=max_model_len, seed=seed, enforce_eager=enforce_eager,
             skip_tokenizer_init=True,  # prompts are token ids; EOS comes from the config files
             generation_config="vllm",  # no sampling defaults from the checkpoint

@@ -191,7 +191,7 @@ def export_engine_to_hf(engine, out_dir: str | os.PathLike,
     directory renamed into place), in the engine's dtype."""
     if getattr(engine, "head", "lm") != "lm":
         raise ArgumentError("head", f"an engine with head={engine.head!r} has no HF causal-LM "
-                                  "form; export the actor (head='lm')")
+                                    "form; export the actor (head='lm')")
     full = engine.full_weights()
     error = None
     if dist.get_rank() == 0:

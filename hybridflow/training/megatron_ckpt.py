@@ -281,8 +281,9 @@ def megatron_to_hf_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.Pat
         from hybridflow.models.hf import load_hf_config
         hf_config_from = Path(hf_config_from)
         if not hf_config_from.is_dir():
-            raise ConfigError("--hf-config-from", f"{hf_config_from} is not a directory; give an "
-                                                  "HF checkpoint directory (its config.json is used)")
+            raise ConfigError("--hf-config-from", f"{hf_config_from} is not a directory; give "
+                                                  "an HF checkpoint directory (its config.json is "
+                                                  "used)")
         cfg = load_hf_config(hf_config_from)
         if (ckpt_dir / MODEL_FILE).exists():
             check_same_model(read_checkpoint_model(ckpt_dir), cfg, str(hf_config_from))
