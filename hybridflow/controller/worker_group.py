@@ -9,6 +9,7 @@ send results back.
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import tempfile
@@ -55,9 +56,18 @@ def init_ray(cfg: RayConfig) -> None:
         return
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                         "PYTHONWARNINGS": "ignore::FutureWarning,ignore::UserWarning",
-                        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "WARNING"),
+                        # vLLM's and torch's C++ warnings on CPU (no Triton, no tcmalloc, NUMA
+                        # binding, the chat-template warmup that skip_tokenizer_init fails) say
+                        # nothing a user of this loop can act on; set these to see them.
+                        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+                        "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
                         "RAY_DEDUP_LOGS": "1"}}
     if cfg.address == "local":
+        # Ray turns its token authentication on for a new local cluster (which we want: its
+        # servers listen on every interface) and warns that it did, every run; only that notice
+        # goes. (Setting RAY_AUTH_MODE here instead would be too late: Ray read it at import.)
+        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
+            logging.ERROR)
         # (Ray turns a _node_ip_address of 127.0.0.1 into the machine's address: no use passing it.)
         ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env,
                  logging_level="WARNING", log_to_driver=True)

@@ -42,6 +42,9 @@ from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConf
                                      check_prompts, eos_token_ids, group_hf_weights)
 
 log = logging.getLogger(__name__)
+# vLLM's CPU build warns at import, before its logging is set up (so whatever the log level), that
+# the installed Triton has no CPU backend and is disabled: on CPU that is expected, nothing to do.
+logging.getLogger("vllm.triton_utils.importing").setLevel(logging.ERROR)
 
 _EXTENSION = "hybridflow.rollout.vllm_worker.WeightUpdateExtension"
 
@@ -350,6 +353,7 @@ class VLLMRollout(RolloutBackend):
 
     def _log_no_sleep(self) -> None:
         if not self._warned_sleep:
-            log.warning("vLLM sleep mode is not available on this platform; sleep()/wake() keep "
-                        "the KV cache allocated")
+            # On CPU this is how vLLM is: nothing to act on, so not a warning.
+            log.info("vLLM sleep mode is not available on this platform; sleep()/wake() keep the "
+                     "KV cache allocated")
             self._warned_sleep = True
