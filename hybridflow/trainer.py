@@ -20,7 +20,7 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.config import RLConfig, make_config
-from hybridflow.config.check import check_run
+from hybridflow.config.check import SCORERS, check_run
 from hybridflow.data.prompts import PromptItem
 from hybridflow.errors import ConfigError, check_int
 from hybridflow.rollout.base import SamplingConfig
@@ -58,8 +58,6 @@ class RLTrainer:
                  learning_rate: float | None = None, use_3d_hybrid: bool | None = None,
                  num_generations: int | None = None, max_new_tokens: int | None = None,
                  **overrides: Any):
-        from hybridflow.rewards import as_reward_fn
-
         typed = {"model": model, "algorithm": algorithm, "max_steps": max_steps,
                  "per_device_train_batch_size": per_device_train_batch_size,
                  "learning_rate": learning_rate, "num_generations": num_generations,
@@ -81,12 +79,9 @@ class RLTrainer:
                 raise ConfigError(keyword, e.message) from None
             raise
         self.config = cfg
-        python_fns = {k for k, fn in (("reward", reward_fn), ("cost", cost_fn))
-                      if fn is not None and not isinstance(fn, str)}
-        self.checked = check_run(cfg, skip=python_fns)
-        self.reward_fn = as_reward_fn(reward_fn if reward_fn is not None else cfg.reward)
-        cost = cost_fn if cost_fn is not None else cfg.cost
-        self.cost_fn = as_reward_fn(cost) if cost is not None else None
+        self.checked = check_run(cfg, *(fn if callable(fn) else None
+                                        for fn in (reward_fn, cost_fn)))
+        self.reward_fn, self.cost_fn = self.checked.reward_fn, self.checked.cost_fn
         self.model_dir = self.checked.model_dir
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
@@ -117,7 +112,7 @@ class RLTrainer:
         for key, path in self.checked.scorer_dirs.items():
             groups.append((key, cfg.critic.layout.world_size, CriticWorker,
                            dict(critic=cfg.critic, model_dir=str(path), trainable=False,
-                                model_key={"scores": "reward_model", "costs": "cost_model"}[key])))
+                                model_key=SCORERS[key])))
         self._pools = {}  # world size -> the ResourcePool its colocated groups share
         if cfg.ray.colocate:
             for size in {g[1] for g in groups}:

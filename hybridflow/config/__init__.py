@@ -2,12 +2,11 @@
 dataclasses; loading from YAML and ``key=value`` overrides; the checks that need the model's shape
 (``check_run``), done before any process starts."""
 
-from hybridflow.config.loader import (build_config, load_config, make_config, merge_overrides,
-                                      to_yaml)
+from hybridflow.config.loader import build_config, load_config, make_config, to_yaml
 from hybridflow.config.rl import (ALGORITHMS, ActorConfig, AlgorithmConfig, CriticConfig,
                                   HybridEngineConfig, RefConfig, RLConfig, RolloutConfig,
                                   UpdateConfig)
 
 __all__ = ["ALGORITHMS", "ActorConfig", "AlgorithmConfig", "CriticConfig", "HybridEngineConfig",
            "RLConfig", "RefConfig", "RolloutConfig", "UpdateConfig", "build_config",
-           "load_config", "make_config", "merge_overrides", "to_yaml"]
+           "load_config", "make_config", "to_yaml"]

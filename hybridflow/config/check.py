@@ -11,12 +11,16 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 from hybridflow.config.rl import RLConfig
 from hybridflow.data.prompts import load_prompts
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import GenLayout
+
+SCORERS = {"scores": "reward_model", "costs": "cost_model"}
+"""The worker groups of the reward and cost models -> the config key naming their checkpoint."""
 
 
 @dataclass
@@ -29,6 +33,10 @@ class RunCheck:
     """Its shape."""
     scorer_dirs: dict[str, Path]
     """"scores" / "costs": the reward / cost model checkpoints, where the run has them."""
+    reward_fn: Callable | None
+    """The reward function, ``fn(prompt_item, response)``; None where a reward model scores."""
+    cost_fn: Callable | None
+    """The Safe-RLHF cost function, where the run has one."""
     gen: GenLayout
     """The actor's generation layout."""
     reshard_recv_bytes: list[int]
@@ -50,7 +58,7 @@ class RunCheck:
         ]
         if cfg.algorithm.name == "ppo" or self.scorer_dirs:
             users = (["critic"] if cfg.algorithm.name == "ppo" else []) + \
-                [{"scores": "reward model", "costs": "cost model"}[k] for k in self.scorer_dirs]
+                [SCORERS[k].replace("_", " ") for k in self.scorer_dirs]
             lines.append(f"{' + '.join(users)}: {c} -> {c.world_size} ranks each")
         per_rank = ", ".join(_mib(b) for b in self.reshard_recv_bytes)
         lines.append(f"3D-HybridEngine ({cfg.hybrid_engine.mode}): bytes received per actor rank "
@@ -65,16 +73,18 @@ class RunCheck:
         return "\n".join(lines)
 
 
-def check_run(cfg: RLConfig, skip: set[str] | frozenset[str] = frozenset()) -> RunCheck:
-    """Every check that needs more than the config itself; see the module docstring. ``skip``:
-    "reward" / "cost" where the caller passes those functions itself (Python callables)."""
+def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
+              cost_fn: Callable | None = None) -> RunCheck:
+    """Every check that needs more than the config itself; see the module docstring.
+    ``reward_fn`` / ``cost_fn``: Python callables that replace the config's ``reward`` / ``cost``
+    (the Python API's); the config's are imported here otherwise, once."""
     from hybridflow.models.source import resolve_model
 
     model_dir = resolve_model(cfg.model, "model")
     model = _model_config(model_dir, "model")
     _fits(model, cfg, "actor")
     scorer_dirs = {}
-    for key, field in (("scores", "reward_model"), ("costs", "cost_model")):
+    for key, field in SCORERS.items():
         path = getattr(cfg, field)
         if path is not None:
             scorer_dirs[key] = resolve_model(path, field)
@@ -84,13 +94,14 @@ def check_run(cfg: RLConfig, skip: set[str] | frozenset[str] = frozenset()) -> R
     if cfg.pad_token_id >= model.vocab_size:
         raise ConfigError("pad_token_id", f"{cfg.pad_token_id} is not a token of the model "
                                           f"(vocab_size {model.vocab_size})")
-    _check_reward_functions(cfg, skip)
+    functions = _reward_functions(cfg, {"reward": reward_fn, "cost": cost_fn})
     prompts = load_prompts(cfg.data)
     _check_out_dir(cfg)
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
     recv, naive = _reshard_bytes(model, gen, cfg)
     return RunCheck(model_dir=model_dir, model=model, scorer_dirs=scorer_dirs, gen=gen,
-                    reshard_recv_bytes=recv, naive_recv_bytes=naive, prompts=prompts)
+                    reshard_recv_bytes=recv, naive_recv_bytes=naive, prompts=prompts,
+                    reward_fn=functions["reward"], cost_fn=functions["cost"])
 
 
 def _model_config(model_dir: Path, field: str) -> ModelConfig:
@@ -114,16 +125,22 @@ def _fits(model: ModelConfig, cfg: RLConfig, role: str, model_field: str = "mode
         raise ConfigError(e.field, f"{e.message} (the {model_field}'s shape)") from None
 
 
-def _check_reward_functions(cfg: RLConfig, skip) -> None:
+def _reward_functions(cfg: RLConfig, given: dict[str, Callable | None]
+                      ) -> dict[str, Callable | None]:
+    """"reward" and "cost" as ``fn(prompt_item, response)``: the ``given`` callable, else the
+    config's spec imported (a user's file is executed once, here), else None."""
     from hybridflow.rewards import as_reward_fn
+    out: dict[str, Callable | None] = {}
     for field in ("reward", "cost"):
-        spec = getattr(cfg, field)
-        if spec is None or field in skip or (field == "reward" and cfg.reward_model is not None):
+        spec = given[field] if given[field] is not None else getattr(cfg, field)
+        if spec is None or (field == "reward" and cfg.reward_model is not None):
+            out[field] = None
             continue
         try:
-            as_reward_fn(spec)
+            out[field] = as_reward_fn(spec)
         except ConfigError as e:
             raise ConfigError(field, e.message) from None
+    return out
 
 
 def _check_out_dir(cfg: RLConfig) -> None:

@@ -30,7 +30,7 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None,
     merged = _structured(cls)
     if path is not None:
         merged = _merge(merged, _load_yaml(path))
-    return build_config(cls, merge_overrides(merged, overrides))
+    return build_config(cls, _apply_overrides(merged, overrides))
 
 
 def make_config(cls: type[T], config: Any = None, values: Mapping[str, Any] | None = None) -> T:
@@ -56,11 +56,10 @@ def make_config(cls: type[T], config: Any = None, values: Mapping[str, Any] | No
     return build_config(cls, OmegaConf.to_container(node, resolve=True))
 
 
-def merge_overrides(config: Any, overrides: list[str] | tuple[str, ...]) -> dict:
-    """``config`` (a dataclass instance, a dict, or an OmegaConf node) with ``key=value``
-    overrides applied, as a plain dict; keys and types are checked against the schema."""
+def _apply_overrides(node, overrides: list[str] | tuple[str, ...]) -> dict:
+    """The structured OmegaConf ``node`` with ``key=value`` overrides applied, as a plain dict;
+    keys and types are checked against the schema."""
     from omegaconf import OmegaConf
-    node = config if OmegaConf.is_config(config) else _structured(config)
     for item in overrides:
         if not isinstance(item, str) or "=" not in item:
             raise ConfigError(OVERRIDES, f"{item!r}: an override must look like key=value, e.g. "

@@ -154,3 +154,15 @@ def test_logged_metrics_name_what_they_measure(tmp_path):
     row = json.loads((tmp_path / "rl" / "metrics.jsonl").read_text().splitlines()[0])
     assert "entropy" not in row
     assert row["rollout/neg_logprob"] == pytest.approx(2.0)  # -log p of the sampled tokens
+
+
+def test_a_reward_file_is_imported_once(tmp_path):
+    # check_run imports the config's reward to check it; the trainer scores with that same import
+    # (a user's file with side effects at import must not run twice).
+    counter, reward = tmp_path / "imports", tmp_path / "my_reward.py"
+    reward.write_text(f"open({str(counter)!r}, 'a').write('x')\n\n"
+                      "def f(response):\n    return 2.0\n")
+    trainer = RLTrainer({"model": "tiny-llama", "rollout": {"backend": "hf"},
+                         "reward": f"{reward}:f", "tracking": {"out_dir": str(tmp_path)}})
+    assert counter.read_text() == "x"
+    assert trainer.reward_fn(None, "any") == 2.0 and trainer.cost_fn is None
