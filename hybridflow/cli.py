@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ConfigError, RunError
 
 JOBS = ("train", "check", "lm-demo")
 HELP = {"train": "RL post-training (PPO, GRPO, ReMax, RLOO, REINFORCE++, Safe-RLHF)",
@@ -69,6 +69,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as e:
         print(f"hybridflow: error: {e}", file=sys.stderr)
         return 2
+    except RunError as e:
+        print(f"hybridflow: run stopped: {e}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -1,4 +1,4 @@
-"""The one error type for bad user input, and the value checks every config dataclass shares.
+"""The error types (bad user input, a run that stops), and the value checks every config dataclass shares.
 
 A leaf module: every package may import it, it imports nothing of ours.
 
@@ -60,6 +60,13 @@ def check_choice(field: str, value, choices) -> None:
     if value not in choices:
         raise ConfigError(field, f"unknown value {value!r}; use one of "
                                  f"{', '.join(map(str, choices))}")
+
+
+class RunError(RuntimeError):
+    """A run stopped for a reason found while it ran, not in its config: a worker process died, a
+    collective timed out, the disk filled, a reward function returned NaN. The message says what
+    happened, where (group, rank, file, sample) and what to do; the CLI prints it as one line and
+    exits 1 (2 is for bad input: ``ConfigError``)."""
 
 
 class ArgumentError(ValueError):
