@@ -20,6 +20,9 @@ class ConfigError(ValueError):
         self.field, self.message = field, message
         super().__init__(f"{field}: {message}")
 
+    def __reduce__(self):  # pickled across processes (a Ray worker raised it)
+        return type(self), (self.field, self.message)
+
     def under(self, prefix: str) -> "ConfigError":
         """The same error for a config nested at ``prefix`` (``"actor.engine"``)."""
         return ConfigError(f"{prefix}.{self.field}" if prefix else self.field, self.message)
@@ -75,5 +78,8 @@ class ArgumentError(ValueError):
     ``name`` is the argument."""
 
     def __init__(self, name: str, message: str):
-        self.name = name
+        self.name, self.message = name, message
         super().__init__(f"{name}: {message}")
+
+    def __reduce__(self):
+        return type(self), (self.name, self.message)

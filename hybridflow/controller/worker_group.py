@@ -9,8 +9,10 @@ send results back.
 
 from __future__ import annotations
 
+import datetime
 import logging
 import os
+import re
 import shutil
 import tempfile
 import time
@@ -20,7 +22,7 @@ from typing import Any
 
 from hybridflow.batch import Batch
 from hybridflow.parallel.spawn import free_port
-from hybridflow.errors import ConfigError, check_float, check_int
+from hybridflow.errors import ConfigError, RunError, check_float, check_int
 
 
 @dataclass(kw_only=True)
@@ -28,8 +30,9 @@ class RayConfig:
     """How the controller reaches Ray."""
 
     address: str = "local"
-    """"local" starts Ray on this machine (Ray 2.60's own servers listen on every interface: it
-    has no setting to confine them to loopback; our gloo rendezvous and connections stay on
+    """"local" always starts a Ray of its own on this machine, ignoring RAY_ADDRESS and any
+    cluster Ray recorded in /tmp/ray (Ray 2.60's own servers listen on every interface: it has
+    no setting to confine them to loopback; our gloo rendezvous and connections stay on
     loopback); "auto" or host:port joins a cluster (what launch/slurm does)."""
     num_cpus: int | None = None
     """CPUs Ray may schedule locally (None: all)."""
@@ -41,6 +44,15 @@ class RayConfig:
     """Models whose layouts have the same world size (actor, critic, reward and cost models)
     share one rank's GPU and CPUs, each taking an equal part of them (HybridFlow's colocated
     placement); false gives every worker group resources of its own."""
+    start_timeout_s: float = 1800.0
+    """Seconds a worker group may take to start (its constructors: loading models, building
+    engines) before the run stops; 0 waits forever."""
+    call_timeout_s: float = 3600.0
+    """Seconds one call on a worker group (a generation, an update) may take before the run
+    stops; 0 waits forever."""
+    collective_timeout_s: float = 600.0
+    """Seconds a torch.distributed collective inside a worker waits for the other ranks before
+    it fails (a rank died or went astray); the run then stops naming the rank."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or not self.address:
@@ -48,6 +60,9 @@ class RayConfig:
         check_int("num_cpus", self.num_cpus, none_ok=True)
         check_float("gpus_per_worker", self.gpus_per_worker, low=0)
         check_float("cpus_per_worker", self.cpus_per_worker, low=0)
+        check_float("start_timeout_s", self.start_timeout_s, low=0)
+        check_float("call_timeout_s", self.call_timeout_s, low=0)
+        check_float("collective_timeout_s", self.collective_timeout_s, low=0, low_open=True)
 
 
 def init_ray(cfg: RayConfig) -> None:
@@ -69,21 +84,37 @@ def init_ray(cfg: RayConfig) -> None:
         logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
             logging.ERROR)
         # (Ray turns a _node_ip_address of 127.0.0.1 into the machine's address: no use passing it.)
-        ray.init(num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env,
+        # address="local", not None: with None Ray joins the cluster named by RAY_ADDRESS or by
+        # /tmp/ray/ray_current_cluster, and retries that address for minutes when a failed job
+        # left it behind dead.
+        # A driver killed by SIGKILL takes this Ray with it: its servers are started with
+        # PR_SET_PDEATHSIG, and the workers exit when their raylet goes (test_faults checks it).
+        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env,
                  logging_level="WARNING", log_to_driver=True)
     else:
         ray.init(address=cfg.address, runtime_env=env, logging_level="WARNING")
 
 
+@dataclass(frozen=True)
+class Rendezvous:
+    """How a group's ranks form their torch.distributed world: the WorkerGroup makes it, every
+    worker's constructor passes it on to ``Worker.__init__`` unchanged."""
+
+    init_method: str
+    """torch.distributed's init_method: file:// (a local run) or tcp://host:port."""
+    timeout_s: float
+    """The world's collective timeout (RayConfig.collective_timeout_s)."""
+
+
 class Worker:
     """Base of every worker: joins the group's torch.distributed world in its constructor."""
 
-    def __init__(self, rank: int, world_size: int, rendezvous: str):
-        """``rendezvous``: torch.distributed's init_method, from the WorkerGroup."""
+    def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous):
+        """``rendezvous``: from the WorkerGroup; subclasses pass it on unchanged."""
         import torch
         import torch.distributed as dist
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
-        if rendezvous.startswith("file://"):  # a local run: gloo connects over loopback only
+        if rendezvous.init_method.startswith("file://"):  # a local run: gloo uses loopback only
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.rank, self.world_size = rank, world_size
         backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -91,14 +122,17 @@ class Worker:
             torch.cuda.set_device(0)  # Ray gives each actor its own GPU, visible as device 0
         else:
             torch.set_num_threads(1)
-        dist.init_process_group(backend, init_method=rendezvous, rank=rank, world_size=world_size)
+        dist.init_process_group(backend, init_method=rendezvous.init_method, rank=rank,
+                                world_size=world_size,
+                                timeout=datetime.timedelta(seconds=rendezvous.timeout_s))
 
     def dispatch_info(self, view: str) -> tuple[int, bool]:
         """(data group index, whether this rank returns the group's output) for ``view``."""
         raise NotImplementedError
 
     def ping(self) -> int:
-        return self.rank
+        """This rank's process id (the controller names it when the process dies)."""
+        return os.getpid()
 
 
 def _node_address() -> tuple[str, int]:
@@ -188,29 +222,96 @@ class WorkerGroup:
             raise ValueError(f"a pool of {pool.world_size} bundles cannot hold {world_size} ranks")
         self.name, self.world_size, self.pool = name, world_size, pool
         placement = [pool.options(r) for r in range(world_size)]
-        self._rendezvous_dir = None
+        self._rendezvous_dir, self.pids, self.actors = None, [None] * world_size, []
+        self.call_timeout_s = cfg.call_timeout_s
         if cfg.address == "local":
             # A file store: nothing listens (torch's TCP store would, on every interface).
             self._rendezvous_dir = tempfile.mkdtemp(prefix=f"hybridflow-{name}-")
-            rendezvous = f"file://{self._rendezvous_dir}/store"
+            init_method = f"file://{self._rendezvous_dir}/store"
         else:
             # On a cluster rank 0 may land on any node: ask the node of bundle 0 for its address
             # and a free port.
             probe = ray.remote(num_cpus=0)(_node_address).options(
                 scheduling_strategy=placement[0]["scheduling_strategy"])
-            addr, port = ray.get(probe.remote())
-            rendezvous = f"tcp://{addr}:{port}"
+            addr, port = self._wait([probe.remote()], "finding rank 0's address",
+                                    cfg.start_timeout_s, "ray.start_timeout_s")[0]
+            init_method = f"tcp://{addr}:{port}"
+        rendezvous = Rendezvous(init_method, cfg.collective_timeout_s)
         actor_cls = ray.remote(worker_cls)
         tag = uuid.uuid4().hex[:8]  # actor names are global in a Ray cluster
         self.actors = [actor_cls.options(name=f"{name}-{r}-{tag}", **placement[r]).remote(
             r, world_size, rendezvous, *args, **kwargs) for r in range(world_size)]
-        ray.get([a.ping.remote() for a in self.actors])  # surfaces constructor errors here
+        try:  # surfaces constructor errors here
+            self.pids = self._wait([a.ping.remote() for a in self.actors], "start",
+                                   cfg.start_timeout_s, "ray.start_timeout_s")
+        except BaseException:
+            self.shutdown()  # the caller never gets this group to shut down
+            raise
         self._dispatch: dict[str, list[tuple[int, bool]]] = {}
 
     def run(self, method: str, *args: Any, **kwargs: Any) -> list[Any]:
         """Call ``method`` on every rank with the same arguments; results in rank order."""
+        return self._wait([getattr(a, method).remote(*args, **kwargs) for a in self.actors],
+                          method, self.call_timeout_s, "ray.call_timeout_s")
+
+    def _wait(self, futures: list, method: str, timeout_s: float, field: str) -> list[Any]:
+        """The results of one call per rank, in rank order. Unlike a plain ``ray.get`` it stops
+        at the first rank that fails: the others may be waiting for that rank in a collective.
+
+        A rank whose process died, or a call that takes longer than ``timeout_s`` (0: no limit,
+        ``field`` its config key), kills the group and raises a RunError naming the rank. An
+        exception raised in a worker propagates: a ConfigError as itself (bad input found in a
+        worker), anything else as Ray's RayTaskError with the worker's traceback."""
         import ray
-        return ray.get([getattr(a, method).remote(*args, **kwargs) for a in self.actors])
+        rank_of = {ref: r for r, ref in enumerate(futures)}
+        results: list[Any] = [None] * len(futures)
+        deadline = time.monotonic() + timeout_s if timeout_s else None
+        pending = list(futures)
+        while pending:
+            left = None if deadline is None else max(deadline - time.monotonic(), 0.0)
+            done, pending = ray.wait(pending, num_returns=1, timeout=left)
+            if not done:
+                self._kill()
+                ranks = sorted(rank_of[ref] for ref in pending)
+                raise RunError(f"worker group '{self.name}': {method} did not finish within "
+                               f"{timeout_s:g}s on rank(s) {ranks}; the run stopped (its last "
+                               f"checkpoint, if any, is intact); raise {field} if it needs "
+                               "longer")
+            for ref in done:
+                rank = rank_of[ref]
+                try:
+                    results[rank] = ray.get(ref)
+                except ray.exceptions.RayTaskError as e:
+                    # A rank's error in a collective is often the echo of another rank's death:
+                    # report the death if one shows within a few seconds.
+                    self._raise_if_died(pending, rank_of, wait_s=5.0)
+                    _raise_task_error(e)
+                except ray.exceptions.RayActorError as e:
+                    self._kill()
+                    if (task_error := _creation_error(e)) is not None:
+                        _raise_task_error(task_error.as_instanceof_cause())
+                    raise self._died(rank, e) from None
+        return results
+
+    def _died(self, rank: int, e) -> RunError:
+        return RunError(f"worker group '{self.name}' rank {rank} (pid "
+                        f"{_pid(e, self.pids[rank])}) died: {_exit_reason(e)}; the run stopped "
+                        "(its last checkpoint, if any, is intact)")
+
+    def _raise_if_died(self, refs: list, rank_of: dict, wait_s: float) -> None:
+        import ray
+        if not refs:
+            return
+        done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
+        for ref in done:
+            try:
+                ray.get(ref)
+            except ray.exceptions.RayActorError as e:
+                if _creation_error(e) is None:
+                    self._kill()
+                    raise self._died(rank_of[ref], e) from None
+            except Exception:  # noqa: BLE001 - only a death is looked for here
+                pass
 
     def _info(self, view: str) -> list[tuple[int, bool]]:
         if view not in self._dispatch:
@@ -229,16 +330,62 @@ class WorkerGroup:
         refs = [ray.put(s) for s in shards]
         futures = [getattr(a, method).remote(refs[group], **kwargs)
                    for a, (group, _) in zip(self.actors, info)]
-        results = ray.get(futures)
+        results = self._wait(futures, method, self.call_timeout_s, "ray.call_timeout_s")
         outputs = {group: r for r, (group, out) in zip(results, info) if out}
         return Batch.concat([outputs[g] for g in sorted(outputs)])
 
-    def shutdown(self) -> None:
+    def _kill(self) -> None:
+        """End every rank's process now (a rank that is already dead is no error)."""
         import ray
         for a in self.actors:
-            ray.kill(a)
-        self.actors = []
-        if self.own_pool:
-            self.pool.close()
+            try:
+                ray.kill(a, no_restart=True)
+            except Exception:  # noqa: BLE001 - a dead actor or a Ray already shut down
+                pass
+
+    def shutdown(self) -> None:
+        """Kill the ranks and free what the group holds; safe to call twice or after a rank
+        died."""
+        import ray
+        if ray.is_initialized():
+            self._kill()
+            if self.own_pool and self.pool is not None:
+                self.pool.close()
+        self.actors, self.pool = [], None
         if self._rendezvous_dir is not None:
             shutil.rmtree(self._rendezvous_dir, ignore_errors=True)
+            self._rendezvous_dir = None
+
+
+def _creation_error(e) -> BaseException | None:
+    """The RayTaskError of a worker's constructor, if that is why its actor died (Ray's
+    ActorDiedError carries it as its argument)."""
+    import ray
+    return next((a for a in e.args if isinstance(a, ray.exceptions.RayTaskError)), None)
+
+
+def _raise_task_error(e) -> None:
+    """A worker's exception: a ConfigError as itself (bad input found in a worker: the CLI
+    prints one line), anything else as Ray's error with the worker's traceback (a bug)."""
+    if isinstance(e.cause, ConfigError):
+        raise e.cause from None
+    raise e
+
+
+def _pid(e, known: int | None) -> int | str:
+    match = re.search(r"^\s*pid: (\d+)$", str(e), re.M)
+    return int(match.group(1)) if match else (known if known is not None else "unknown")
+
+
+def _exit_reason(e) -> str:
+    """One line from Ray's ActorDiedError: the worker's exit type and detail, without Ray's
+    paragraph of possible causes."""
+    text = " ".join(str(e).split())
+    match = re.search(r"Worker exit type: (\S+) Worker exit detail: (.*)", text)
+    if not match:
+        return text.rsplit(". ", 1)[-1] if text else type(e).__name__
+    detail = re.split(r" (?:Some common causes|There are some potential root causes)", match[2])[0]
+    # Ray learns of a death from its socket closing: a kill -9, the OOM killer, a crash and an
+    # os._exit all read the same, hence the hint.
+    return (f"{match[1]}: {detail} (killed, out of memory, or crashed: its log above or the "
+            "kernel log says which)")
