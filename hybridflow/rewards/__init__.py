@@ -4,7 +4,12 @@ Every reward function has one form, ``fn(prompt_item, response) -> float``: ``pr
 ``hybridflow.data.prompts.PromptItem`` or a dict with its fields (``messages``, ``reference``,
 ``extra``), ``response`` the decoded response text. ``as_reward_fn`` turns a registered name, a
 ``"module:function"`` / ``"path/file.py:function"`` string, or a Python callable taking
-``(response)`` or ``(prompt_item, response)`` into that form.
+``(response)`` or ``(prompt_item, response)`` into that form; ``score_samples`` runs it over a
+batch and checks every value it returns.
+
+A config that names ``module:function`` runs that code: a config is trusted like a script.
+Standard-library and builtin callables (``os:system``, ``builtins:eval``) are refused, since they
+would pass the model's text to a shell or an interpreter.
 """
 
 from __future__ import annotations
@@ -13,9 +18,13 @@ import importlib
 import importlib.util
 import inspect
 import os
-from typing import Any, Callable
+import sys
+from math import isfinite  # not `import math`: the package's submodule rewards.math shadows it
+from typing import Any, Callable, Sequence
 
-from hybridflow.errors import ConfigError
+import torch
+
+from hybridflow.errors import ConfigError, RunError
 from hybridflow.rewards.gym import extract_gym_answer, gym_reward
 from hybridflow.rewards.math import extract_final_answer, math_reward
 
@@ -54,44 +63,152 @@ REWARD_FUNCTIONS: dict[str, RewardFn] = {
 """Name -> ``fn(prompt_item, response) -> float``."""
 
 
-def get_reward_fn(name: str) -> RewardFn:
-    """The reward function registered as ``name``."""
+def get_reward_fn(name: str, key: str = "reward") -> RewardFn:
+    """The reward function registered as ``name``; errors name the config ``key``."""
     if name not in REWARD_FUNCTIONS:
-        raise ConfigError("reward", f"unknown reward function {name!r}; one of "
-                                       f"{sorted(REWARD_FUNCTIONS)}, or 'module:function' / "
-                                       f"'path/to/file.py:function' for your own")
+        raise ConfigError(key, f"unknown reward function {name!r}; one of "
+                               f"{sorted(REWARD_FUNCTIONS)}, or 'module:function' / "
+                               f"'path/to/file.py:function' for your own")
     return REWARD_FUNCTIONS[name]
 
 
-def as_reward_fn(fn: str | Callable[..., Any]) -> RewardFn:
+def as_reward_fn(fn: str | Callable[..., Any], key: str = "reward") -> RewardFn:
     """``fn`` as ``fn(prompt_item, response) -> float``: a registered name, an importable
     ``"module:function"`` or ``"file.py:function"``, or a callable of ``(response)`` or
-    ``(prompt_item, response)`` (told apart by how many positional arguments it requires)."""
+    ``(prompt_item, response)`` (told apart by how many positional arguments it requires).
+    ``key`` is the config key that named it ("reward", "cost"), for errors. The result raises
+    RunError when ``fn`` returns anything but a finite real number (see ``score_samples``)."""
     if isinstance(fn, str):
-        fn = _import_callable(fn) if ":" in fn else get_reward_fn(fn)
+        fn = _import_callable(fn, key) if ":" in fn else get_reward_fn(fn, key)
         if fn in REWARD_FUNCTIONS.values():
             return fn
     if not callable(fn):
-        raise ConfigError("reward", f"must be a reward function name or a callable, got "
-                                       f"{type(fn).__name__}")
+        raise ConfigError(key, f"must be a reward function name or a callable, got "
+                               f"{type(fn).__name__}")
     name = getattr(fn, "__qualname__", repr(fn))
-    takes_prompt = _arity(fn, name) == 2
+    takes_prompt = _arity(fn, name, key) == 2
 
     def reward_fn(prompt_item: Any, response: str) -> float:
         value = fn(prompt_item, response) if takes_prompt else fn(response)
-        try:
-            return float(value)
-        except (TypeError, ValueError):
-            raise ConfigError("reward", f"{name} returned {value!r}; a reward function must "
-                                           f"return a number") from None
+        score = _as_score(value)
+        if score is None:
+            raise _BadScore(value, f"{key} function {_origin(fn)[0]} returned {value!r}; "
+                                   f"{_MUST_RETURN}")
+        return score
 
     reward_fn.__name__ = getattr(fn, "__name__", type(fn).__name__)
     reward_fn.__qualname__ = name
     reward_fn.__doc__ = fn.__doc__
+    reward_fn.__wrapped__ = fn  # what describe_reward_fn and error messages name
     return reward_fn
 
 
-def _arity(fn: Callable[..., Any], name: str) -> int:
+_MUST_RETURN = ("a reward function must return a number (int, float, a numpy scalar or a "
+                "one-element tensor), finite, not a bool, a string or None")
+
+
+class _BadScore(RunError):
+    """A reward function's return value that is not a finite real number (``value``)."""
+
+    def __init__(self, value: Any, message: str):
+        super().__init__(message)
+        self.value = value
+
+
+def _as_score(value: Any) -> float | None:
+    """``value`` as a float if it is a finite real number, else None. A bool, a numeric string,
+    a tensor of several elements are not: float() would take the first two, and they are more
+    likely a bug in the function than a score."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1 or value.dtype == torch.bool or value.is_complex():
+            return None
+        value = value.item()
+    numpy = sys.modules.get("numpy")  # a numpy scalar can only come from a loaded numpy
+    if numpy is not None and isinstance(value, numpy.generic):
+        if not isinstance(value, (numpy.integer, numpy.floating)):
+            return None
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    try:
+        value = float(value)
+    except OverflowError:  # an int beyond float's range
+        return None
+    return value if isfinite(value) else None
+
+
+def score_samples(fn: Callable[[Any, str], Any], items: Sequence[Any], texts: Sequence[str],
+                  key: str = "reward") -> torch.Tensor:
+    """``fn(item, text)`` for each sample, as a float32 tensor [len(items)]. ``fn`` is a reward
+    function as ``as_reward_fn`` returns it (``key`` is the config key that named it). An
+    exception raised by ``fn``, or a value that is not a finite real number (NaN, inf, a bool,
+    "1.0", None, a list, a tensor of several elements), is a RunError naming the sample, the
+    function, its file and what it raised or returned."""
+    if len(items) != len(texts):
+        raise ValueError(f"{len(items)} items but {len(texts)} texts")
+    scores = []
+    for i, (item, text) in enumerate(zip(items, texts)):
+        try:
+            value = fn(item, text)
+        except _BadScore as e:  # the wrapper's check; reported below with the sample
+            value = e.value
+        except Exception as e:  # noqa: BLE001 - user code: anything it raises stops the run
+            what = " ".join(str(e).split())
+            raise RunError(f"{key} function {_named(fn)} raised {type(e).__name__}: "
+                           f"{what[:300]} on sample {i} (response {_clip(text)}); fix the "
+                           "function, or have it return 0.0 for a response it cannot score"
+                           ) from None
+        score = _as_score(value)
+        if score is None:
+            raise RunError(f"{key} function {_named(fn)} returned {_clip_repr(value)} on sample "
+                           f"{i} (response {_clip(text)}); {_MUST_RETURN}")
+        scores.append(score)
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def describe_reward_fn(fn: Callable[..., Any], key: str = "reward") -> str:
+    """One line naming the function ``fn`` runs and its file, for the start of a run:
+    ``reward: my_rewards.py:score (/abs/path/my_rewards.py)``."""
+    return f"{key}: {_named(fn)}"
+
+
+def _clip(text: str, n: int = 60) -> str:
+    return repr(text[:n]) + (f" truncated to {n} chars" if len(text) > n else "")
+
+
+def _clip_repr(value: Any, n: int = 200) -> str:
+    text = repr(value)
+    return text if len(text) <= n else text[:n] + "..."
+
+
+def _named(fn: Callable[..., Any]) -> str:
+    """``my_rewards.py:score (/abs/path/my_rewards.py)``."""
+    name, path = _origin(fn)
+    return f"{name} ({path})" if path else name
+
+
+_USER_MODULE = "hybridflow_user_reward_"  # the module name a "file.py:function" is loaded as
+
+
+def _origin(fn: Callable[..., Any]) -> tuple[str, str | None]:
+    """``("my_rewards.py:score", "/abs/path/my_rewards.py")`` for the user function behind
+    ``fn`` (through as_reward_fn's wrapper); the file is None for a builtin."""
+    target = inspect.unwrap(fn)
+    if not (inspect.isroutine(target) or inspect.isclass(target)):
+        target = type(target)  # a callable object: its class
+    qualname = getattr(target, "__qualname__", None) or repr(target)
+    try:
+        path = inspect.getsourcefile(target) or inspect.getfile(target)
+    except TypeError:  # builtins have no file
+        path = None
+    module = getattr(target, "__module__", None) or ""
+    if path and module.startswith(_USER_MODULE):
+        module = os.path.basename(path)
+    return (f"{module}:{qualname}" if module else qualname,
+            os.path.abspath(path) if path else None)
+
+
+def _arity(fn: Callable[..., Any], name: str, key: str = "reward") -> int:
     """1 for ``f(response)``, 2 for ``f(prompt_item, response)``."""
     try:
         params = list(inspect.signature(fn).parameters.values())
@@ -106,19 +223,20 @@ def _arity(fn: Callable[..., Any], name: str) -> int:
         return 2
     if not required and len(positional) == 1:
         return 1
-    raise ConfigError("reward", f"{name} must take (response) or (prompt_item, response); its "
-                                   f"signature is {inspect.signature(fn)}")
+    raise ConfigError(key, f"{name} must take (response) or (prompt_item, response); its "
+                           f"signature is {inspect.signature(fn)}")
 
 
-def _import_callable(spec: str) -> Callable[..., Any]:
-    """``"pkg.module:attr"`` or ``"path/to/file.py:attr"`` -> that attribute."""
+def _import_callable(spec: str, key: str = "reward") -> Callable[..., Any]:
+    """``"pkg.module:attr"`` or ``"path/to/file.py:attr"`` -> that attribute, unless the
+    standard library or builtins define it."""
     target, _, attr = spec.rpartition(":")
     try:
         if target.endswith(".py"):
             if not os.path.isfile(target):
-                raise ConfigError("reward", f"file {target!r} not found")
+                raise ConfigError(key, f"file {target!r} not found")
             module_spec = importlib.util.spec_from_file_location(
-                f"hybridflow_user_reward_{abs(hash(os.path.abspath(target)))}", target)
+                f"{_USER_MODULE}{abs(hash(os.path.abspath(target)))}", target)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
         else:
@@ -126,17 +244,47 @@ def _import_callable(spec: str) -> Callable[..., Any]:
     except ConfigError:
         raise
     except Exception as e:  # user code: a syntax error or anything it raises on import
-        raise ConfigError("reward", f"cannot import {target!r} from {spec!r}: "
-                                    f"{type(e).__name__}: {e}") from None
+        raise ConfigError(key, f"cannot import {target!r} from {spec!r}: "
+                               f"{type(e).__name__}: {e}") from None
     if not hasattr(module, attr):
-        raise ConfigError("reward", f"{target!r} has no {attr!r} (from {spec!r})")
-    return getattr(module, attr)
+        raise ConfigError(key, f"{target!r} has no {attr!r} (from {spec!r})")
+    fn = getattr(module, attr)
+    stdlib = _stdlib_module(fn)
+    if stdlib is not None:
+        raise ConfigError(key, f"{spec!r} is {stdlib}.{getattr(fn, '__name__', attr)}, a "
+                               "standard-library or builtin callable; it would be called on the "
+                               "model's text. Name a function of your own, e.g. "
+                               "my_rewards.py:score")
+    return fn
+
+
+_STDLIB = frozenset(sys.stdlib_module_names) | {"builtins"}
+
+
+def _stdlib_module(fn: Any) -> str | None:
+    """The standard-library (or builtins) module that defines ``fn``, else None. Looks at the
+    object, not at where the name was found: ``system = os.system`` in a user module is
+    ``posix.system``."""
+    target = fn.__func__ if inspect.ismethod(fn) else fn
+    modules = [getattr(target, "__module__", None)]
+    if not (inspect.isroutine(target) or inspect.isclass(target)):
+        modules.append(type(target).__module__)  # functools.partial(os.system, ...)
+    owner = getattr(target, "__self__", None)  # os.system.__call__, a method of a builtin
+    if inspect.ismodule(owner):
+        modules.append(owner.__name__)
+    elif inspect.isroutine(owner) or inspect.isclass(owner):
+        modules.append(getattr(owner, "__module__", None))
+    for module in modules:
+        if isinstance(module, str) and module.split(".")[0] in _STDLIB:
+            return module
+    return None
 
 
 __all__ = [
     "REWARD_FUNCTIONS",
     "RewardFn",
     "as_reward_fn",
+    "describe_reward_fn",
     "extract_final_answer",
     "extract_gym_answer",
     "get_reward_fn",
@@ -144,4 +292,5 @@ __all__ = [
     "math_reward",
     "math_reward_fn",
     "reasoning_gym_reward_fn",
+    "score_samples",
 ]

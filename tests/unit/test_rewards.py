@@ -2,7 +2,7 @@
 
 import pytest
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ConfigError, RunError
 from hybridflow.data.prompts import PromptItem, reasoning_gym_prompts
 from hybridflow.rewards import (REWARD_FUNCTIONS, as_reward_fn, extract_gym_answer, get_reward_fn,
                                 gym_reward)
@@ -157,7 +157,7 @@ def test_as_reward_fn_by_name_is_the_registered_function():
 
 
 def test_user_callable_of_the_response():
-    fn = as_reward_fn(lambda response: len(response) > 3)
+    fn = as_reward_fn(lambda response: float(len(response) > 3))  # a bool is refused
     assert fn({"reference": None}, "long answer") == 1.0
     assert fn({"reference": None}, "no") == 0.0
 
@@ -198,7 +198,7 @@ def test_user_callable_from_a_file(tmp_path):
 def test_user_callable_bad_signature_or_return():
     with pytest.raises(ConfigError, match=r"\(response\) or \(prompt_item, response\)"):
         as_reward_fn(lambda a, b, c: 0.0)
-    with pytest.raises(ConfigError, match="must return a number"):
+    with pytest.raises(RunError, match="must return a number"):  # found while running
         as_reward_fn(lambda response: "great")({}, "x")
     with pytest.raises(ConfigError, match="callable"):
         as_reward_fn(3)

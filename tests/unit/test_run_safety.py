@@ -1,0 +1,353 @@
+"""What a run refuses to do on bad input it did not write itself: call standard-library code named
+by a config, take a reward that is not a finite number, write metrics that are not strict JSON or
+not whole, and unpickle anything but metadata from a checkpoint."""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import inspect
+import json
+import math
+import os
+import pickle
+
+import numpy as np
+import pytest
+import torch
+
+from hybridflow.errors import ConfigError, RunError
+from hybridflow.rewards import as_reward_fn, describe_reward_fn, score_samples
+from hybridflow.tracking import Tracker, TrackingConfig, read_metrics
+
+# ---------------------------------------------------------------------------------------------
+# code named by a config
+
+
+@pytest.mark.parametrize("spec", ["os:system", "builtins:eval", "builtins:exec",
+                                  "subprocess:getoutput", "posix:system"])
+def test_config_cannot_name_standard_library_callables(spec):
+    with pytest.raises(ConfigError, match="standard-library or builtin") as e:
+        as_reward_fn(spec)
+    assert e.value.field == "reward"
+    with pytest.raises(ConfigError) as e:
+        as_reward_fn(spec, key="cost")
+    assert e.value.field == "cost"
+
+
+def test_an_alias_in_a_user_module_is_refused_by_what_it_is(tmp_path):
+    path = tmp_path / "sneaky.py"
+    path.write_text("import functools, os, subprocess\n"
+                    "system = os.system\n"
+                    "run = functools.partial(subprocess.getoutput)\n"
+                    "call = os.system.__call__\n"
+                    "def score(response):\n    return 1.0\n")
+    for attr, module in (("system", "posix"), ("run", "functools"), ("call", "posix")):
+        with pytest.raises(ConfigError, match=f"is {module}\\.") as e:
+            as_reward_fn(f"{path}:{attr}")
+        assert e.value.field == "reward"
+    assert as_reward_fn(f"{path}:score")({}, "x") == 1.0
+
+
+def test_describe_names_the_function_and_its_file(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text("def score(response):\n    return 1.0\n")
+    fn = as_reward_fn(f"{path}:score")
+    assert describe_reward_fn(fn) == f"reward: my_rewards.py:score ({path.resolve()})"
+    assert describe_reward_fn(fn, key="cost").startswith("cost: my_rewards.py:score (")
+    import hybridflow.rewards as rewards
+    assert describe_reward_fn(as_reward_fn("math")) == \
+        f"reward: hybridflow.rewards:math_reward_fn ({os.path.abspath(rewards.__file__)})"
+
+
+# ---------------------------------------------------------------------------------------------
+# reward values
+
+
+def test_scores_accept_real_numbers():
+    values = [1, 0.5, np.float32(0.25), np.int64(2), torch.tensor(-1.5), torch.tensor([3.0]),
+              torch.tensor(7, dtype=torch.int32)]
+    got = score_samples(lambda item, text: values[item], list(range(len(values))),
+                        ["r"] * len(values))
+    assert got.dtype == torch.float32
+    assert got.tolist() == [1.0, 0.5, 0.25, 2.0, -1.5, 3.0, 7.0]
+    wrapped = as_reward_fn(lambda response: len(response))
+    assert score_samples(wrapped, [{}, {}], ["ab", ""]).tolist() == [2.0, 0.0]
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -math.inf, True, np.bool_(False),
+                                 "1.0", None, [1.0], torch.tensor([1.0, 2.0]),
+                                 torch.tensor(float("nan")), torch.tensor(True), 10 ** 400,
+                                 np.array([1.0, 2.0]), 1 + 2j],
+                         ids=repr)
+def test_scores_refuse_what_is_not_a_finite_real_number(tmp_path, bad):
+    path = tmp_path / "my_rewards.py"
+    path.write_text("def score(prompt_item, response):\n    return prompt_item['value']\n")
+    fn = as_reward_fn(f"{path}:score")
+    items = [{"value": 1.0}, {"value": bad}]
+    with pytest.raises(RunError) as e:
+        score_samples(fn, items, ["fine", "the bad one"])
+    text = str(e.value)
+    assert "sample 1" in text and "my_rewards.py:score" in text and str(path.resolve()) in text
+    assert repr(bad)[:50] in text and "'the bad one'" in text
+    # Called alone, the wrapper refuses it too (float() used to take True and "1.0").
+    with pytest.raises(RunError, match="must return a number"):
+        fn(items[1], "x")
+
+
+def test_a_raising_reward_function_names_sample_function_and_error(tmp_path):
+    path = tmp_path / "my_rewards.py"
+    path.write_text("def score(response):\n    return 1 / (len(response) - 3)\n")
+    texts = ["a", "bb", "cccc", "xyz", "z" * 100]
+    with pytest.raises(RunError) as e:
+        score_samples(as_reward_fn(f"{path}:score"), [{}] * 5, texts)
+    text = str(e.value)
+    assert text.startswith(f"reward function my_rewards.py:score ({path.resolve()}) raised "
+                           "ZeroDivisionError: division by zero on sample 3 (response 'xyz')")
+    with pytest.raises(RunError, match=r"cost function .* on sample 0 \(response 'z{60}' "
+                                       r"truncated to 60 chars\)"):
+        score_samples(lambda item, text: item["missing"], [{}], ["z" * 100], key="cost")
+
+
+# ---------------------------------------------------------------------------------------------
+# metrics.jsonl
+
+
+def _strict_loads(line: str):
+    def refuse(token):
+        raise AssertionError(f"non-standard JSON token {token}")
+    return json.loads(line, parse_constant=refuse)
+
+
+def _tracker(run_dir, **kwargs) -> Tracker:
+    return Tracker(run_dir, "a: 1\n", TrackingConfig(out_dir=str(run_dir.parent)), "t", **kwargs)
+
+
+def test_rows_are_strict_json_with_nonfinite_keys_named(tmp_path):
+    tracker = _tracker(tmp_path / "run")
+    tracker.log(0, {"loss": 0.5, "kl": float("nan"), "grad": torch.tensor(float("inf")),
+                    "n": np.int64(3), "hist": [1.0, float("-inf")]})
+    tracker.log(1, {"loss": torch.tensor(0.25)})
+    tracker.close()
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    rows = [_strict_loads(line) for line in lines]
+    assert rows[0] == {"step": 0, "loss": 0.5, "kl": None, "grad": None, "n": 3,
+                       "hist": [1.0, None], "nonfinite": ["kl", "grad", "hist"]}
+    assert rows[1] == {"step": 1, "loss": 0.25}
+    assert (tmp_path / "run" / "config.yaml").read_text() == "a: 1\n"
+
+
+def test_read_metrics_skips_a_partial_last_line_and_refuses_a_bad_middle_one(tmp_path):
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0}\n{"step": 1}\n{"step": 2, "lo')
+    assert read_metrics(path) == [{"step": 0}, {"step": 1}]
+    path.write_text('{"step": 0}\n{"step": 1, "lo\n')  # cut short, newline or not
+    assert read_metrics(path) == [{"step": 0}]
+    path.write_text('{"step": 0}\n{"step": 1, "lo\n{"step": 2}\n')
+    with pytest.raises(ConfigError, match="line 2 is not JSON") as e:
+        read_metrics(path)
+    assert e.value.field == str(path)
+
+
+def test_a_new_run_never_truncates_another_runs_metrics(tmp_path):
+    run = tmp_path / "run"
+    tracker = _tracker(run)
+    tracker.log(0, {"loss": 1.0})
+    tracker.close()
+    with pytest.raises(ConfigError, match="already holds the metrics") as e:
+        _tracker(run)
+    assert e.value.field == "tracking.out_dir"
+    assert read_metrics(run / "metrics.jsonl") == [{"step": 0, "loss": 1.0}]
+
+
+def test_resume_keeps_rows_up_to_the_step_and_appends(tmp_path):
+    run = tmp_path / "run"
+    tracker = _tracker(run)
+    for step in range(5):
+        tracker.log(step, {"loss": float(step)})
+    tracker.close()
+    with open(run / "metrics.jsonl", "a") as f:
+        f.write('{"step": 5, "lo')  # a crash mid-write
+    tracker = _tracker(run, resume_step=2)
+    tracker.log(3, {"loss": 30.0})
+    tracker.close()
+    assert [(r["step"], r["loss"]) for r in read_metrics(run / "metrics.jsonl")] == \
+        [(0, 0.0), (1, 1.0), (2, 2.0), (3, 30.0)]
+    assert sorted(p.name for p in run.iterdir()) == ["config.yaml", "metrics.jsonl"]
+    assert (run / "metrics.jsonl").read_text().endswith("\n")
+
+
+def test_a_full_disk_is_one_run_error(tmp_path, monkeypatch):
+    tracker = _tracker(tmp_path / "run")
+    tracker.log(0, {"loss": 1.0})
+
+    def full(*args):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(tracker._file, "write", full)
+    with pytest.raises(RunError, match=r"cannot write .*metrics\.jsonl: No space left on device; "
+                                       r"free disk space"):
+        tracker.log(1, {"loss": 1.0})
+    monkeypatch.undo()
+    monkeypatch.setattr(os, "fsync", full)
+    with pytest.raises(RunError, match="No space left on device"):
+        tracker.log(2, {"loss": 1.0})
+    monkeypatch.undo()
+    tracker.close()
+
+
+def test_an_unwritable_folder_is_one_run_error(tmp_path, monkeypatch):
+    import tempfile
+
+    def denied(*args, **kwargs):
+        raise PermissionError(errno.EACCES, os.strerror(errno.EACCES))
+
+    monkeypatch.setattr(tempfile, "mkstemp", denied)
+    with pytest.raises(RunError, match=r"config\.yaml: Permission denied; choose a writable "
+                                       r"tracking\.out_dir"):
+        _tracker(tmp_path / "run")
+    monkeypatch.undo()
+    if os.geteuid() != 0:  # root writes through a read-only mode
+        (tmp_path / "ro").mkdir(mode=0o500)
+        with pytest.raises(RunError, match="Permission denied"):
+            _tracker(tmp_path / "ro" / "run")
+
+
+def test_a_resumed_tracker_continues_the_wandb_run(tmp_path, monkeypatch):
+    pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    config = TrackingConfig(out_dir=str(tmp_path), wandb=True)
+    yaml_text = "actor:\n  lr: 1.0e-06\nname: t\n"
+    tracker = Tracker(tmp_path / "run", yaml_text, config, "t")
+    run_id = tracker.wandb_id
+    assert run_id and tracker._wandb.config["actor"] == {"lr": 1e-6}
+    tracker.log(0, {"loss": 1.0})
+    tracker.close()
+    tracker = Tracker(tmp_path / "run", yaml_text, config, "t", resume_step=0, wandb_id=run_id)
+    assert tracker.wandb_id == run_id
+    tracker.log(1, {"loss": 0.5})
+    tracker.close()
+    assert [r["step"] for r in read_metrics(tmp_path / "run" / "metrics.jsonl")] == [0, 1]
+
+
+# ---------------------------------------------------------------------------------------------
+# checkpoints: the distributed half (a real checkpoint, saved and loaded) is
+# tests/distributed/test_safe_load.py
+
+
+class _Payload:
+    def __init__(self, fn, arg):
+        self.fn, self.arg = fn, arg
+
+    def __reduce__(self):
+        return self.fn, (self.arg,)
+
+
+def _metadata(extra=None):
+    from torch.distributed.checkpoint.filesystem import _StorageInfo
+    from torch.distributed.checkpoint.metadata import (BytesStorageMetadata, ChunkStorageMetadata,
+                                                       Metadata, MetadataIndex, TensorProperties,
+                                                       TensorStorageMetadata)
+    size = torch.Size([4, 8])
+    md = Metadata(
+        state_dict_metadata={
+            "embedding.word_embeddings.weight": TensorStorageMetadata(
+                TensorProperties(dtype=torch.bfloat16), size,
+                [ChunkStorageMetadata(torch.Size([0, 0]), size)]),
+            "layer._extra_state/shard_0_1": BytesStorageMetadata()},
+        storage_data={MetadataIndex("embedding.word_embeddings.weight", torch.Size([0, 0])):
+                      _StorageInfo("__0_0.distcp", 0, 64)})
+    if extra is not None:
+        md.all_local_plans = [extra]
+    return md
+
+
+def _fake_checkpoint(path, metadata) -> str:
+    """A directory megatron takes for a torch_dist checkpoint, with ``metadata`` pickled."""
+    path.mkdir()
+    (path / "metadata.json").write_text(json.dumps({
+        "sharded_backend": "torch_dist", "sharded_backend_version": 1,
+        "common_backend": "torch", "common_backend_version": 1}))
+    (path / ".metadata").write_bytes(pickle.dumps(metadata))
+    return str(path)
+
+
+def test_checkpoint_metadata_of_torch_classes_is_read(tmp_path):
+    from hybridflow.training.megatron_ckpt import checkpoint_dtype
+    from hybridflow.training.safe_load import read_metadata_file
+    ckpt = _fake_checkpoint(tmp_path / "ckpt", _metadata())
+    md = read_metadata_file(tmp_path / "ckpt" / ".metadata")
+    assert md.state_dict_metadata == _metadata().state_dict_metadata
+    assert checkpoint_dtype(ckpt) == "bf16"
+
+
+@pytest.mark.parametrize("call", [os.system, exec], ids=["os.system", "builtins.exec"])
+def test_a_crafted_checkpoint_metadata_is_refused_before_it_runs(tmp_path, call):
+    from megatron.core import dist_checkpointing
+
+    from hybridflow.training.megatron_ckpt import checkpoint_dtype
+    from hybridflow.training.safe_load import safe_load_tensors_metadata
+    marker = tmp_path / "pwned"
+    command = f"touch {marker}" if call is os.system else f"open({str(marker)!r}, 'w').close()"
+    ckpt = _fake_checkpoint(tmp_path / "ckpt", _metadata(_Payload(call, command)))
+    name = f"{call.__module__}.{call.__name__}"
+    with pytest.raises(ConfigError, match=f"holds a pickled object of class {name}, which a "
+                                          "checkpoint has no reason to hold") as e:
+        safe_load_tensors_metadata(ckpt, field="resume")
+    assert e.value.field == "resume" and os.path.join(ckpt, ".metadata") in e.value.message
+    with pytest.raises(ConfigError) as e:
+        checkpoint_dtype(ckpt)
+    assert e.value.field == "--ckpt"
+    assert not marker.exists()
+    dist_checkpointing.load_tensors_metadata(ckpt)  # what megatron alone does with it
+    assert marker.exists()
+
+
+def test_a_damaged_metadata_file_is_a_config_error(tmp_path):
+    from hybridflow.training.safe_load import read_metadata_file
+    path = tmp_path / ".metadata"
+    path.write_bytes(pickle.dumps(_metadata())[:50])
+    with pytest.raises(ConfigError, match="not a readable checkpoint metadata file"):
+        read_metadata_file(path)
+    path.write_bytes(pickle.dumps({"a": 1}))
+    with pytest.raises(ConfigError, match="holds a dict, not"):
+        read_metadata_file(path)
+
+
+def test_common_pt_is_loaded_weights_only(tmp_path):
+    from hybridflow.training.safe_load import SafeCommonLoadStrategy
+    marker = tmp_path / "pwned"
+    torch.save({"x": _Payload(os.system, f"touch {marker}")}, tmp_path / "common.pt")
+    with pytest.raises(ConfigError, match="common.pt is not plain data") as e:
+        SafeCommonLoadStrategy(field="resume").load_common(str(tmp_path))
+    assert e.value.field == "resume" and not marker.exists()
+    torch.save({"step": 3, "w": torch.ones(2)}, tmp_path / "common.pt")
+    assert SafeCommonLoadStrategy().load_common(str(tmp_path))["step"] == 3
+
+
+# safe_load.py mirrors these; when upstream changes one, review the mirror and update the hash.
+_MIRRORED = {
+    "megatron TorchDistLoadShardedStrategy.load": "960cfa14f177d722",
+    "megatron TorchDistLoadShardedStrategy.load_sharded_metadata": "05eb6000880fba66",
+    "torch DefaultLoadPlanner.load_bytes": "666701f9808c4bc2",
+    "torch FileSystemReader.read_metadata": "8586ce344a523602",
+    "megatron TorchCommonLoadStrategy.load_common": "a2c96073da9e64a1",
+}
+
+
+def test_the_upstream_code_safe_load_mirrors_is_unchanged():
+    from megatron.core.dist_checkpointing.strategies.common import TorchCommonLoadStrategy
+    from megatron.core.dist_checkpointing.strategies.torch import TorchDistLoadShardedStrategy
+    from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+    functions = {"TorchDistLoadShardedStrategy.load": TorchDistLoadShardedStrategy.load,
+                 "TorchDistLoadShardedStrategy.load_sharded_metadata":
+                     TorchDistLoadShardedStrategy.load_sharded_metadata,
+                 "DefaultLoadPlanner.load_bytes": DefaultLoadPlanner.load_bytes,
+                 "FileSystemReader.read_metadata": FileSystemReader.read_metadata,
+                 "TorchCommonLoadStrategy.load_common": TorchCommonLoadStrategy.load_common}
+    for label, want in _MIRRORED.items():
+        fn = functions[label.split(" ", 1)[1]]
+        got = hashlib.sha256(inspect.getsource(fn).encode()).hexdigest()[:16]
+        assert got == want, f"{label} changed upstream; review hybridflow/training/safe_load.py"
