@@ -143,6 +143,9 @@ def prompts_from_file(path: str | os.PathLike, *, prompt_key: str | None = None,
                       system_prompt: str | None = None) -> list[PromptItem]:
     """The prompts of a .jsonl or .parquet file (see the module docstring for the row format)."""
     path = os.fspath(path)
+    if os.path.isdir(path):
+        raise ConfigError("data.source", f"{path} is a folder; give the .jsonl or .parquet file "
+                                         "in it")
     if not os.path.isfile(path):
         raise ConfigError("data.source", f"prompt file {path!r} not found")
     if path.endswith(".parquet"):
@@ -151,7 +154,9 @@ def prompts_from_file(path: str | os.PathLike, *, prompt_key: str | None = None,
         try:
             rows = enumerate(pq.read_table(path).to_pylist(), start=1)
         except Exception as e:  # pyarrow raises several types for a damaged file
-            raise ConfigError("data.source", f"{path}: not a readable parquet file: {e}") from None
+            reason = (str(e).splitlines() or [type(e).__name__])[0]
+            raise ConfigError("data.source", f"{path}: not a readable parquet file: "
+                                             f"{reason}") from None
     elif path.endswith(".jsonl"):
         rows = _jsonl_rows(path)
     else:

@@ -226,6 +226,8 @@ def megatron_to_hf(mg_sd: dict[str, torch.Tensor], cfg: ModelConfig) -> dict[str
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
+# A fast tokenizer's file, or a slow one's (sentencepiece, BPE vocab, WordPiece vocab).
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", "vocab.txt")
 
 
 def _safetensors_header(path: Path) -> dict[str, dict]:
@@ -246,10 +248,21 @@ def _safetensors_header(path: Path) -> dict[str, dict]:
         except (UnicodeDecodeError, json.JSONDecodeError) as e:
             raise ConfigError("model", f"{path}: corrupt safetensors header ({e}); re-save the "
                                        "checkpoint")
+    if not isinstance(header, dict):
+        raise ConfigError("model", f"{path}: corrupt safetensors header (a JSON "
+                                   f"{type(header).__name__}, not an object); re-save the "
+                                   "checkpoint")
     header.pop("__metadata__", None)
     data_bytes = size - 8 - n
     for name, info in header.items():
-        start, end = info["data_offsets"]
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        shape = info.get("shape") if isinstance(info, dict) else None
+        if (not isinstance(offsets, list) or len(offsets) != 2 or not isinstance(shape, list)
+                or not all(isinstance(x, int) for x in offsets + shape)):
+            raise ConfigError("model", f"{path}: corrupt safetensors header: tensor {name} "
+                                       "lacks integer shape and data_offsets; re-save the "
+                                       "checkpoint")
+        start, end = offsets
         if end > data_bytes:
             raise ConfigError("model", f"{path}: tensor {name} needs data bytes [{start}, {end}) "
                                        f"but the file holds only {data_bytes}: the file is "
@@ -263,8 +276,14 @@ def _weight_map(ckpt_dir: Path) -> dict[str, Path]:
     if index.exists():
         try:
             entries = json.loads(index.read_text())["weight_map"]
-        except (json.JSONDecodeError, KeyError) as e:
-            raise ConfigError("model", f"{index}: unreadable index ({e!r}); expected a weight_map")
+        except (json.JSONDecodeError, UnicodeDecodeError) as e:
+            raise ConfigError("model", f"{index}: not valid JSON ({e}); re-save the checkpoint "
+                                       "or delete the index of a single-file one") from None
+        except (KeyError, TypeError):
+            raise ConfigError("model", f"{index}: has no weight_map (tensor name -> file); "
+                                       "re-save the checkpoint") from None
+        if not isinstance(entries, dict):
+            raise ConfigError("model", f"{index}: weight_map must map tensor names to files")
         return {name: ckpt_dir / file for name, file in entries.items()}
     files = sorted(ckpt_dir.glob("*.safetensors"))
     if not files:
@@ -281,12 +300,42 @@ def load_hf_config(ckpt_dir: str | os.PathLike) -> ModelConfig:
     if not path.exists():
         raise ConfigError("model", f"{path}: not found; an HF checkpoint directory needs a "
                                    "config.json")
+    try:  # transformers' own message for these names neither the line nor the fix
+        raw = json.loads(path.read_bytes())
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ConfigError("model", f"{path}: not valid JSON ({e}); fix it or copy the model's "
+                                   "config.json again") from None
+    if not isinstance(raw, dict):
+        raise ConfigError("model", f"{path}: must be a JSON object of the model's settings, got "
+                                   f"a JSON {type(raw).__name__}")
     try:
         hf_cfg = transformers.AutoConfig.from_pretrained(str(path.parent))
     except (ValueError, KeyError, OSError) as e:
         raise ConfigError("model", f"{path}:architectures: transformers cannot read "
                                    f"it: {e}") from None
-    return model_config_from_hf(hf_cfg)
+    try:
+        return model_config_from_hf(hf_cfg)
+    except ConfigError as e:  # say which config.json
+        if e.field == "model":  # model_config_from_hf's own: "config.json:<key>: ..."
+            raise ConfigError("model", f"{path.parent}/{e.message}") from None
+        raise ConfigError("model", f"{path}: {e}") from None  # a value ModelConfig refuses
+
+
+def load_tokenizer(ckpt_dir: str | os.PathLike, field: str = "model") -> Any:
+    """The transformers tokenizer of an HF checkpoint directory; one that cannot be loaded is a
+    ConfigError naming the directory (``field`` is the config key that named it)."""
+    import transformers
+
+    if not any((Path(ckpt_dir) / f).exists() for f in _TOKENIZER_FILES):
+        raise ConfigError(field, f"{ckpt_dir}: has no tokenizer (none of "
+                                 f"{', '.join(_TOKENIZER_FILES)}); copy the model's tokenizer "
+                                 "files into it")
+    try:
+        return transformers.AutoTokenizer.from_pretrained(str(ckpt_dir))
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for missing files
+        reason = (str(e).strip().splitlines() or [type(e).__name__])[0].rstrip(" :")
+        raise ConfigError(field, f"{ckpt_dir}: cannot load its tokenizer ({reason}); copy the "
+                                 "model's tokenizer files into it again") from None
 
 
 def load_hf_state_dict(ckpt_dir: str | os.PathLike, names: list[str] | None = None,

@@ -32,6 +32,9 @@ def resolve_model(model: str, field: str = "model") -> Path:
             tiny.save_tiny_checkpoint(path, cfg, seed=0)
         return path
     path = Path(model)
+    if path.is_file():
+        raise ConfigError(field, f"{model}: is a file; give the HF checkpoint directory that holds "
+                                 "it (config.json and *.safetensors)")
     if not (path / "config.json").is_file():
         raise ConfigError(field, f"{model}: not an HF checkpoint directory (no config.json); give "
                                  f"a directory or one of {', '.join(PRESETS)}")

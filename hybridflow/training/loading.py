@@ -26,8 +26,9 @@ import torch.distributed as dist
 from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.hf import (_safetensors_header, _weight_map, hf_param_names,
-                                  hf_param_shapes, hf_sources, load_hf_config, megatron_to_hf,
-                                  merge_hf_to_megatron, save_hf_checkpoint)
+                                  hf_param_shapes, hf_sources, load_hf_config,
+                                  megatron_name_for_hf, megatron_to_hf, merge_hf_to_megatron,
+                                  save_hf_checkpoint)
 from hybridflow.models.params import ParamMeta
 from hybridflow.training.engine import VALUE_HEAD
 
@@ -71,7 +72,10 @@ def _checked_weight_map(hf_dir: Path, cfg: ModelConfig | None, ignore: tuple[str
     headers: dict[Path, dict] = {}
     for name in hf_param_names(found):
         if name not in weight_map:
-            raise ConfigError("model", f"{hf_dir}: tensor {name}: missing from the checkpoint")
+            raise ConfigError("model", f"{hf_dir}: tensor {name}: missing from the checkpoint, "
+                                       f"which its config.json describes as a {found.arch} of "
+                                       f"{found.num_layers} layers; re-save the checkpoint or fix "
+                                       "config.json")
         path = weight_map[name]
         if path not in headers:
             if not path.exists():
@@ -86,7 +90,23 @@ def _checked_weight_map(hf_dir: Path, cfg: ModelConfig | None, ignore: tuple[str
         if shape != want:
             raise ConfigError("model", f"{path}: tensor {name} has shape {list(shape)}, expected "
                                        f"{list(want)} for {why}")
+    extra = sorted(n for n in weight_map if n not in expected and not _unused_by_design(n, found))
+    if extra:
+        more = f" (and {len(extra) - 1} more)" if len(extra) > 1 else ""
+        raise ConfigError("model", f"{hf_dir}: tensor {extra[0]}{more} is in the checkpoint but "
+                                   f"not in the model its config.json describes ({found.arch}, "
+                                   f"{found.num_layers} layers); config.json does not belong to "
+                                   "these weights")
     return found, weight_map
+
+
+def _unused_by_design(name: str, cfg: ModelConfig) -> bool:
+    """An HF tensor that ``cfg``'s model has no parameter for on purpose (RoPE inv_freq, a tied
+    model's lm_head); False for one it cannot place at all."""
+    try:
+        return megatron_name_for_hf(name, cfg) is None
+    except ConfigError:
+        return False
 
 
 class _SliceReader:
