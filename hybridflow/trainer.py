@@ -11,6 +11,8 @@ config's schema is ``hybridflow.config.RLConfig``.
 from __future__ import annotations
 
 import logging
+import signal
+import threading
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -22,7 +24,7 @@ from hybridflow.batch import Batch
 from hybridflow.config import RLConfig, make_config
 from hybridflow.config.check import SCORERS, check_run
 from hybridflow.data.prompts import PromptItem
-from hybridflow.errors import ConfigError, check_int
+from hybridflow.errors import ConfigError, RunError, check_int
 from hybridflow.rollout.base import SamplingConfig
 from hybridflow.tracking import Tracker
 
@@ -202,10 +204,11 @@ class RLTrainer:
 
     def _scores(self, batch: Batch, key: str, fn) -> torch.Tensor:
         """Per-sample scores from the model group for ``key`` if there is one, else ``fn``."""
+        from hybridflow.rewards import score_samples
         if key in self.scorers:
             return self.scorers[key].run_by_dp("compute_scores", batch)["scores"].float()
-        return torch.tensor([float(fn(item, text)) for item, text
-                             in zip(batch["item"], batch["response_text"])])
+        return score_samples(fn, batch["item"], batch["response_text"],
+                             key="reward" if key == "scores" else "cost")
 
     def _remax_baseline(self, batch: Batch) -> torch.Tensor:
         """ReMax: each prompt's greedy response, scored as the samples are (the reward model
@@ -232,48 +235,144 @@ class RLTrainer:
 
     # ----------------------------------------------------------------------------- the loop
     def fit(self, prompts: list[PromptItem] | None = None) -> list[dict[str, float]]:
-        """Run ``config.steps`` iterations over ``prompts`` (default: ``config.data``); writes
-        metrics.jsonl, config.yaml and reward_curve.png under the run folder."""
-        from tqdm import tqdm
-
+        """Run the iterations from where the run stands (step 0, or its newest checkpoint: see
+        ``resume``) to ``config.steps`` over ``prompts`` (default: ``config.data``); writes
+        metrics.jsonl, config.yaml, checkpoints and reward_curve.png under the run folder.
+        Returns this call's metric rows. A SIGTERM ends it cleanly at the next step's end."""
+        from hybridflow.checkpoint import remove_partial_checkpoints
         from hybridflow.config import to_yaml
         from hybridflow.data.loader import PromptSampler
 
-        cfg = self.config
+        cfg, plan = self.config, self.checked.resume
+        if plan.step >= cfg.steps:
+            print(f"{plan.run_dir} is complete: it reached step {plan.step} of steps={cfg.steps}; "
+                  "nothing to do (steps=N continues it, another name starts a new run)",
+                  flush=True)
+            return []
         items = self._prompts(prompts if prompts is not None else self.checked.prompts)
         sampler = PromptSampler(len(items), cfg.train_batch_size, seed=cfg.data.seed,
                                 shuffle=cfg.data.shuffle)
         self._start_workers()
-        # Only now, with the workers up, is anything of the run written.
-        run_dir = Path(cfg.tracking.out_dir) / cfg.name
-        tracker = Tracker(run_dir, to_yaml(cfg), cfg.tracking, cfg.name)
-        history = []
-        bar = tqdm(total=cfg.steps, desc=f"{cfg.algorithm.name} {cfg.name}", unit="step")
-        for self.step, indices in zip(range(1, cfg.steps + 1), sampler):
-            step_start = time.perf_counter()
-            batch = self.generate([items[i] for i in indices])
-            batch = self.score(batch)
-            metrics = self.update_actor(batch)
-            metrics.update(self._step_metrics(batch))
-            metrics["timing/step_s"] = time.perf_counter() - step_start
-            self._after_step(batch, metrics)
-            tracker.log(self.step, metrics)
-            history.append(metrics)
-            bar.update(1)
-            bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
-                            kl=f"{metrics['kl']:.4f}")
-        bar.close()
-        tracker.close()
+        # After Ray's start: its core installs a SIGTERM handler of its own (exit 15).
+        with _StopOnSigterm() as stop:
+            for fn, key in ((self.reward_fn, "reward"), (self.cost_fn, "cost")):
+                if fn is not None:
+                    from hybridflow.rewards import describe_reward_fn
+                    print(describe_reward_fn(fn, key), flush=True)
+            if plan.checkpoint is not None:
+                self._load_checkpoint(plan.checkpoint, plan.state, sampler)
+            if plan.checkpoint is not None or plan.continues:
+                print(plan.describe(), flush=True)
+            # Only now, with the workers up and the state loaded, is anything of the run written.
+            remove_partial_checkpoints(plan.run_dir)
+            tracker = Tracker(plan.run_dir, to_yaml(cfg), cfg.tracking, cfg.name,
+                              resume_step=plan.step if plan.checkpoint or plan.continues
+                              else None, wandb_id=plan.state.get("wandb_id"))
+            try:
+                history = self._loop(items, sampler, tracker, plan.step, stop)
+            finally:
+                tracker.close()
+        if self.step == cfg.steps:
+            self._summarize(tracker.metrics_path, plan.run_dir)
+        return history
+
+    def _loop(self, items, sampler, tracker, first: int, stop) -> list[dict[str, float]]:
+        from tqdm import tqdm
+        cfg = self.config
+        history: list[dict[str, float]] = []
+        bar = tqdm(total=cfg.steps, initial=first, desc=f"{cfg.algorithm.name} {cfg.name}",
+                   unit="step")
+        self.step = first
+        try:
+            for step in range(first + 1, cfg.steps + 1):
+                if stop.requested:  # before any step of this process: nothing new to save
+                    break
+                self.step = step
+                metrics = self._step([items[i] for i in next(sampler)])
+                tracker.log(step, metrics)
+                history.append(metrics)
+                bar.update(1)
+                bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}",
+                                kl=f"{metrics['kl']:.4f}")
+                nonfinite = [k for k in metrics if k.endswith("/nonfinite_skipped") and metrics[k]]
+                halt = bool(nonfinite) and cfg.on_nonfinite == "stop"
+                every = cfg.checkpoint.every
+                if halt or stop.requested or every and (step % every == 0 or step == cfg.steps):
+                    saved = self._save_checkpoint(sampler, tracker)
+                    bar.write(f"step {step}: checkpoint {saved}")
+                if halt:
+                    raise RunError(f"non-finite gradients at step {step} ("
+                                   + ", ".join(f"{k}={metrics[k]:g}" for k in nonfinite)
+                                   + " optimizer steps not applied); the last good state is "
+                                   f"saved in {saved}: look for the cause (rewards, learning "
+                                   "rate, dtype), or set on_nonfinite=skip to skip such steps")
+                if stop.requested:
+                    bar.write(f"SIGTERM: stopped after step {step}; run the same command to "
+                              "resume")
+                    break
+        finally:
+            bar.close()
+        return history
+
+    def _step(self, prompts: list[PromptItem]) -> dict[str, float]:
+        """One iteration: generate, score, update; its metrics."""
+        start = time.perf_counter()
+        batch = self.generate(prompts)
+        batch = self.score(batch)
+        metrics = self.update_actor(batch)
+        metrics.update(self._step_metrics(batch))
+        metrics["timing/step_s"] = time.perf_counter() - start
+        self._after_step(batch, metrics)
+        return metrics
+
+    def _summarize(self, metrics_path: Path, run_dir: Path) -> None:
+        from hybridflow.tracking import plot_metric, read_metrics
+        rows = read_metrics(metrics_path)
         plot = run_dir / "reward_curve.png"
-        from hybridflow.tracking import plot_metric
-        plot_metric(tracker.metrics_path, "reward/mean", plot, title=cfg.name)
-        k = max(1, len(history) // 3)
-        first = sum(h["reward/mean"] for h in history[:k]) / k
-        last = sum(h["reward/mean"] for h in history[-k:]) / k
+        plot_metric(metrics_path, "reward/mean", plot, title=self.config.name)
+        k = max(1, len(rows) // 3)
+        first = sum(r["reward/mean"] for r in rows[:k]) / k
+        last = sum(r["reward/mean"] for r in rows[-k:]) / k
         print(f"reward/mean: {first:.3f} over the first {k} steps -> {last:.3f} over the last {k}",
               flush=True)
-        print(f"wrote {tracker.metrics_path} and {plot}", flush=True)
-        return history
+        print(f"wrote {metrics_path} and {plot}", flush=True)
+
+    # ----------------------------------------------------------------------------- checkpoints
+    def _trained_groups(self) -> dict[str, Any]:
+        return {"actor": self.actor, **({"critic": self.critic} if self.critic else {})}
+
+    def checkpoint_identity(self) -> dict[str, Any]:
+        """What a checkpoint must match to load into this run (see hybridflow.checkpoint)."""
+        from hybridflow.checkpoint import run_identity
+        return run_identity(self.config, self.checked.model)
+
+    def _save_checkpoint(self, sampler, tracker) -> Path:
+        from hybridflow.checkpoint import save_checkpoint
+        state = {**self.checkpoint_identity(), "sampler": sampler.state_dict(),
+                 "kl_coef": self.kl_ctrl.value,
+                 "lagrange_log": self.lagrange.log_value if self.lagrange else None,
+                 "wandb_id": tracker.wandb_id}
+
+        def write_parts(tmp: Path) -> None:
+            for group in self._trained_groups().values():
+                group.run("save_state", str(tmp))
+        return save_checkpoint(tracker.run_dir, self.step, state, write_parts,
+                               self.config.checkpoint.keep)
+
+    def _load_checkpoint(self, path: Path, state: dict[str, Any], sampler) -> None:
+        from hybridflow.algorithms import AdaptiveKLController
+        try:
+            sampler.load_state_dict(state["sampler"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ConfigError("resume", f"{path}: its prompt sampler does not fit this run's data "
+                                        f"({e})") from None
+        for group in self._trained_groups().values():
+            group.run("load_state", str(path))
+        if isinstance(self.kl_ctrl, AdaptiveKLController):
+            self.kl_ctrl.value = float(state["kl_coef"])
+        if self.lagrange is not None:
+            self.lagrange.log_value = float(state["lagrange_log"])
+        self.step = int(state["step"])
 
     def train(self, dataset=None) -> list[dict[str, float]]:
         """``fit`` over a ``datasets.Dataset`` or a list of dicts (``prompt`` or ``messages``)."""
@@ -324,6 +423,31 @@ class RLTrainer:
         self._workers_started = False
         if ray.is_initialized():
             ray.shutdown()
+
+
+class _StopOnSigterm:
+    """SIGTERM (Slurm's preemption notice) asks the loop to stop at the end of the current step,
+    after a checkpoint; a second SIGTERM ends the process at once. Only the main thread can
+    handle signals: elsewhere this does nothing."""
+
+    def __init__(self):
+        self.requested = False
+        self._previous = None
+
+    def _handle(self, signum, frame) -> None:
+        self.requested = True
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        print("SIGTERM: stopping after this step with a checkpoint (send it again to stop now)",
+              flush=True)
+
+    def __enter__(self):
+        if threading.current_thread() is threading.main_thread():
+            self._previous = signal.signal(signal.SIGTERM, self._handle)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self._previous is not None:
+            signal.signal(signal.SIGTERM, self._previous)
 
 
 class _timer:

@@ -4,8 +4,12 @@
     python tools/convert_checkpoint.py hf-to-megatron --hf DIR --out DIR --tp T --pp P
     python tools/convert_checkpoint.py megatron-to-hf --ckpt DIR --out DIR [--hf-config-from DIR]
 
-A Megatron checkpoint saved at one (tp, pp) loads at any other. The logic lives in
-hybridflow.training.megatron_ckpt; this file only parses arguments. Exit status 2 on bad input.
+A Megatron checkpoint saved at one (tp, pp) loads at any other. megatron-to-hf also exports the
+actor of an RL run's checkpoint: --ckpt a run directory (its newest complete checkpoint), a
+<run>/checkpoints/step_N directory, or its actor/ folder. An RL checkpoint holds no tokenizer:
+--hf-config-from the model the run started from adds one (without it, none is copied). The logic
+lives in hybridflow.training.megatron_ckpt; this file only parses arguments. Exit status 2 on bad
+input.
 """
 
 from __future__ import annotations
@@ -37,11 +41,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     to_mg.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                        help="stored dtype; auto keeps bf16 and stores anything else as fp32")
     to_hf = sub.add_parser("megatron-to-hf", help="Megatron dist checkpoint -> HF safetensors")
-    to_hf.add_argument("--ckpt", required=True, help="Megatron checkpoint directory")
+    to_hf.add_argument("--ckpt", required=True,
+                       help="Megatron checkpoint directory, or an RL run directory / its "
+                            "checkpoints/step_N directory (exports the actor)")
     to_hf.add_argument("--out", required=True, help="HF checkpoint directory to write")
     to_hf.add_argument("--hf-config-from", default=None,
                        help="HF directory whose config.json (and tokenizer) to use; needed only "
-                            "for checkpoints without hybridflow_model.json")
+                            "for checkpoints without hybridflow_model.json, or for a tokenizer "
+                            "(RL checkpoints hold none)")
     to_hf.add_argument("--tp", type=_positive, default=1, help="tensor-parallel size to load at")
     to_hf.add_argument("--pp", type=_positive, default=1, help="pipeline-parallel size to load at")
     for p in (to_mg, to_hf):

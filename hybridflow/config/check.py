@@ -3,7 +3,8 @@ layouts, the files the run reads, the reward functions, the reshard plan.
 
 ``check_run(cfg)`` raises a ``ConfigError`` naming the key at fault, or returns a ``RunCheck``
 that ``hybridflow check`` prints and ``RLTrainer`` uses (model paths, shapes). It reads config.json
-files and imports reward modules; it starts nothing and writes nothing of the run.
+files, safetensors headers, the actor's tokenizer and the prompts, and imports reward modules; it
+starts nothing and writes nothing of the run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+from hybridflow.checkpoint import ResumePlan, plan_resume, run_identity
 from hybridflow.config.rl import RLConfig
 from hybridflow.data.prompts import load_prompts
 from hybridflow.errors import ConfigError
@@ -45,6 +47,8 @@ class RunCheck:
     """The most any actor rank would receive on the naive path (TP all-gather, PP broadcast)."""
     prompts: list
     """``data``'s prompts (PromptItems, not yet tokenized): reading them checks every row."""
+    resume: ResumePlan
+    """Where the run starts: step 0, or the checkpoint ``resume`` leads to."""
 
     def summary(self, cfg: RLConfig) -> str:
         a, c = cfg.actor.layout, cfg.critic.layout
@@ -70,6 +74,7 @@ class RunCheck:
                      f"{samples}; actor: {cfg.actor.ppo_epochs} epoch(s) x "
                      f"{cfg.actor.mini_batches} mini-batch(es); {cfg.steps} steps, "
                      f"algorithm {cfg.algorithm.name}")
+        lines.append(f"start: {self.resume.describe()}")
         return "\n".join(lines)
 
 
@@ -96,12 +101,24 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
                                           f"(vocab_size {model.vocab_size})")
     functions = _reward_functions(cfg, {"reward": reward_fn, "cost": cost_fn})
     prompts = load_prompts(cfg.data)
+    _check_prompts(cfg, prompts, model_dir, functions["reward"])
     _check_out_dir(cfg)
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
     recv, naive = _reshard_bytes(model, gen, cfg)
+    resume = _resume_plan(cfg, model)
     return RunCheck(model_dir=model_dir, model=model, scorer_dirs=scorer_dirs, gen=gen,
                     reshard_recv_bytes=recv, naive_recv_bytes=naive, prompts=prompts,
-                    reward_fn=functions["reward"], cost_fn=functions["cost"])
+                    reward_fn=functions["reward"], cost_fn=functions["cost"], resume=resume)
+
+
+def _resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
+    """Where the run starts; refuses a run directory of another run, or a checkpoint that does
+    not fit (another algorithm, model shape, a truncated file)."""
+    import yaml
+
+    from hybridflow.config.loader import to_yaml
+    return plan_resume(cfg.resume, Path(cfg.tracking.out_dir) / cfg.name,
+                       yaml.safe_load(to_yaml(cfg)), run_identity(cfg, model))
 
 
 def _model_config(model_dir: Path, field: str) -> ModelConfig:
@@ -137,10 +154,53 @@ def _reward_functions(cfg: RLConfig, given: dict[str, Callable | None]
             out[field] = None
             continue
         try:
-            out[field] = as_reward_fn(spec)
-        except ConfigError as e:
-            raise ConfigError(field, e.message) from None
+            out[field] = as_reward_fn(spec, key=field)
+        except ConfigError as e:  # a user module's error may span lines: the CLI prints one
+            raise ConfigError(field, " ".join(e.message.split())) from None
     return out
+
+
+def _check_prompts(cfg: RLConfig, prompts: list, model_dir: Path,
+                   reward_fn: Callable | None) -> None:
+    """The prompts against what reads them: the actor's tokenizer (its chat template,
+    data.max_prompt_tokens), train_batch_size, and what a built-in reward needs of each prompt."""
+    from hybridflow.data.loader import tokenize_prompts
+    from hybridflow.models.hf import load_tokenizer
+    from hybridflow.rewards import math_reward_fn, reasoning_gym_reward_fn
+
+    source, limit = cfg.data.source, cfg.data.max_prompt_tokens
+    tokenizer = load_tokenizer(model_dir)
+    try:
+        kept, dropped = tokenize_prompts(prompts, tokenizer, limit)
+    except ConfigError as e:  # the tokenizer's: name its checkpoint
+        raise ConfigError(e.field, f"{model_dir}: {e.message}") from None
+    if not kept:
+        raise ConfigError("data.max_prompt_tokens", f"all {len(prompts)} prompts of {source} are "
+                                                    f"longer than {limit} tokens (chat template "
+                                                    "applied); raise it")
+    if len(kept) < cfg.train_batch_size:
+        long = f" ({dropped} longer than data.max_prompt_tokens dropped)" if dropped else ""
+        raise ConfigError("train_batch_size", f"is {cfg.train_batch_size} but {source} gives "
+                                              f"only {len(kept)} prompts{long}; lower it or add "
+                                              "prompts")
+    # The built-in rewards fail on a prompt without what they score against, at its first step.
+    if reward_fn is math_reward_fn:
+        bad = next((i for i, p in enumerate(prompts, 1) if p.reference is None), None)
+        if bad is not None:
+            raise ConfigError("data.answer_key", f"{source}: prompt {bad} has no reference "
+                                                 "answer, which reward=math needs; name the "
+                                                 "answer's column or end each chat with an "
+                                                 "assistant turn")
+    if reward_fn is reasoning_gym_reward_fn:
+        def made_by(p):
+            meta = p.extra.get("metadata")
+            return isinstance(meta, dict) and meta.get("source_dataset")
+        bad = next((i for i, p in enumerate(prompts, 1) if not made_by(p)), None)
+        if bad is not None:
+            raise ConfigError("reward", f"reward=reasoning_gym scores each prompt with the "
+                                        f"reasoning-gym dataset that made it, and prompt {bad} of "
+                                        f"{source} has no metadata.source_dataset; use "
+                                        "reward=math or your own module:function")
 
 
 def _check_out_dir(cfg: RLConfig) -> None:

@@ -14,6 +14,7 @@ from dataclasses import MISSING, dataclass, field
 from hybridflow.algorithms.estimate import TOKEN_LEVEL
 from hybridflow.algorithms.kl import KL_KINDS
 from hybridflow.algorithms.losses import AGG_MODES
+from hybridflow.checkpoint import CheckpointConfig
 from hybridflow.controller.worker_group import RayConfig
 from hybridflow.data.prompts import PromptDataConfig
 from hybridflow.errors import ConfigError, check_choice, check_float, check_int
@@ -226,7 +227,17 @@ class RLConfig:
     pad_token_id: int = 0
     """Token used for padding in batches (masked everywhere)."""
     tracking: TrackingConfig = field(default_factory=TrackingConfig)
-    """Where config.yaml, metrics.jsonl and the reward curve go."""
+    """Where config.yaml, metrics.jsonl, checkpoints and the reward curve go."""
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    """When the run saves what it needs to resume exactly."""
+    resume: str = "auto"
+    """auto: continue the run in tracking.out_dir/<name> from its newest complete checkpoint
+    (from step 0 if it has none); never: refuse to start over an existing run; or a checkpoint
+    directory (<run>/checkpoints/step_N) to start this new run from."""
+    on_nonfinite: str = "stop"
+    """An optimizer step whose gradients are not finite is never applied. stop: the run saves
+    its last good state as a checkpoint and stops with a message; skip: it goes on, counting
+    them in <model>/nonfinite_skipped."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Ray."""
 
@@ -243,6 +254,9 @@ class RLConfig:
         check_int("steps", self.steps)
         check_int("seed", self.seed, low=0)
         check_int("pad_token_id", self.pad_token_id, low=0)
+        if not isinstance(self.resume, str) or not self.resume:
+            raise ConfigError("resume", "must be auto, never or a checkpoint directory")
+        check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         self._check_algorithm()
         self._check_batches()
 
@@ -294,6 +308,7 @@ class RLConfig:
             ("ray.num_cpus", self.ray.address != "local", "ray.address=local (a cluster "
                                                           "has its own CPUs)"),
             ("tracking.wandb_project", not self.tracking.wandb, "set tracking.wandb=true"),
+            ("checkpoint.keep", self.checkpoint.every == 0, "set checkpoint.every > 0"),
         ]
         for key, unused, fix in inert:
             if unused and _get(self, key) != _default(type(self), key):

@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.batch import Batch
-from hybridflow.controller.worker_group import Worker
+from hybridflow.controller.worker_group import Rendezvous, Worker
 
 # Fields each engine call needs from a Batch; everything else stays on the controller.
 _MODEL_INPUTS = ("input_ids", "attention_mask")
@@ -54,17 +54,49 @@ def _ppo_updates(engine, data: dict[str, torch.Tensor], schedule, agg: str, dp_g
     """``schedule.ppo_epochs`` passes of ``schedule.mini_batches`` optimizer steps over this DP
     rank's ``data``. ``loss_for(denominator)`` gives a mini-batch's loss function, the
     denominator being its global count for ``agg``. Returns the metrics averaged over steps."""
-    rows = []
+    rows, skipped = [], 0
     for _ in range(schedule.ppo_epochs):
         for part in Batch(data).split(schedule.mini_batches):
             denom = _denominator(part["response_mask"], agg, dp_group)
             step = engine.train_step(part.tensors, loss_for(denom))
+            if step.pop("nonfinite"):
+                skipped += 1  # not applied; its metrics would poison the step's means
+                continue
             step[f"{prefix}/grad_norm"] = step.pop("grad_norm")
             loss = step.pop("loss")
             if loss_key is not None:
                 step[loss_key] = loss
             rows.append(step)
-    return Batch(meta=_mean_metrics(rows))
+    return Batch(meta={**_mean_metrics(rows), f"{prefix}/nonfinite_skipped": float(skipped)})
+
+
+def _save_rank_state(path: Path, rollout=None) -> None:
+    """This process's RNG states (and its rollout engine's call count): what, beside the
+    weights, decides what it draws next. Tensors and ints, so loading needs no pickle."""
+    from megatron.core import tensor_parallel
+    state = {"torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    if rollout is not None:
+        state["rollout"] = rollout.state_dict()
+    torch.save(state, path)
+
+
+def _load_rank_state(path: Path, rollout=None) -> None:
+    from megatron.core import tensor_parallel
+
+    from hybridflow.errors import ConfigError
+    if not path.is_file():
+        raise ConfigError("resume", f"{path} is missing: the checkpoint was saved by a run of "
+                                    "another world size; resume it at its own layout")
+    state = torch.load(path, weights_only=True)
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if rollout is not None:
+        rollout.load_state_dict(state["rollout"])
 
 
 class ActorRolloutRefWorker(Worker):
@@ -73,7 +105,7 @@ class ActorRolloutRefWorker(Worker):
     run-wide values it needs: the sampling ``seed``, ``pad_token_id`` and the prompt width
     ``max_prompt_tokens``."""
 
-    def __init__(self, rank: int, world_size: int, rendezvous: str, *, actor, rollout, ref,
+    def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, *, actor, rollout, ref,
                  hybrid_engine, model_dir: str, seed: int, pad_token_id: int,
                  max_prompt_tokens: int):
         super().__init__(rank, world_size, rendezvous)
@@ -223,12 +255,25 @@ class ActorRolloutRefWorker(Worker):
         """The actor's full (unsharded) weights by Megatron name, on every rank."""
         return self.actor.full_weights()
 
+    # ----------------------------------------------------------------------------- checkpoints
+    def save_state(self, ckpt_dir: str) -> None:
+        """Write the actor's weights and optimizer state and this rank's RNG and rollout state
+        into ``ckpt_dir`` (collective). The reference is the unchanged initial model."""
+        from hybridflow.training.megatron_ckpt import save_train_state
+        save_train_state(self.actor, Path(ckpt_dir) / "actor")
+        _save_rank_state(Path(ckpt_dir) / f"actor-rank{self.rank:04d}.pt", self.rollout)
+
+    def load_state(self, ckpt_dir: str) -> None:
+        from hybridflow.training.megatron_ckpt import load_train_state
+        load_train_state(self.actor, Path(ckpt_dir) / "actor")
+        _load_rank_state(Path(ckpt_dir) / f"actor-rank{self.rank:04d}.pt", self.rollout)
+
 
 class CriticWorker(Worker):
     """A value-head model on one rank: the critic (values, clipped value loss) or, with
     ``trainable=False``, a reward/cost model scoring each sequence at its last token."""
 
-    def __init__(self, rank: int, world_size: int, rendezvous: str, *, critic,
+    def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, *, critic,
                  model_dir: str, trainable: bool = True, model_key: str = "model"):
         super().__init__(rank, world_size, rendezvous)
         from hybridflow.models.hf import load_hf_config
@@ -267,6 +312,17 @@ class CriticWorker(Worker):
 
     def dispatch_info(self, view: str) -> tuple[int, bool]:
         return _train_view(self.critic_cfg.layout, self.rank)
+
+    def save_state(self, ckpt_dir: str) -> None:
+        """The critic's weights, optimizer and RNG states (see ActorRolloutRefWorker's)."""
+        from hybridflow.training.megatron_ckpt import save_train_state
+        save_train_state(self.engine, Path(ckpt_dir) / "critic")
+        _save_rank_state(Path(ckpt_dir) / f"critic-rank{self.rank:04d}.pt")
+
+    def load_state(self, ckpt_dir: str) -> None:
+        from hybridflow.training.megatron_ckpt import load_train_state
+        load_train_state(self.engine, Path(ckpt_dir) / "critic")
+        _load_rank_state(Path(ckpt_dir) / f"critic-rank{self.rank:04d}.pt")
 
     @staticmethod
     def _state_values(raw: torch.Tensor) -> torch.Tensor:

@@ -111,6 +111,8 @@ class RolloutBackend(ABC):
     """The architecture generated with; every backend sets it in its constructor."""
     tp: int = 1
     """Generation tensor-parallel size: the TP layout of the shards ``load_from_switch`` takes."""
+    _calls: int = 0
+    """Generate calls so far: with the seed, decides the next call's draws (see call_seed)."""
 
     @abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
@@ -141,6 +143,13 @@ class RolloutBackend(ABC):
     @abstractmethod
     def close(self) -> None:
         """Release the engine; the object is unusable afterwards."""
+
+    def state_dict(self) -> dict[str, int]:
+        """What decides the backend's future draws besides its seed (for checkpoints)."""
+        return {"calls": self._calls}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self._calls = int(state["calls"])
 
     @property
     def capture_seconds(self) -> float:

@@ -11,6 +11,7 @@ over the global batch divides by the global token count.
 
 from __future__ import annotations
 
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Callable, Iterator
@@ -474,15 +475,14 @@ class TrainEngine:
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
         """One optimizer step over ``batch`` (this DP rank's share), split into micro-batches.
-        Returns summed loss and averaged metrics over this rank's micro-batches, and grad_norm."""
+        Returns summed loss and averaged metrics over this rank's micro-batches, grad_norm, and
+        ``nonfinite`` (1.0 when the gradients were not finite and the step was not applied)."""
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
         outputs = self._run(batch, loss_fn, forward_only=False)
-        ok, grad_norm, _ = self.optimizer.step()
-        if not ok:
-            raise FloatingPointError("optimizer step skipped: non-finite gradients")
+        grad_norm, applied = self._step_if_finite()
         metrics: dict[str, float] = {}
         if outputs:  # the last stage: one device -> host copy for all micro-batches
             keys = list(outputs[0])
@@ -491,8 +491,31 @@ class TrainEngine:
             metrics = {k: v / len(outputs) for k, v in sums.items()}
             metrics["loss"] = sums["loss"]
         metrics = self._from_last_stage(metrics)
-        metrics["grad_norm"] = float(grad_norm) if grad_norm is not None else 0.0
+        metrics["grad_norm"] = grad_norm
+        metrics["nonfinite"] = 0.0 if applied else 1.0
         return metrics
+
+    @torch.no_grad()
+    def _step_if_finite(self) -> tuple[float, bool]:
+        """Megatron's optimizer step (clip by the global norm, then update), taken only when the
+        gradients are finite: one NaN would otherwise spread to every weight. The norm is reduced
+        over the model-parallel ranks after the data-parallel all-reduce, so every rank decides
+        alike. Returns (grad norm, whether the step was applied)."""
+        from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
+        opt = self.optimizer
+        found_inf = opt.prepare_grads()
+        grad_norm = float(opt.get_grad_norm())
+        if found_inf or not math.isfinite(grad_norm):
+            opt.zero_grad()
+            return grad_norm, False
+        for part in getattr(opt, "chained_optimizers", [opt]):
+            params = part.get_parameters()
+            if part.config.clip_grad > 0.0 and params:
+                clip_grad_by_total_norm_fp32(
+                    params, max_norm=part.config.clip_grad, total_norm=grad_norm,
+                    use_decoupled_grad=part.config.use_precision_aware_optimizer_no_fp8_or_ds_fp8)
+        opt.step_with_ready_grads()
+        return grad_norm, True
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """Gather every parameter to its full shape on every rank (for tests and export; the

@@ -116,10 +116,10 @@ def read_checkpoint_model(ckpt_dir: str | os.PathLike) -> ModelConfig:
 
 def checkpoint_dtype(ckpt_dir: str | os.PathLike) -> str:
     """The engine dtype ("fp32"/"bf16") to load a distributed checkpoint with: its embedding's."""
-    from megatron.core import dist_checkpointing
+    from hybridflow.training.safe_load import safe_load_tensors_metadata
 
     check_is_megatron_checkpoint(ckpt_dir)
-    meta = dist_checkpointing.load_tensors_metadata(str(ckpt_dir))
+    meta = safe_load_tensors_metadata(ckpt_dir, field="--ckpt")
     key = "embedding.word_embeddings.weight"
     if key not in meta:
         raise ConfigError("--ckpt", f"{ckpt_dir}: tensor {key} is not in the checkpoint; is it a "
@@ -139,26 +139,29 @@ def check_is_megatron_checkpoint(ckpt_dir: str | os.PathLike) -> None:
                                     "(no metadata.json)")
 
 
-def load_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike) -> None:
+def load_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike, *,
+                             field: str = "--ckpt") -> None:
     """Load a distributed checkpoint (saved at any layout) into ``engine``. Collective. When the
-    checkpoint carries our ModelConfig it must equal the engine's."""
-    from megatron.core import dist_checkpointing
+    checkpoint carries our ModelConfig it must equal the engine's. Nothing in it is unpickled
+    beyond checkpoint metadata and plain data (``safe_load``); errors name ``field``."""
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
+
+    from hybridflow.training.safe_load import safe_load
 
     check_is_megatron_checkpoint(ckpt_dir)
     if (Path(ckpt_dir) / MODEL_FILE).exists():
         check_same_model(engine.model_config, read_checkpoint_model(ckpt_dir), str(ckpt_dir))
     try:
-        loaded = dist_checkpointing.load(_sharded_state_dict(engine), str(ckpt_dir))
+        loaded = safe_load(_sharded_state_dict(engine), ckpt_dir, field=field)
     except (CheckpointingException, CheckpointException) as e:
         # torch's CheckpointException (a BaseException, raised on every rank: planning is
         # collective) wraps each rank's error with its traceback; the first error is the story.
         cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
         text = str(cause)
-        raise ConfigError("--ckpt", f"{ckpt_dir} does not fit this model ({type(cause).__name__}: "
-                                    f"{text[:300]}{'...' if len(text) > 300 else ''}); is the "
-                                    "model config the one it was saved with?") from None
+        raise ConfigError(field, f"{ckpt_dir} does not fit this model ({type(cause).__name__}: "
+                                 f"{text[:300]}{'...' if len(text) > 300 else ''}); is the "
+                                 "model config the one it was saved with?") from None
     for i, chunk in enumerate(engine.chunks):
         chunk.module.load_state_dict(loaded[f"chunk{i}"], strict=True)
     if engine.optimizer is not None:
@@ -266,15 +269,59 @@ def _hf_dtype(hf_dir: Path) -> str:
         else "fp32"
 
 
+def _actor_checkpoint(path: Path) -> Path:
+    """The Megatron checkpoint that ``--ckpt`` names: ``path`` itself when it is one; the
+    ``actor/`` of an RL checkpoint (``<run>/checkpoints/step_N``); a run directory's (or its
+    ``checkpoints/`` folder's) newest complete checkpoint's actor. An RL checkpoint's manifest is
+    checked first (files missing or truncated); nothing is loaded here."""
+    from megatron.core import dist_checkpointing
+
+    from hybridflow import checkpoint
+
+    if not path.is_dir() or dist_checkpointing.check_is_distributed_checkpoint(str(path)):
+        return path  # a Megatron checkpoint, or an error check_is_megatron_checkpoint names
+    step_dir = path
+    if not (path / checkpoint.STATE_FILE).is_file():
+        run_dir = path.parent if path.name == checkpoint.CHECKPOINTS else path
+        found = checkpoint.checkpoints(run_dir)
+        if not found:
+            if (run_dir / checkpoint.CHECKPOINTS).is_dir():
+                raise ConfigError("--ckpt", f"{path} holds no complete checkpoint (a killed "
+                                            "write leaves none); give a Megatron checkpoint or "
+                                            f"a <run>/{checkpoint.CHECKPOINTS}/step_N directory")
+            return path  # not an RL run either: check_is_megatron_checkpoint says what it is not
+        step_dir = found[-1][1]
+    try:
+        checkpoint.read_checkpoint(step_dir, field="--ckpt")
+    except ConfigError as e:  # its advice is about resuming; here: export another checkpoint
+        raise ConfigError("--ckpt", e.message.split("; ")[0] + "; export another checkpoint "
+                                    "(its step_N directory)") from None
+    actor = step_dir / "actor"
+    if not dist_checkpointing.check_is_distributed_checkpoint(str(actor)):
+        raise ConfigError("--ckpt", f"{step_dir} has no actor checkpoint ({actor}); give a "
+                                    "Megatron checkpoint or an RL checkpoint's step_N directory")
+    return actor
+
+
 def megatron_to_hf_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.PathLike,
                               hf_config_from: str | os.PathLike | None = None, tp: int = 1,
                               pp: int = 1, overwrite: bool = False, verbose: bool = True) -> Path:
     """Megatron distributed checkpoint -> HF checkpoint, loaded at (tp, pp) in ``tp*pp`` local
-    gloo processes and written by rank 0 in the checkpoint's dtype. The model comes from
-    ``hybridflow_model.json``, or from ``hf_config_from`` (an HF directory whose config.json, and
-    tokenizer, to use; it must agree with the stored config when both exist)."""
-    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    gloo processes and written by rank 0 in the checkpoint's dtype. ``ckpt_dir`` may also be an
+    RL run's checkpoint (``<run>/checkpoints/step_N``: its actor) or run directory (its newest
+    complete checkpoint's actor). The model comes from ``hybridflow_model.json``, or from
+    ``hf_config_from`` (an HF directory whose config.json, and tokenizer, to use; it must agree
+    with the stored config when both exist). An RL checkpoint holds no tokenizer: without
+    ``hf_config_from`` the export has none."""
+    given, out_dir = Path(ckpt_dir), Path(out_dir)
     log = _log if verbose else (lambda msg: None)
+    ckpt_dir = _actor_checkpoint(given)
+    if ckpt_dir != given:
+        log(f"{given}: exporting the actor of {ckpt_dir.parent}")
+        step, out = ckpt_dir.parent.resolve(), out_dir.resolve()
+        if out == step or out in step.parents or step in out.parents:  # --overwrite: lost
+            raise ConfigError("--out", f"{out_dir} holds or is inside the checkpoint "
+                                       f"{ckpt_dir.parent}; write the output elsewhere")
     check_is_megatron_checkpoint(ckpt_dir)
     tokenizer_dir = ckpt_dir / TOKENIZER_DIR
     if hf_config_from is not None:
@@ -296,8 +343,75 @@ def megatron_to_hf_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.Pat
     _check_out_dir(out_dir, ckpt_dir, overwrite)
     log(f"{ckpt_dir}: {cfg.arch}, {cfg.num_layers} layers, {dtype}; loading at tp={tp}, pp={pp} "
         f"({tp * pp} process{'es' if tp * pp > 1 else ''})"
-        + ("" if tokenizer else "; no tokenizer to copy"))
+        + ("" if tokenizer else "; no tokenizer to copy" + (
+            "" if hf_config_from is not None else " (--hf-config-from MODEL_DIR adds one)")))
     _spawn(_megatron_to_hf_worker, tp * pp, str(ckpt_dir), str(out_dir), cfg, tp, pp, dtype,
            tokenizer, verbose)
     log(f"done: {out_dir}")
     return out_dir
+
+
+# ----------------------------------------------------------------------------------------------
+# an engine's whole training state (RL checkpoints: hybridflow.checkpoint)
+
+def _optimizer_metadata() -> dict:
+    # The distributed optimizer's state in its canonical per-parameter form reloads at any
+    # tp/pp/dp, but megatron-core 0.16 gathers it through CUDA tensors; on CPU it is saved per
+    # data-parallel buffer, reloadable at another dp only. (Megatron's default,
+    # fully_sharded_model_space, does not load in 0.16: "flattened_range is not supported".)
+    kind = "fully_reshardable" if torch.cuda.is_available() else "dp_reshardable"
+    return {"distrib_optim_sharding_type": kind}
+
+
+def _train_state_dict(engine, loading: bool) -> dict:
+    model = _sharded_state_dict(engine)
+    state = dict(model)  # the model at the same keys as save_megatron_checkpoint's: exportable
+    if engine.optimizer is not None:
+        state["optimizer"] = engine.optimizer.sharded_state_dict(
+            model, is_loading=loading, metadata=_optimizer_metadata())
+    return state
+
+
+def save_train_state(engine, ckpt_dir: str | os.PathLike) -> None:
+    """Weights and optimizer state of ``engine`` as a distributed checkpoint in ``ckpt_dir`` (made
+    here; the caller makes the whole checkpoint appear atomically), with our ModelConfig beside
+    them, so that ``tools/convert_checkpoint.py megatron-to-hf`` exports it. Collective."""
+    from megatron.core import dist_checkpointing
+
+    dest = Path(ckpt_dir)
+    if dist.get_rank() == 0:
+        dest.mkdir(parents=True, exist_ok=False)
+    dist.barrier()
+    dist_checkpointing.save(_train_state_dict(engine, loading=False), str(dest),
+                            sharded_strategy=_save_strategy())
+    if dist.get_rank() == 0:
+        layout = engine.layout
+        info = {"format": _FORMAT, "model": dataclasses.asdict(engine.model_config),
+                "saved_at": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp}}
+        (dest / MODEL_FILE).write_text(json.dumps(info, indent=2) + "\n")
+    dist.barrier()
+
+
+def load_train_state(engine, ckpt_dir: str | os.PathLike) -> None:
+    """Load what ``save_train_state`` wrote (at any layout) into ``engine``. Collective. A
+    checkpoint that does not fit is a ConfigError on ``resume``; nothing in it is unpickled
+    beyond checkpoint metadata."""
+    from hybridflow.training.safe_load import safe_load
+
+    loaded = safe_load(_train_state_dict(engine, loading=True), str(ckpt_dir), field="resume")
+    for i, chunk in enumerate(engine.chunks):
+        chunk.module.load_state_dict(loaded[f"chunk{i}"], strict=True)
+    if engine.optimizer is not None:
+        with torch.no_grad():  # the distributed optimizer copies into views of the parameters
+            engine.optimizer.load_state_dict(loaded["optimizer"])
+        _unshare_adam_steps(engine.optimizer)
+
+
+def _unshare_adam_steps(optimizer) -> None:
+    """megatron-core 0.16's DistributedOptimizer.load_state_dict (without Apex/TE) gives every
+    parameter's torch-Adam state the same ``step`` tensor, which torch increments in place once
+    per parameter: the bias correction after a resume would count N steps for one."""
+    for part in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for state in part.optimizer.state.values():
+            if torch.is_tensor(state.get("step")):
+                state["step"] = state["step"].clone()

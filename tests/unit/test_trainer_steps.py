@@ -3,6 +3,7 @@ like the real ones (same methods, same Batch keys), so what the driver does with
 which prompts it draws, how it scores, which KL it applies, what it logs -- is checked exactly."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -19,8 +20,20 @@ class FakeActor:
     response tokens; the policy's log-prob of a token is -0.5, the reference's
     -0.5 - kl_gap * (the row's index), so sample i is kl_gap * i nats per token from it."""
 
-    def __init__(self, kl_gap=0.0):
+    def __init__(self, kl_gap=0.0, nonfinite_at=()):
         self.kl_gap, self.generated, self.samplings = kl_gap, [], []
+        self.nonfinite_at = nonfinite_at  # updates (1-based) whose gradients are not finite
+        self.updates = 0
+
+    def run(self, method, path):
+        """save_state / load_state: the weights, as a file that says which update they are."""
+        state = Path(path) / "actor" / "weights"
+        if method == "save_state":
+            state.parent.mkdir()
+            state.write_text(str(self.updates))
+        else:
+            assert method == "load_state", method
+            self.updates = int(state.read_text())
 
     def run_by_dp(self, method, batch, view="train", sampling=None):
         if method == "generate":
@@ -32,7 +45,9 @@ class FakeActor:
             gap = self.kl_gap * torch.arange(b, dtype=torch.float32)[:, None]
             return Batch({"ref_logprobs": -0.5 - gap.expand(b, T)})
         if method == "update_actor":
-            return Batch(meta={"actor/pg_loss": 0.0})
+            self.updates += 1
+            return Batch(meta={"actor/pg_loss": 0.0, "actor/nonfinite_skipped":
+                               float(self.updates in self.nonfinite_at)})
         raise AssertionError(method)
 
     def _generate(self, batch, sampling):
@@ -136,8 +151,11 @@ def test_sequence_kl_penalty_by_hand():
 
 
 def test_prompt_order_follows_data_shuffle_and_data_seed(tmp_path):
+    runs = iter(range(100))
+
     def order(*overrides):
-        trainer = make_trainer(tmp_path, *[(k, v) for k, v in overrides], steps=3)
+        trainer = make_trainer(tmp_path / f"runs{next(runs)}", *[(k, v) for k, v in overrides],
+                               steps=3)
         trainer.fit(PROMPTS)
         return [q for step in trainer.actor.generated for q in step]
 
@@ -166,3 +184,54 @@ def test_a_reward_file_is_imported_once(tmp_path):
                          "reward": f"{reward}:f", "tracking": {"out_dir": str(tmp_path)}})
     assert counter.read_text() == "x"
     assert trainer.reward_fn(None, "any") == 2.0 and trainer.cost_fn is None
+
+
+@pytest.mark.parametrize("mode", ["stop", "skip"])
+def test_nonfinite_gradients_stop_with_a_checkpoint_or_are_skipped(tmp_path, mode):
+    from hybridflow.errors import RunError
+    trainer = make_trainer(tmp_path, ("on_nonfinite", mode), ("checkpoint.every", 5), steps=3,
+                           actor=FakeActor(nonfinite_at=(2,)))
+    run = tmp_path / "rl"
+    if mode == "stop":
+        with pytest.raises(RunError, match="non-finite gradients at step 2 .*step_000002"):
+            trainer.fit(PROMPTS)
+        # The state after step 2 (whose bad update the engine did not apply) is saved and
+        # loadable: the same command resumes from it.
+        assert (run / "checkpoints" / "step_000002" / "actor" / "weights").read_text() == "2"
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["actor/nonfinite_skipped"] for r in rows] == [0.0, 1.0]
+        again = make_trainer(tmp_path, ("on_nonfinite", mode), ("checkpoint.every", 5),
+                             steps=3, actor=FakeActor())
+        assert again.checked.resume.step == 2
+        again.fit(PROMPTS)
+        assert again.actor.updates == 3
+    else:
+        trainer.fit(PROMPTS)  # goes on; the counter says what was skipped
+        rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert [r["actor/nonfinite_skipped"] for r in rows] == [0.0, 1.0, 0.0]
+
+
+def test_a_resumed_run_continues_the_sampler_and_controllers(tmp_path):
+    """Resuming restores the prompt order and the adaptive KL coefficient where they were."""
+    overrides = (("algorithm.kl_in_reward", True), ("algorithm.kl_target", 0.01),
+                 ("checkpoint.every", 2))
+    whole = make_trainer(tmp_path / "a", *overrides, steps=4, actor=FakeActor(kl_gap=0.1))
+    whole.kl_ctrl = whole_kl = _adaptive(whole)
+    whole.fit(PROMPTS)
+    first = make_trainer(tmp_path / "b", *overrides, steps=2, actor=FakeActor(kl_gap=0.1))
+    first.kl_ctrl = _adaptive(first)
+    first.fit(PROMPTS)
+    second = make_trainer(tmp_path / "b", *overrides, steps=4, actor=FakeActor(kl_gap=0.1))
+    second.kl_ctrl = _adaptive(second)
+    second.fit(PROMPTS)
+    assert first.actor.generated + second.actor.generated == whole.actor.generated
+    assert second.kl_ctrl.value == whole_kl.value != 0.001
+    rows = lambda d: [{k: v for k, v in json.loads(line).items() if not k.startswith("timing")}
+                      for line in (d / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert rows(tmp_path / "b") == rows(tmp_path / "a")
+
+
+def _adaptive(trainer):
+    from hybridflow.algorithms import AdaptiveKLController
+    a = trainer.config.algorithm
+    return AdaptiveKLController(init_coef=a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)

@@ -1,0 +1,172 @@
+"""Runs survive: a run killed with SIGKILL at several moments (during generation, during the
+update, during a checkpoint write) and preempted with SIGTERM, each time started again with the
+same command, ends with a metrics.jsonl identical row for row (timings aside) to an uninterrupted
+run's. And a reward function that returns NaN stops the run with a message, not a NaN model.
+
+Each attempt is the real command line (``hybridflow train``) in a process of its own, killed from
+outside as Slurm or the OOM killer would."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+pytestmark = [pytest.mark.slow]
+
+PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)}
+           for a, b in ((1, 1), (2, 3), (4, 4), (7, 1), (3, 3), (5, 2))]
+
+# A reward with two test hooks, driven by the environment of the attempt: KILL_AT_CALL=n kills
+# this process 50 ms after the n-th reward call (the phases after scoring: log-probs and the
+# update), NAN_REWARD=1 returns NaN.
+REWARD = '''
+import os, signal, threading
+calls = 0
+
+def length(response):
+    global calls
+    calls += 1
+    if calls == int(os.environ.get("KILL_AT_CALL", "0")):
+        threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    if os.environ.get("NAN_REWARD"):
+        return float("nan")
+    return len(response) / 10.0
+'''
+
+CONFIG = """\
+model: tiny-llama
+reward: {tmp}/rewards.py:length
+train_batch_size: 2
+steps: 6
+actor:
+  layout: {{tp: 1, pp: 2, dp: 1}}
+  engine: {{micro_batch_size: 1, optim: {{lr: 1.0e-3}}}}
+rollout:
+  backend: megatron
+  sampling: {{n: 2, max_tokens: 6}}
+data:
+  source: {tmp}/prompts.jsonl
+  max_prompt_tokens: 32
+checkpoint: {{every: 2, keep: 2}}
+ray: {{num_cpus: 2}}
+tracking: {{out_dir: {tmp}/runs}}
+"""
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("resume")
+    (tmp / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
+    (tmp / "rewards.py").write_text(REWARD)
+    (tmp / "run.yaml").write_text(CONFIG.format(tmp=tmp))
+    env = {**os.environ, "OMP_NUM_THREADS": "1",
+           "HYBRIDFLOW_CACHE": str(tmp_path_factory.getbasetemp() / "cache")}
+    return tmp, env
+
+
+class Attempt:
+    """``hybridflow train run.yaml name=NAME`` in a process of its own."""
+
+    def __init__(self, setup, name: str, **env):
+        tmp, base_env = setup
+        self.run_dir = tmp / "runs" / name
+        self.log = tmp / f"{name}-{time.monotonic_ns()}.log"
+        metrics = self.run_dir / "metrics.jsonl"
+        self._inode = metrics.stat().st_ino if metrics.exists() else None
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "hybridflow.cli", "train", str(tmp / "run.yaml"),
+                 f"name={name}"], stdout=out, stderr=subprocess.STDOUT,
+                env={**base_env, **env})
+
+    def rows(self) -> int:
+        """Rows in metrics.jsonl, once this attempt has rewritten it (a resumed run replaces
+        the file with its rows up to the checkpoint: until then the rows are the last one's)."""
+        path = self.run_dir / "metrics.jsonl"
+        if not path.exists() or path.stat().st_ino == self._inode:
+            return 0
+        return path.read_text().count("\n")
+
+    def writing_checkpoint(self) -> bool:
+        root = self.run_dir / "checkpoints"
+        return root.exists() and any(root.glob(".step_*.tmp-*"))
+
+    def wait_until(self, condition, timeout: float = 240) -> None:
+        deadline = time.monotonic() + timeout
+        while not condition():
+            assert self.proc.poll() is None, f"ended early:\n{self.output()}"
+            assert time.monotonic() < deadline, f"timed out:\n{self.output()}"
+            time.sleep(0.01)
+
+    def finish(self, timeout: float = 300) -> int:
+        return self.proc.wait(timeout)
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.wait(30)
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
+
+
+def test_killed_and_preempted_run_equals_an_uninterrupted_one(setup):
+    reference = Attempt(setup, "uninterrupted")
+    assert reference.finish() == 0, reference.output()
+    expected = metrics(reference.run_dir)
+    assert [r["step"] for r in expected] == [1, 2, 3, 4, 5, 6]
+
+    # During generation: step 3's row is written, step 4 is generating (checkpoint: step 2).
+    first = Attempt(setup, "interrupted")
+    first.wait_until(lambda: first.rows() >= 3)
+    first.kill()
+    # During a checkpoint write (step 4's): the half-written one must be neither kept nor loaded.
+    second = Attempt(setup, "interrupted")
+    second.wait_until(second.writing_checkpoint)
+    second.kill()
+    assert "resuming from" in second.output() and "step_000002" in second.output()
+    # During the update: 50 ms after step 4's first reward call (resumed from step 2, the 5th).
+    third = Attempt(setup, "interrupted", KILL_AT_CALL="5")
+    assert third.finish() == -signal.SIGKILL, third.output()
+    # Preempted: SIGTERM once step 3 is logged; the run checkpoints and exits 0.
+    fourth = Attempt(setup, "interrupted")
+    fourth.wait_until(lambda: fourth.rows() >= 3)
+    fourth.proc.send_signal(signal.SIGTERM)
+    assert fourth.finish() == 0, fourth.output()
+    assert "SIGTERM: stopped after step" in fourth.output()
+    stopped_at = json.loads((fourth.run_dir / "metrics.jsonl").read_text().splitlines()[-1])
+    assert (fourth.run_dir / "checkpoints" / f"step_{stopped_at['step']:06d}").is_dir()
+    # The same command once more finishes the run.
+    last = Attempt(setup, "interrupted")
+    assert last.finish() == 0, last.output()
+    assert f"resuming from" in last.output()
+
+    assert metrics(last.run_dir) == expected
+    assert not list((last.run_dir / "checkpoints").glob(".step_*"))  # no partial write left
+    kept = sorted(p.name for p in (last.run_dir / "checkpoints").iterdir())
+    assert kept == ["step_000004", "step_000006"]  # checkpoint.keep=2
+    # Started again when complete: nothing to do, nothing rewritten.
+    again = Attempt(setup, "interrupted")
+    assert again.finish() == 0 and "is complete" in again.output()
+    assert metrics(last.run_dir) == expected
+
+
+def test_a_nan_reward_stops_the_run_naming_the_sample(setup):
+    attempt = Attempt(setup, "nan", NAN_REWARD="1")
+    assert attempt.finish() == 1, attempt.output()
+    out = attempt.output()
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("hybridflow: run stopped: "), out
+    assert "sample 0" in last and "rewards.py:length" in last and "nan" in last, last
+    assert "Traceback" not in out
+    # No step was logged and nothing was trained on the NaN.
+    assert attempt.rows() == 0

@@ -1,0 +1,67 @@
+"""hybridflow.checkpoint without processes: a checkpoint appears whole or not at all, a failed
+write (a full disk) leaves the last complete one loadable, and ``keep`` prunes the oldest."""
+
+import errno
+import json
+
+import pytest
+
+from hybridflow.checkpoint import (checkpoints, plan_resume, read_checkpoint,
+                                   remove_partial_checkpoints, save_checkpoint)
+from hybridflow.errors import ConfigError, RunError
+
+IDENTITY = {"algorithm": "grpo", "roles": ["actor"], "model": {"num_layers": 2}}
+
+
+def parts(tmp):
+    (tmp / "actor").mkdir()
+    (tmp / "actor" / "weights.bin").write_bytes(b"x" * 100)
+
+
+def test_checkpoints_are_whole_and_pruned(tmp_path):
+    for step in (2, 4, 6):
+        save_checkpoint(tmp_path, step, {**IDENTITY, "note": step}, parts, keep=2)
+    assert [s for s, _ in checkpoints(tmp_path)] == [4, 6]
+    state = read_checkpoint(checkpoints(tmp_path)[-1][1])
+    assert state["step"] == 6 and state["files"] == {"actor/weights.bin": 100}
+
+
+def test_a_full_disk_leaves_the_last_checkpoint_loadable(tmp_path):
+    save_checkpoint(tmp_path, 2, IDENTITY, parts, keep=2)
+
+    def full(tmp):
+        parts(tmp)
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp / "actor"))
+    with pytest.raises(RunError, match="No space left on device.*step_000002.* is intact"):
+        save_checkpoint(tmp_path, 4, IDENTITY, full, keep=2)
+    assert [s for s, _ in checkpoints(tmp_path)] == [2]
+    assert not list((tmp_path / "checkpoints").glob(".step_*"))  # the partial write is gone
+    read_checkpoint(checkpoints(tmp_path)[-1][1])
+
+
+def test_a_killed_write_is_never_loaded(tmp_path):
+    save_checkpoint(tmp_path, 2, IDENTITY, parts, keep=2)
+    # What a SIGKILL during the write of step 4 leaves: a hidden folder without trainer.json.
+    partial = tmp_path / "checkpoints" / ".step_000004.tmp-abc"
+    partial.mkdir()
+    (partial / "actor").mkdir()
+    (tmp_path / "config.yaml").write_text("name: rl\n")
+    plan = plan_resume("auto", tmp_path, {"name": "rl"}, IDENTITY)
+    assert plan.step == 2 and plan.checkpoint.name == "step_000002"
+    remove_partial_checkpoints(tmp_path)
+    assert not partial.exists()
+
+
+def test_resume_auto_allows_only_the_resumable_keys_to_change(tmp_path):
+    save_checkpoint(tmp_path, 2, IDENTITY, parts, keep=2)
+    (tmp_path / "config.yaml").write_text("name: rl\nsteps: 4\nactor: {lr: 1}\n")
+    assert plan_resume("auto", tmp_path, {"name": "rl", "steps": 8, "actor": {"lr": 1}},
+                       IDENTITY).step == 2
+    with pytest.raises(ConfigError, match=r"actor.lr \(1 there, 2 here\)"):
+        plan_resume("auto", tmp_path, {"name": "rl", "steps": 4, "actor": {"lr": 2}}, IDENTITY)
+
+
+def test_a_checkpoint_state_is_plain_json(tmp_path):
+    save_checkpoint(tmp_path, 2, {**IDENTITY, "kl": 0.1}, parts, keep=1)
+    text = (checkpoints(tmp_path)[0][1] / "trainer.json").read_text()
+    assert json.loads(text)["kl"] == 0.1
