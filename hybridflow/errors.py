@@ -1,4 +1,5 @@
-"""The error types (bad user input, a run that stops), and the value checks every config dataclass shares.
+"""The error types (bad user input, a run that stops), and the value checks every config
+dataclass shares.
 
 A leaf module: every package may import it, it imports nothing of ours.
 

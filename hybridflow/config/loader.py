@@ -140,7 +140,37 @@ def _merge(base, other):
     try:
         return OmegaConf.merge(base, other)
     except OmegaConfBaseException as e:
+        found = _section_mismatch(base, other)
+        if found is not None:  # OmegaConf's message names no key here
+            key, section, value = found
+            raise ConfigError(key, f"is a section of {OmegaConf.get_type(section).__name__} "
+                                   f"settings (key: value lines under it), got "
+                                   f"{type(value).__name__} {value!r}") from None
         raise _from_omegaconf(e) from None
+
+
+def _section_mismatch(base, other, prefix: str = ""):
+    """(dotted key, base section, given value) where ``other`` puts a value that is not a
+    mapping in place of one of ``base``'s sections, or None."""
+    from omegaconf import DictConfig, OmegaConf
+    if not isinstance(base, DictConfig) or not isinstance(other, DictConfig):
+        return None
+    for key in other.keys():
+        if key not in base:
+            continue
+        section, given = base._get_node(key), other._get_node(key)
+        if not isinstance(section, DictConfig):
+            continue
+        if not isinstance(given, DictConfig):
+            value = OmegaConf.to_container(given) if OmegaConf.is_config(given) else \
+                given._value()
+            if value is not None:
+                return f"{prefix}{key}", section, value
+            continue
+        found = _section_mismatch(section, given, f"{prefix}{key}.")
+        if found is not None:
+            return found
+    return None
 
 
 def _from_omegaconf(e: Exception) -> ConfigError:

@@ -91,8 +91,23 @@ def init_ray(cfg: RayConfig) -> None:
         # PR_SET_PDEATHSIG, and the workers exit when their raylet goes (test_faults checks it).
         ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env,
                  logging_level="WARNING", log_to_driver=True)
+        _start_reaper()
     else:
         ray.init(address=cfg.address, runtime_env=env, logging_level="WARNING")
+
+
+def _start_reaper() -> None:
+    """Ray's dashboard and runtime-env agents outlive a killed driver by a minute or more: a
+    reaper process (hybridflow/controller/reaper.py) kills what the driver started once it is
+    gone. One per driver process."""
+    import subprocess
+    import sys
+    if os.environ.get("HYBRIDFLOW_REAPER_OF") == str(os.getpid()):
+        return
+    subprocess.Popen([sys.executable, "-m", "hybridflow.controller.reaper", str(os.getpid())],
+                     stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
+                     stderr=subprocess.DEVNULL, start_new_session=True)
+    os.environ["HYBRIDFLOW_REAPER_OF"] = str(os.getpid())
 
 
 @dataclass(frozen=True)
@@ -365,9 +380,10 @@ def _creation_error(e) -> BaseException | None:
 
 
 def _raise_task_error(e) -> None:
-    """A worker's exception: a ConfigError as itself (bad input found in a worker: the CLI
-    prints one line), anything else as Ray's error with the worker's traceback (a bug)."""
-    if isinstance(e.cause, ConfigError):
+    """A worker's exception: a ConfigError or RunError as itself (bad input, or a reason to stop
+    found in a worker: the CLI prints one line), anything else as Ray's error with the worker's
+    traceback (a bug)."""
+    if isinstance(e.cause, (ConfigError, RunError)):
         raise e.cause from None
     raise e
 

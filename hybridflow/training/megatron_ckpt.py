@@ -72,10 +72,7 @@ def save_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike,
         dist_checkpointing.save(_sharded_state_dict(engine), str(tmp),
                                 sharded_strategy=_save_strategy())
         if dist.get_rank() == 0:
-            layout = engine.layout
-            info = {"format": _FORMAT, "model": dataclasses.asdict(engine.model_config),
-                    "saved_at": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp}}
-            (tmp / MODEL_FILE).write_text(json.dumps(info, indent=2) + "\n")
+            _write_model_file(engine, tmp)
             if tokenizer_dir is not None and _has_tokenizer(Path(tokenizer_dir)):
                 import transformers
                 tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
@@ -94,6 +91,13 @@ def save_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike,
         if dist.get_rank() == 0 and tmp.exists():
             shutil.rmtree(tmp, ignore_errors=True)
     return dest
+
+
+def _write_model_file(engine, ckpt_dir: Path) -> None:
+    layout = engine.layout
+    info = {"format": _FORMAT, "model": dataclasses.asdict(engine.model_config),
+            "saved_at": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp}}
+    (ckpt_dir / MODEL_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
 
 def _has_tokenizer(path: Path) -> bool:
@@ -208,7 +212,7 @@ def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, c
     log(f"wrote the HF checkpoint in {time.monotonic() - start:.1f}s")
 
 
-_CONFIG_ERROR_LINE = re.compile(r"^hybridflow\.config\.errors\.ConfigError: (.*?): (.*)$", re.M)
+_CONFIG_ERROR_LINE = re.compile(r"^hybridflow\.errors\.ConfigError: (.*?): (.*)$", re.M)
 
 
 def _spawn(fn: Callable, world: int, *args) -> None:
@@ -385,10 +389,7 @@ def save_train_state(engine, ckpt_dir: str | os.PathLike) -> None:
     dist_checkpointing.save(_train_state_dict(engine, loading=False), str(dest),
                             sharded_strategy=_save_strategy())
     if dist.get_rank() == 0:
-        layout = engine.layout
-        info = {"format": _FORMAT, "model": dataclasses.asdict(engine.model_config),
-                "saved_at": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp}}
-        (dest / MODEL_FILE).write_text(json.dumps(info, indent=2) + "\n")
+        _write_model_file(engine, dest)
     dist.barrier()
 
 

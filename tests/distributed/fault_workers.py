@@ -68,7 +68,10 @@ def main() -> None:
     # Both ranks busy, as in a run: rank 0 inside an all_reduce that waits for rank 1.
     group.actors[1].sleep.remote(600)
     group.actors[0].world_sum.remote()
-    print(json.dumps({"workers": group.pids, "servers": servers}), flush=True)
+    # Everything this driver started (Ray's agents and the reaper included), for the test.
+    from hybridflow.controller.reaper import descendants
+    everything = list(descendants(os.getpid()))
+    print(json.dumps({"workers": group.pids, "servers": servers, "all": everything}), flush=True)
     time.sleep(600)
 
 

@@ -56,7 +56,7 @@ def _save_then_continue(rank, world, ckpt, layout, distributed):
 def _load_then_continue(rank, world, ckpt, layout, distributed):
     from hybridflow.training.megatron_ckpt import load_train_state
     engine = _engine(layout, distributed)
-    engine.train_step(_batch(5, layout), _loss)  # state to be overwritten: the load must replace it all
+    engine.train_step(_batch(5, layout), _loss)  # state the load must replace entirely
     load_train_state(engine, ckpt)
     loaded = engine.full_weights()
     for seed in (1, 2):

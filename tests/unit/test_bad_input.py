@@ -228,9 +228,10 @@ ROWS = [
     ("unknown nested override key", lambda f: [f.base, "rollout.sampling.temp=0.5"],
      "rollout.sampling.temp", ["not a key"]),
     ("string for an int", lambda f: [f.config(BASE + "seed: ten\n")], "seed", ["ten"]),
-    ("list for a dict", lambda f: [f.config(BASE + "actor: [1, 2]\n")], "actor", [],
-     pytest.mark.xfail(strict=True, reason="config/loader.py: OmegaConf's merge error loses the "
-                       "key: `CONFIG: Merge error: list is not a subclass of ActorConfig`")),
+    ("list for a dict", lambda f: [f.config(BASE + "actor: [1, 2]\n")], "actor",
+     ["section of ActorConfig", "[1, 2]"]),
+    ("number for a nested dict", lambda f: [f.config(BASE + "actor: {engine: {optim: 3}}\n")],
+     "actor.engine.optim", ["section of OptimConfig", "int 3"]),
     ("dict for an int", lambda f: [f.base, "train_batch_size={a: 1}"], "train_batch_size",
      ["could not be converted"]),
     ("negative lr", lambda f: [f.base, "actor.engine.optim.lr=-1e-6"], "actor.engine.optim.lr",

@@ -129,3 +129,19 @@ def test_refusals_name_the_field():
     assert list(to_vllm_shards({}, odd, 1)) == []
     with pytest.raises(ConfigError, match="decoder.layers.0.bogus"):
         vllm_name("decoder.layers.0.bogus", cfg)
+
+
+def _refuse(rank, world):
+    from hybridflow.errors import ConfigError
+    raise ConfigError("--tp", "refused in a conversion worker")
+
+
+def test_a_conversion_worker_config_error_arrives_as_one():
+    """A conversion worker's ConfigError is raised in the caller as a ConfigError (one line for
+    the tool), not as the worker's traceback."""
+    import pytest
+
+    from hybridflow.errors import ConfigError
+    from hybridflow.training.megatron_ckpt import _spawn
+    with pytest.raises(ConfigError, match="^--tp: refused in a conversion worker$"):
+        _spawn(_refuse, 1)
