@@ -241,9 +241,12 @@ class RLTrainer:
         Returns this call's metric rows. A SIGTERM ends it cleanly at the next step's end."""
         from hybridflow.checkpoint import remove_partial_checkpoints
         from hybridflow.config import to_yaml
+        from hybridflow.config.check import resume_plan
         from hybridflow.data.loader import PromptSampler
+        from hybridflow.rewards import describe_reward_fn
 
-        cfg, plan = self.config, self.checked.resume
+        # Planned again (check_run did at __init__): an earlier fit may have moved the run on.
+        cfg, plan = self.config, resume_plan(self.config, self.checked.model)
         if plan.step >= cfg.steps:
             print(f"{plan.run_dir} is complete: it reached step {plan.step} of steps={cfg.steps}; "
                   "nothing to do (steps=N continues it, another name starts a new run)",
@@ -257,7 +260,6 @@ class RLTrainer:
         with _StopOnSigterm() as stop:
             for fn, key in ((self.reward_fn, "reward"), (self.cost_fn, "cost")):
                 if fn is not None:
-                    from hybridflow.rewards import describe_reward_fn
                     print(describe_reward_fn(fn, key), flush=True)
             if plan.checkpoint is not None:
                 self._load_checkpoint(plan.checkpoint, plan.state, sampler)

@@ -105,13 +105,13 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
     _check_out_dir(cfg)
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
     recv, naive = _reshard_bytes(model, gen, cfg)
-    resume = _resume_plan(cfg, model)
+    resume = resume_plan(cfg, model)
     return RunCheck(model_dir=model_dir, model=model, scorer_dirs=scorer_dirs, gen=gen,
                     reshard_recv_bytes=recv, naive_recv_bytes=naive, prompts=prompts,
                     reward_fn=functions["reward"], cost_fn=functions["cost"], resume=resume)
 
 
-def _resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
+def resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
     """Where the run starts; refuses a run directory of another run, or a checkpoint that does
     not fit (another algorithm, model shape, a truncated file)."""
     import yaml

@@ -235,3 +235,9 @@ def _adaptive(trainer):
     from hybridflow.algorithms import AdaptiveKLController
     a = trainer.config.algorithm
     return AdaptiveKLController(init_coef=a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
+
+
+def test_a_second_fit_sees_where_the_first_left_the_run(tmp_path, capsys):
+    trainer = make_trainer(tmp_path, steps=2)
+    assert len(trainer.fit(PROMPTS)) == 2
+    assert trainer.fit(PROMPTS) == [] and "is complete" in capsys.readouterr().out
