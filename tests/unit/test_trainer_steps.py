@@ -241,3 +241,17 @@ def test_a_second_fit_sees_where_the_first_left_the_run(tmp_path, capsys):
     trainer = make_trainer(tmp_path, steps=2)
     assert len(trainer.fit(PROMPTS)) == 2
     assert trainer.fit(PROMPTS) == [] and "is complete" in capsys.readouterr().out
+
+
+def test_a_first_sigterm_asks_for_a_stop_and_a_second_ends_the_process(capsys):
+    import os
+    import signal
+
+    from hybridflow.trainer import _StopOnSigterm
+    before = signal.getsignal(signal.SIGTERM)
+    with _StopOnSigterm() as stop:
+        os.kill(os.getpid(), signal.SIGTERM)
+        assert stop.requested and "SIGTERM" in capsys.readouterr().out
+        # The next SIGTERM gets the default action: the process ends at once.
+        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
+    assert signal.getsignal(signal.SIGTERM) == before
