@@ -131,12 +131,13 @@ def read_checkpoint(path: str | os.PathLike, field: str = "resume") -> dict[str,
 
 
 def plan_resume(resume: str, run_dir: str | os.PathLike, config: dict[str, Any],
-                identity: dict[str, Any]) -> ResumePlan:
+                identity: dict[str, Any], defaults: dict[str, Any] | None = None) -> ResumePlan:
     """Decide where a run starts, from ``resume`` (auto, never or a checkpoint path) and what the
     run directory holds. ``config``: the run's config as plain data; ``identity``: what a
-    checkpoint must match to be loadable into this run (algorithm, roles, model shape). Raises a
-    ConfigError, writing nothing, when the run directory holds another run or the checkpoint
-    does not fit."""
+    checkpoint must match to be loadable into this run (algorithm, roles, model shape);
+    ``defaults``: the schema's defaults, for keys that a run written by an older hybridflow lacks
+    (equal to their default, they are no difference). Raises a ConfigError, writing nothing, when
+    the run directory holds another run or the checkpoint does not fit."""
     run_dir = Path(run_dir)
     held = _holds_run(run_dir)
     if resume == "never":
@@ -145,7 +146,7 @@ def plan_resume(resume: str, run_dir: str | os.PathLike, config: dict[str, Any],
                                         "it, or choose another name (or tracking.out_dir)")
         return ResumePlan(run_dir, None, {}, continues=False)
     if held:
-        _check_same_run(run_dir, config)
+        _check_same_run(run_dir, config, defaults or {})
     if resume == "auto":
         found = checkpoints(run_dir)
         if not found:
@@ -183,8 +184,9 @@ def _holds_run(run_dir: Path) -> bool:
                                                       CHECKPOINTS))
 
 
-def _check_same_run(run_dir: Path, config: dict[str, Any]) -> None:
-    """The run in ``run_dir`` is this one: its config.yaml equals ours but for RESUMABLE_KEYS."""
+def _check_same_run(run_dir: Path, config: dict[str, Any], defaults: dict[str, Any]) -> None:
+    """The run in ``run_dir`` is this one: its config.yaml equals ours but for RESUMABLE_KEYS
+    and for keys it lacks that we hold at their defaults (options added since it was written)."""
     import yaml
     stored_file = run_dir / "config.yaml"
     try:
@@ -195,9 +197,10 @@ def _check_same_run(run_dir: Path, config: dict[str, Any]) -> None:
         raise ConfigError("name", f"{run_dir} holds files of a run without a readable "
                                   "config.yaml; choose another name (or tracking.out_dir), or "
                                   "move that folder away")
-    diffs = [k for k in _differences(stored, config) if k.split(".")[0] not in RESUMABLE_KEYS]
+    diffs = [k for k in _differences(stored, config) if k.split(".")[0] not in RESUMABLE_KEYS
+             and not (_at(stored, k) is _ABSENT and _at(config, k) == _at(defaults, k))]
     if diffs:
-        shown = ", ".join(f"{k} ({_at(stored, k)!r} there, {_at(config, k)!r} here)"
+        shown = ", ".join(f"{k} ({_shown(_at(stored, k))} there, {_shown(_at(config, k))} here)"
                           for k in diffs[:3])
         raise ConfigError("name", f"{run_dir} holds another run: its config differs at {shown}"
                                   f"{' ...' if len(diffs) > 3 else ''}; choose another name (or "
@@ -205,18 +208,26 @@ def _check_same_run(run_dir: Path, config: dict[str, Any]) -> None:
                                   "its checkpoint")
 
 
+_ABSENT = object()  # a key one config has and the other lacks
+
+
 def _differences(a: Any, b: Any, prefix: str = "") -> list[str]:
+    """The dotted keys (leaves, or the first absent level) where ``a`` and ``b`` differ."""
     if isinstance(a, dict) and isinstance(b, dict):
         out = []
         for key in sorted(set(a) | set(b), key=str):
-            out += _differences(a.get(key), b.get(key), f"{prefix}{key}.")
+            out += _differences(a.get(key, _ABSENT), b.get(key, _ABSENT), f"{prefix}{key}.")
         return out
     return [] if a == b else [prefix.rstrip(".")]
 
 
+def _shown(value: Any) -> str:
+    return "absent" if value is _ABSENT else repr(value)
+
+
 def _at(data: Any, key: str) -> Any:
     for part in key.split("."):
-        data = data.get(part) if isinstance(data, dict) else None
+        data = data.get(part, _ABSENT) if isinstance(data, dict) else _ABSENT
     return data
 
 
@@ -228,7 +239,7 @@ def _check_identity(path: Path, state: dict[str, Any], identity: dict[str, Any])
                     "model": "the model's shape"}.get(key, key)
             if key == "model" and isinstance(theirs, dict):
                 diff = _differences(theirs, mine)
-                shown = ", ".join(f"{k}={_at(theirs, k)!r} (this run: {_at(mine, k)!r})"
+                shown = ", ".join(f"{k}={_shown(_at(theirs, k))} (this run: {_shown(_at(mine, k))})"
                                   for k in diff[:3])
                 raise ConfigError("resume", f"{path} holds another model ({shown}); resume "
                                             "from a checkpoint of this model")

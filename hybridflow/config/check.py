@@ -118,7 +118,8 @@ def resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
 
     from hybridflow.config.loader import to_yaml
     return plan_resume(cfg.resume, Path(cfg.tracking.out_dir) / cfg.name,
-                       yaml.safe_load(to_yaml(cfg)), run_identity(cfg, model))
+                       yaml.safe_load(to_yaml(cfg)), run_identity(cfg, model),
+                       defaults=yaml.safe_load(to_yaml(RLConfig())))
 
 
 def _model_config(model_dir: Path, field: str) -> ModelConfig:

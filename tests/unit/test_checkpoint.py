@@ -65,3 +65,14 @@ def test_a_checkpoint_state_is_plain_json(tmp_path):
     save_checkpoint(tmp_path, 2, {**IDENTITY, "kl": 0.1}, parts, keep=1)
     text = (checkpoints(tmp_path)[0][1] / "trainer.json").read_text()
     assert json.loads(text)["kl"] == 0.1
+
+
+def test_a_run_of_an_older_version_resumes_when_new_options_keep_their_defaults(tmp_path):
+    save_checkpoint(tmp_path, 2, IDENTITY, parts, keep=2)
+    (tmp_path / "config.yaml").write_text("name: rl\nactor: {lr: 1}\n")  # before `new` existed
+    defaults = {"name": "rl", "actor": {"lr": 1, "new": "off"}}
+    now = {"name": "rl", "actor": {"lr": 1, "new": "off"}}
+    assert plan_resume("auto", tmp_path, now, IDENTITY, defaults).step == 2
+    with pytest.raises(ConfigError, match=r"actor.new \(absent there, 'on' here\)"):
+        plan_resume("auto", tmp_path, {**now, "actor": {"lr": 1, "new": "on"}}, IDENTITY,
+                    defaults)

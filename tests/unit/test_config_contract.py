@@ -212,8 +212,10 @@ def test_a_refused_start_leaves_an_earlier_run_alone(tmp_path, capsys, tiny_cach
 
 
 @pytest.mark.parametrize("path", EXPERIMENTS, ids=[p.name for p in EXPERIMENTS])
-def test_check_validates_every_experiment(path, capsys):
-    assert main(["check", str(path)]) == 0, capsys.readouterr().err
+def test_check_validates_every_experiment(path, capsys, tmp_path):
+    # (a folder of its own: runs/ of this checkout may hold earlier runs of these names)
+    assert main(["check", str(path), f"tracking.out_dir={tmp_path}"]) == 0, \
+        capsys.readouterr().err
     out = capsys.readouterr().out
     assert "config OK" in out and "bytes received per actor rank" in out
 
