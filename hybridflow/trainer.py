@@ -169,13 +169,33 @@ class RLTrainer:
 
     def score(self, batch: Batch) -> Batch:
         """Rewards, old and reference log-probs, values (PPO), KL and advantages."""
-        from hybridflow.algorithms import estimate_advantages, kl_penalty
+        return self._advantages(self._reward(batch))
+
+    def _reward(self, batch: Batch) -> Batch:
+        """Per-sample ``scores`` (and Safe-RLHF's ``costs``), with DAPO's overlong penalty
+        added to the scores (also kept as ``overlong_penalty``) where algorithm.overlong_buffer
+        is set. Cheap: dynamic sampling filters on it before any log-prob is computed."""
+        from hybridflow.algorithms import overlong_penalty
         a = self.config.algorithm
         timing: dict[str, float] = {}
         with _timer(timing, "timing/reward_s"):
             batch.tensors["scores"] = self._scores(batch, "scores", self.reward_fn)
             if a.name == "safe_rlhf":
                 batch.tensors["costs"] = self._scores(batch, "costs", self.cost_fn)
+            if a.overlong_buffer:
+                penalty = overlong_penalty(batch["response_mask"].sum(-1),
+                                           self.config.sampling.max_tokens, a.overlong_buffer,
+                                           a.overlong_penalty)
+                batch.tensors["overlong_penalty"] = penalty
+                batch.tensors["scores"] = batch["scores"] + penalty
+        batch.meta.update(timing)
+        return batch
+
+    def _advantages(self, batch: Batch) -> Batch:
+        """Old and reference log-probs, values (PPO), KL and advantages of a rewarded batch."""
+        from hybridflow.algorithms import estimate_advantages, kl_penalty
+        a = self.config.algorithm
+        timing: dict[str, float] = {}
         with _timer(timing, "timing/old_logprobs_s"):
             batch = batch.update(self.actor.run_by_dp("compute_log_prob", batch))
         with _timer(timing, "timing/ref_logprobs_s"):
@@ -290,7 +310,7 @@ class RLTrainer:
                 if stop.requested:  # before any step of this process: nothing new to save
                     break
                 self.step = step
-                metrics = self._step([items[i] for i in next(sampler)])
+                metrics = self._step(lambda: [items[i] for i in next(sampler)])
                 tracker.log(step, metrics)
                 history.append(metrics)
                 bar.update(1)
@@ -316,16 +336,59 @@ class RLTrainer:
             bar.close()
         return history
 
-    def _step(self, prompts: list[PromptItem]) -> dict[str, float]:
-        """One iteration: generate, score, update; its metrics."""
+    def _step(self, draw: Callable[[], list[PromptItem]]) -> dict[str, float]:
+        """One iteration: generate and reward the prompts ``draw()`` gives (more rounds with
+        dynamic sampling), score, update; its metrics."""
         start = time.perf_counter()
-        batch = self.generate(prompts)
-        batch = self.score(batch)
+        batch, collected = self._collect_groups(draw)
+        batch = self._advantages(batch)
         metrics = self.update_actor(batch)
         metrics.update(self._step_metrics(batch))
+        metrics.update(collected)
         metrics["timing/step_s"] = time.perf_counter() - start
         self._after_step(batch, metrics)
         return metrics
+
+    def _collect_groups(self, draw: Callable[[], list[PromptItem]]
+                        ) -> tuple[Batch, dict[str, float]]:
+        """The step's rewarded batch of train_batch_size groups (a prompt's n samples), and its
+        DAPO metrics.
+
+        Without dynamic sampling: one ``draw()``, generated and rewarded. With it (DAPO): the
+        groups whose rewards (before overlong shaping) are all equal are set aside and further
+        batches drawn, for at most algorithm.max_sampling_rounds rounds, until train_batch_size
+        groups with differing rewards are in hand. Surplus groups are cut and a shortfall is filled
+        with set-aside groups: the update's batch has a fixed size. Every draw comes from the
+        run's prompt sampler, so a resumed run draws what the uninterrupted one would have."""
+        from hybridflow.algorithms import group_rewards_differ
+        a, size = self.config.algorithm, self.config.train_batch_size
+        rounds = [self._reward(self.generate(draw()))]
+        if not a.dynamic_sampling:
+            return rounds[0], self._overlong_metrics(rounds[0])
+        varied: list[tuple[int, int]] = []  # (round, group) in the order drawn
+        equal: list[tuple[int, int]] = []
+        while True:
+            last = rounds[-1]
+            # On the task's reward (DAPO filters on accuracy), not the length-shaped score: a
+            # group of equally right answers of different lengths still teaches nothing.
+            raw = last["scores"] - last["overlong_penalty"] if "overlong_penalty" in last \
+                else last["scores"]
+            ids, differ = group_rewards_differ(raw, last["group"])
+            for group, d in zip(ids, differ.tolist()):
+                (varied if d else equal).append((len(rounds) - 1, group))
+            if len(varied) >= size or len(rounds) == a.max_sampling_rounds:
+                break
+            rounds.append(self._reward(self.generate(draw())))
+        fill = equal[:max(0, size - len(varied))]
+        batch = _take_groups(rounds, varied[:size] + fill)
+        return batch, {"dapo/rounds": len(rounds), "dapo/prompts_drawn": len(rounds) * size,
+                       "dapo/groups_dropped": len(equal) - len(fill),
+                       "dapo/filled_with_equal": len(fill), **self._overlong_metrics(batch)}
+
+    def _overlong_metrics(self, batch: Batch) -> dict[str, float]:
+        if "overlong_penalty" not in batch:
+            return {}
+        return {"reward/overlong_penalty_mean": batch["overlong_penalty"].mean().item()}
 
     def _summarize(self, metrics_path: Path, run_dir: Path) -> None:
         from hybridflow.tracking import plot_metric, read_metrics
@@ -384,6 +447,7 @@ class RLTrainer:
         return self.fit(prompts_from_records(dataset))
 
     def _step_metrics(self, batch: Batch) -> dict[str, float]:
+        from hybridflow.algorithms import rollout_mismatch
         mask = batch["response_mask"]
         lengths = mask.sum(-1)
         scores = batch["scores"]
@@ -400,6 +464,13 @@ class RLTrainer:
         out.update({k: v for k, v in batch.meta.items() if k.startswith(("timing/", "reshard/"))})
         if "costs" in batch:
             out["cost/mean"] = batch["costs"].mean().item()
+        mismatch = rollout_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], mask)
+        s = self.config.sampling
+        if not (s.temperature == 1 and s.top_k == 0 and s.top_p == 1):
+            # Both sides are still the raw model's log-probs, but the tokens were not drawn from
+            # it: k3 then estimates no KL of either engine.
+            del mismatch["mismatch/kl"]
+        out.update({k: v.item() for k, v in mismatch.items()})
         return out
 
     def _after_step(self, batch: Batch, metrics: dict[str, float]) -> None:
@@ -461,6 +532,23 @@ class _timer:
 
     def __exit__(self, *exc):
         self.out[self.key] = time.perf_counter() - self.start
+
+
+def _take_groups(rounds: list[Batch], chosen: list[tuple[int, int]]) -> Batch:
+    """The samples of the ``chosen`` (round, group) pairs, in that order, as one batch whose
+    groups are renumbered 0, 1, ... (each round's generate numbers its own from 0); the rounds'
+    numeric meta (timings, resharded bytes) summed."""
+    parts = []
+    for k, (r, group) in enumerate(chosen):
+        rows = [i for i, g in enumerate(rounds[r]["group"]) if g == group]
+        part = rounds[r].index(rows)
+        part.lists["group"] = [k] * len(rows)
+        parts.append(part)
+    batch = Batch.concat(parts)
+    for key in batch.meta:
+        if all(isinstance(b.meta.get(key), (int, float)) for b in rounds):
+            batch.meta[key] = sum(b.meta[key] for b in rounds)
+    return batch
 
 
 def _callable_name(fn: Callable) -> str:

@@ -1,4 +1,5 @@
-"""RL maths as pure tensor functions: advantage estimators, PPO losses, KL control, Safe RLHF."""
+"""RL maths as pure tensor functions: advantage estimators, PPO losses, KL control, Safe RLHF,
+rollout/training mismatch."""
 
 from hybridflow.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -12,6 +13,7 @@ from hybridflow.algorithms.advantages import (
     masked_var,
     masked_whiten,
 )
+from hybridflow.algorithms.dapo import group_rewards_differ, overlong_penalty
 from hybridflow.algorithms.estimate import estimate_advantages
 from hybridflow.algorithms.kl import (
     AdaptiveKLController,
@@ -26,6 +28,11 @@ from hybridflow.algorithms.losses import (
     policy_loss,
     value_loss,
 )
+from hybridflow.algorithms.mismatch import (
+    RolloutCorrectionConfig,
+    rollout_correction,
+    rollout_mismatch,
+)
 from hybridflow.algorithms.safe_rlhf import LagrangeMultiplier, safe_rlhf_combined_advantage
 
 __all__ = [
@@ -34,6 +41,7 @@ __all__ = [
     "AdvantageInputs",
     "FixedKLController",
     "LagrangeMultiplier",
+    "RolloutCorrectionConfig",
     "aggregate_loss",
     "apply_kl_reward_penalty",
     "compute_gae",
@@ -44,11 +52,15 @@ __all__ = [
     "entropy_from_logits",
     "entropy_loss",
     "estimate_advantages",
+    "group_rewards_differ",
     "kl_penalty",
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "overlong_penalty",
     "policy_loss",
+    "rollout_correction",
+    "rollout_mismatch",
     "safe_rlhf_combined_advantage",
     "value_loss",
 ]

@@ -13,6 +13,14 @@ from hybridflow.algorithms.advantages import _check_token_shape, masked_mean
 from hybridflow.errors import ArgumentError
 
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean")
+LEVELS = ("token", "sequence")
+
+
+def sequence_slots(mask: torch.Tensor) -> torch.Tensor:
+    """[B, T] bool, set at position 0 of each sequence with a valid token: where a per-sequence
+    value broadcast over its tokens is counted once (e.g. in a fraction of sequences)."""
+    first = torch.arange(mask.shape[-1], device=mask.device) == 0
+    return mask.bool().any(dim=-1, keepdim=True) & first
 
 
 def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean",
@@ -60,14 +68,23 @@ def aggregate_loss(loss_mat: torch.Tensor, mask: torch.Tensor, mode: str = "toke
 def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, clip_ratio_low: float = 0.2, clip_ratio_high: float = 0.2,
                 dual_clip_c: float | None = None, agg: str = "token-mean",
-                denominator: float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                denominator: float | None = None, ratio_level: str = "token",
+                weights: torch.Tensor | None = None,
+                ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO clipped surrogate (Schulman et al. 2017, arXiv 1707.06347, eq. 7), optionally with
-    dual clip (Ye et al. 2019, arXiv 1912.09729).
+    dual clip (Ye et al. 2019, arXiv 1912.09729), per token or per sequence (GSPO).
 
     Per token, with r = exp(logprobs - old_logprobs):
         L = max(-A * r, -A * clip(r, 1 - clip_ratio_low, 1 + clip_ratio_high))
     and with dual clip, where A < 0: L = min(L, -dual_clip_c * A). Without it, a token whose
     ratio has exploded under a negative advantage contributes an unbounded loss.
+
+    At ``ratio_level="sequence"`` (GSPO, Zheng et al. 2025, arXiv 2507.18071) the same
+    L is computed once per sequence i, from the length-normalised sequence ratio
+    s_i = exp(mean_t (logprobs - old_logprobs)) over its response tokens and its mean advantage
+    (GRPO's is the same on every token), and stands on each of its tokens for ``agg``:
+    seq-mean-token-mean then averages the L_i as the paper does. The gradient reaches every
+    token's log-prob through the mean.
 
     Args:
         logprobs: [B, T] log-probs of the taken tokens under the current policy (with grad).
@@ -79,11 +96,15 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         dual_clip_c: dual-clip constant, > 1 (3.0 in the paper); None disables it.
         agg: aggregation mode, see ``aggregate_loss``.
         denominator: global count for ``agg``, see ``aggregate_loss``.
+        ratio_level: "token" (PPO) or "sequence" (GSPO).
+        weights: [B, T] loss multipliers, taken as constants (e.g. TIS weights, see
+            ``hybridflow.algorithms.mismatch``); None for 1.
 
     Returns:
-        (loss, metrics). loss is a scalar. metrics: "clip_frac" (valid tokens where the ratio
-        clip binds), "approx_kl" (mean of old_logprobs - logprobs, an estimate of
-        KL(old || new)), "dual_clip_frac" (valid tokens where the dual clip binds).
+        (loss, metrics). loss is a scalar. metrics: "clip_frac" (valid tokens -- sequences with
+        a valid token at sequence level -- where the ratio clip binds), "approx_kl" (mean of
+        old_logprobs - logprobs over tokens, an estimate of KL(old || new)), "dual_clip_frac"
+        (as clip_frac, where the dual clip binds).
     """
     if not 0.0 < clip_ratio_low < 1.0:
         raise ArgumentError("clip_ratio_low", f"must be in (0, 1), got {clip_ratio_low!r}")
@@ -92,29 +113,42 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
     if dual_clip_c is not None and not dual_clip_c > 1.0:
         raise ArgumentError("dual_clip_c",
                             f"must be > 1 (typically 3.0), or None to disable, got {dual_clip_c!r}")
+    if ratio_level not in LEVELS:
+        raise ArgumentError("ratio_level", f"unknown level {ratio_level!r}; use one of "
+                                           f"{', '.join(LEVELS)}")
     for name, x in (("logprobs", logprobs), ("old_logprobs", old_logprobs), ("advantages", advantages)):
         _check_token_shape(name, x, mask)
+    if weights is not None:
+        _check_token_shape("weights", weights, mask)
 
     # Zeroed on padding so garbage there (even -inf - -inf = NaN) gets an exact 0 gradient, not
     # 0 * NaN; clamped because e^20 already saturates every clip.
     log_ratio = torch.where(mask.bool(), logprobs - old_logprobs, 0.0).clamp(-20.0, 20.0)
+    with torch.no_grad():
+        approx_kl = masked_mean(-log_ratio, mask)
+    counted = mask.bool()
+    if ratio_level == "sequence":
+        log_ratio = masked_mean(log_ratio, mask, dim=-1)[:, None].expand_as(log_ratio)
+        advantages = masked_mean(advantages, mask, dim=-1)[:, None].expand_as(advantages)
+        counted = sequence_slots(mask)
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = torch.maximum(unclipped, clipped)
     with torch.no_grad():
-        clip_frac = masked_mean((clipped > unclipped).float(), mask)
-        approx_kl = masked_mean(-log_ratio, mask)
+        clip_frac = masked_mean((clipped > unclipped).float(), counted)
 
     if dual_clip_c is not None:
         bound = -dual_clip_c * advantages
         negative = advantages < 0
         with torch.no_grad():
-            dual_clip_frac = masked_mean((negative & (loss_mat > bound)).float(), mask)
+            dual_clip_frac = masked_mean((negative & (loss_mat > bound)).float(), counted)
         loss_mat = torch.where(negative, torch.minimum(loss_mat, bound), loss_mat)
     else:
         dual_clip_frac = torch.zeros((), device=logprobs.device)
 
+    if weights is not None:
+        loss_mat = loss_mat * weights.detach()
     loss = aggregate_loss(loss_mat, mask, agg, denominator)
     return loss, {"clip_frac": clip_frac, "approx_kl": approx_kl, "dual_clip_frac": dual_clip_frac}
 

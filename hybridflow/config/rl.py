@@ -13,7 +13,8 @@ from dataclasses import MISSING, dataclass, field
 
 from hybridflow.algorithms.estimate import TOKEN_LEVEL
 from hybridflow.algorithms.kl import KL_KINDS
-from hybridflow.algorithms.losses import AGG_MODES
+from hybridflow.algorithms.losses import AGG_MODES, LEVELS
+from hybridflow.algorithms.mismatch import RolloutCorrectionConfig
 from hybridflow.checkpoint import CheckpointConfig
 from hybridflow.controller.worker_group import RayConfig
 from hybridflow.data.prompts import PromptDataConfig
@@ -64,6 +65,11 @@ class ActorConfig(UpdateConfig):
     """KL to the reference as a loss term (GRPO style); 0 disables it."""
     kl_loss_type: str = "k3"
     """Estimator of that KL: k1, k2, k3 or abs."""
+    ratio_level: str = "token"
+    """Importance ratio of the clipped objective: token (PPO) or sequence (GSPO: the
+    length-normalised sequence ratio and the sequence's mean advantage)."""
+    rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
+    """Correction for the rollout engine's log-probs differing from the training engine's."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -74,6 +80,7 @@ class ActorConfig(UpdateConfig):
         check_choice("loss_agg_mode", self.loss_agg_mode, AGG_MODES)
         check_float("kl_loss_coef", self.kl_loss_coef, low=0)
         check_choice("kl_loss_type", self.kl_loss_type, KL_KINDS)
+        check_choice("ratio_level", self.ratio_level, LEVELS)
 
 
 @dataclass(kw_only=True)
@@ -171,6 +178,17 @@ class AlgorithmConfig:
     """Safe-RLHF: initial Lagrange multiplier (> 0)."""
     lagrange_lr: float = 0.1
     """Safe-RLHF: learning rate of log lambda."""
+    overlong_buffer: int = 0
+    """DAPO's overlong shaping: the last this many tokens before rollout.sampling.max_tokens cost
+    up to overlong_penalty, linearly (0 disables it)."""
+    overlong_penalty: float = 1.0
+    """DAPO's overlong shaping: the penalty of a response that reaches max_tokens."""
+    dynamic_sampling: bool = False
+    """DAPO's dynamic sampling (grpo, rloo): drop the prompts whose samples all got the same
+    reward and draw more until train_batch_size prompts with differing rewards are in hand."""
+    max_sampling_rounds: int = 3
+    """Dynamic sampling: generation rounds per step at most; a shortfall is filled with dropped
+    prompts."""
 
     def __post_init__(self) -> None:
         check_choice("name", self.name, ALGORITHMS)
@@ -183,6 +201,14 @@ class AlgorithmConfig:
         check_float("cost_limit", self.cost_limit)
         check_float("lagrange_init", self.lagrange_init, low=0, low_open=True)
         check_float("lagrange_lr", self.lagrange_lr, low=0, low_open=True)
+        check_int("overlong_buffer", self.overlong_buffer, low=0)
+        check_float("overlong_penalty", self.overlong_penalty, low=0, low_open=True)
+        if self.dynamic_sampling and self.name not in ("grpo", "rloo"):
+            raise ConfigError("dynamic_sampling", f"filters prompts whose samples' rewards are "
+                                                  f"all equal, which only zeroes the advantages "
+                                                  f"of grpo and rloo, not {self.name}; use one of "
+                                                  "them or set it to false")
+        check_int("max_sampling_rounds", self.max_sampling_rounds)
 
 
 @dataclass(kw_only=True)
@@ -273,6 +299,9 @@ class RLConfig:
             key = "cost" if self.cost is not None else "cost_model"
             raise ConfigError(key, f"only safe_rlhf uses a cost; algorithm.name={a.name} would "
                                    "ignore it: remove it or use algorithm.name=safe_rlhf")
+        if a.overlong_buffer >= self.rollout.sampling.max_tokens:
+            raise ConfigError("algorithm.overlong_buffer", f"{a.overlong_buffer} must be below "
+                              f"rollout.sampling.max_tokens={self.rollout.sampling.max_tokens}")
         self._check_no_inert_options()
 
     def _check_no_inert_options(self) -> None:
@@ -293,6 +322,8 @@ class RLConfig:
             *((f"algorithm.{k}", a.name != "safe_rlhf", "algorithm.name=safe_rlhf")
               for k in ("cost_limit", "lagrange_init", "lagrange_lr")),
             ("actor.kl_loss_type", self.actor.kl_loss_coef == 0, "set actor.kl_loss_coef > 0"),
+            *((f"actor.rollout_correction.{k}", self.actor.rollout_correction.mode == "none",
+               "set actor.rollout_correction.mode=tis or mis") for k in ("level", "cap")),
             *((f"critic.{k}", not ppo, "algorithm.name=ppo (reward and cost models only read "
                                        "critic.layout and critic.engine's micro-batching and "
                                        "dtype)")
@@ -308,6 +339,10 @@ class RLConfig:
             ("ray.num_cpus", self.ray.address != "local", "ray.address=local (a cluster "
                                                           "has its own CPUs)"),
             ("tracking.wandb_project", not self.tracking.wandb, "set tracking.wandb=true"),
+            ("algorithm.overlong_penalty", a.overlong_buffer == 0,
+             "set algorithm.overlong_buffer > 0"),
+            ("algorithm.max_sampling_rounds", not a.dynamic_sampling,
+             "set algorithm.dynamic_sampling=true"),
             ("checkpoint.keep", self.checkpoint.every == 0, "set checkpoint.every > 0"),
         ]
         for key, unused, fix in inert:

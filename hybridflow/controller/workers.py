@@ -226,18 +226,31 @@ class ActorRolloutRefWorker(Worker):
     # ----------------------------------------------------------------------------- update
     def update_actor(self, batch: Batch) -> Batch:
         """PPO epochs over mini-batches of this DP rank's share; metrics averaged."""
-        from hybridflow.algorithms import aggregate_loss, kl_penalty, policy_loss
-        a = self.actor_cfg
+        from hybridflow.algorithms import (aggregate_loss, kl_penalty, policy_loss,
+                                           rollout_correction)
+        a, rc = self.actor_cfg, self.actor_cfg.rollout_correction
         keys = ["old_logprobs", "advantages", "response_mask"]
         if a.kl_loss_coef:
             keys.append("ref_logprobs")
+        data, correction = _engine_batch(batch, *keys), {}
+        if rc.mode != "none":
+            # Fixed for the whole update (neither side is the policy being trained). MIS
+            # narrows response_mask itself: rejected tokens leave every loss term and the
+            # denominators _ppo_updates counts from it.
+            weights, data["response_mask"], m = rollout_correction(
+                batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
+                rc.mode, rc.level, rc.cap)
+            if weights is not None:
+                data["tis_weights"] = weights
+            correction = {f"actor/{k}": v.item() for k, v in m.items()}
 
         def loss_for(denom):
             def loss_fn(logprobs, mb):
                 mask = mb["response_mask"]
                 loss, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
                                       a.clip_ratio_low, a.clip_ratio_high, a.dual_clip_c,
-                                      a.loss_agg_mode, denom)
+                                      a.loss_agg_mode, denom, a.ratio_level,
+                                      mb.get("tis_weights"))
                 metrics = {"actor/pg_loss": loss, "actor/clip_frac": m["clip_frac"],
                            "actor/approx_kl": m["approx_kl"],
                            "actor/dual_clip_frac": m["dual_clip_frac"]}
@@ -248,8 +261,10 @@ class ActorRolloutRefWorker(Worker):
                     metrics["actor/kl_loss"] = kl
                 return loss, metrics
             return loss_fn
-        return _ppo_updates(self.actor, _engine_batch(batch, *keys), a, a.loss_agg_mode,
-                            self.dp_group, loss_for, "actor", loss_key="actor/loss")
+        out = _ppo_updates(self.actor, data, a, a.loss_agg_mode, self.dp_group, loss_for,
+                           "actor", loss_key="actor/loss")
+        out.meta.update(correction)
+        return out
 
     def full_weights(self) -> dict[str, torch.Tensor]:
         """The actor's full (unsharded) weights by Megatron name, on every rank."""

@@ -255,3 +255,116 @@ def test_a_first_sigterm_asks_for_a_stop_and_a_second_ends_the_process(capsys):
         # The next SIGTERM gets the default action: the process ends at once.
         assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
     assert signal.getsignal(signal.SIGTERM) == before
+
+
+# --------------------------------------------------------------------------------- DAPO
+class RecordingActor(FakeActor):
+    """A FakeActor that keeps what each update trained on: (prompt, group) per sample, and the
+    advantages."""
+
+    def __init__(self):
+        super().__init__()
+        self.trained = []
+
+    def run_by_dp(self, method, batch, view="train", sampling=None):
+        if method == "update_actor":
+            self.trained.append(([(i.messages[-1]["content"], g)
+                                  for i, g in zip(batch["item"], batch["group"])],
+                                 batch["advantages"][:, 0].tolist()))
+        return super().run_by_dp(method, batch, view, sampling)
+
+
+def _dapo_trainer(path, *overrides, equal=(0, 2, 4), **kwargs):
+    """Over PROMPTS in order, two prompts a step: prompt i's two samples get the same reward when
+    i is in ``equal``, else 0 and 1 (the parity of the response's last character)."""
+    from hybridflow.rewards import as_reward_fn
+
+    def reward(item, response):
+        i = int(item.messages[-1]["content"].split()[-1])
+        return 1.0 if i in equal else float(ord(response[-1]) % 2)
+    trainer = make_trainer(path, ("algorithm.dynamic_sampling", True), ("data.shuffle", False),
+                           *overrides, actor=RecordingActor(), **kwargs)
+    trainer.reward_fn = as_reward_fn(reward)
+    return trainer
+
+
+def _metrics(run_dir):
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith("timing")}
+            for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_dynamic_sampling_trains_on_groups_whose_rewards_differ(tmp_path):
+    trainer = _dapo_trainer(tmp_path, steps=2)
+    trainer.fit(PROMPTS)
+    q = [f"question {i}" for i in range(6)]
+    # Step 1 draws 0, 1 (0 all-equal) then 2, 3 (2 all-equal); step 2 draws 4, 5, then the next
+    # epoch's 0, 1: the sampler moves on by every prompt drawn.
+    assert trainer.actor.generated == [q[0:2], q[2:4], q[4:6], q[0:2]]
+    (first, adv1), (second, adv2) = trainer.actor.trained
+    assert first == [(q[1], 0), (q[1], 0), (q[3], 1), (q[3], 1)]  # groups renumbered
+    assert second == [(q[5], 0), (q[5], 0), (q[1], 1), (q[1], 1)]
+    assert all(a != 0 for a in adv1 + adv2)  # no zero-advantage sample is trained on
+    rows = _metrics(tmp_path / "rl")
+    for row in rows:
+        assert (row["dapo/rounds"], row["dapo/prompts_drawn"], row["dapo/groups_dropped"],
+                row["dapo/filled_with_equal"]) == (2, 4, 2, 0)
+    # Off, the same run trains on whatever the one draw gives, zero advantages included.
+    off = _dapo_trainer(tmp_path / "off", ("algorithm.dynamic_sampling", False), steps=1)
+    row = off.fit(PROMPTS)[0]
+    assert off.actor.trained[0][1][:2] == [0.0, 0.0] and "dapo/rounds" not in row
+
+
+def test_dynamic_sampling_cuts_surplus_and_fills_a_shortfall(tmp_path):
+    # Surplus: round 2 brings two varied groups where one is missing; the later one is cut.
+    trainer = _dapo_trainer(tmp_path / "a", equal=(0,), steps=1)
+    row = trainer.fit(PROMPTS)[0]
+    assert [p for p, _ in trainer.actor.trained[0][0]] == ["question 1"] * 2 + ["question 2"] * 2
+    assert (row["dapo/rounds"], row["dapo/prompts_drawn"], row["dapo/groups_dropped"],
+            row["dapo/filled_with_equal"]) == (2, 4, 1, 0)
+    # Shortfall: one round allowed; the set-aside group fills the batch, after the varied one.
+    trainer = _dapo_trainer(tmp_path / "b", ("algorithm.max_sampling_rounds", 1), steps=1)
+    row = trainer.fit(PROMPTS)[0]
+    assert trainer.actor.trained[0][0] == [("question 1", 0)] * 2 + [("question 0", 1)] * 2
+    assert (row["dapo/rounds"], row["dapo/prompts_drawn"], row["dapo/groups_dropped"],
+            row["dapo/filled_with_equal"]) == (1, 2, 0, 1)
+
+
+def test_a_resumed_run_with_dynamic_sampling_continues_identically(tmp_path):
+    whole = _dapo_trainer(tmp_path / "a", ("checkpoint.every", 2), steps=4)
+    whole.fit(PROMPTS)
+    first = _dapo_trainer(tmp_path / "b", ("checkpoint.every", 2), steps=2)
+    first.fit(PROMPTS)
+    second = _dapo_trainer(tmp_path / "b", ("checkpoint.every", 2), steps=4)
+    second.fit(PROMPTS)
+    assert first.actor.generated + second.actor.generated == whole.actor.generated
+    assert first.actor.trained + second.actor.trained == whole.actor.trained
+    assert _metrics(tmp_path / "b" / "rl") == _metrics(tmp_path / "a" / "rl")
+
+
+def test_overlong_penalty_is_added_to_the_scores(tmp_path):
+    # Every response is T = 3 tokens; with max_tokens 4 and a buffer of 2, the free length is 2:
+    # (2 - 3) / 2 * 0.5 = -0.25 on top of the reward 1.
+    trainer = make_trainer(tmp_path, ("rollout.sampling.max_tokens", 4),
+                           ("algorithm.overlong_buffer", 2), ("algorithm.overlong_penalty", 0.5),
+                           steps=1)
+    row = trainer.fit(PROMPTS)[0]
+    assert row["reward/overlong_penalty_mean"] == pytest.approx(-0.25)
+    assert row["reward/mean"] == pytest.approx(0.75)
+
+
+def test_rollout_training_mismatch_is_logged_every_step(tmp_path):
+    # FakeActor's rollout engine gives -2.0 per token, its training engine -0.5.
+    trainer = make_trainer(tmp_path / "t1", steps=2)
+    trainer.fit(PROMPTS)
+    rows = [json.loads(line) for line in (tmp_path / "t1" / "rl" / "metrics.jsonl").read_text()
+            .splitlines()]
+    for row in rows:
+        assert row["mismatch/abs_diff_mean"] == pytest.approx(1.5)
+        assert row["mismatch/abs_diff_max"] == pytest.approx(1.5)
+        assert row["mismatch/kl"] == pytest.approx(4.481689 - 1 - 1.5)  # k3, e^1.5 - 1 - 1.5
+        assert row["mismatch/ratio_outside_frac"] == 1.0  # e^1.5 = 4.5 > 2
+    # Tempered sampling: the tokens were not drawn from the raw model, k3 is no KL estimate.
+    tempered = make_trainer(tmp_path / "t2", ("rollout.sampling.temperature", 0.7), steps=1)
+    tempered.fit(PROMPTS)
+    row = json.loads((tmp_path / "t2" / "rl" / "metrics.jsonl").read_text().splitlines()[0])
+    assert "mismatch/kl" not in row and row["mismatch/abs_diff_mean"] == pytest.approx(1.5)
