@@ -49,3 +49,16 @@ def logprob_pairs(engine, outputs) -> tuple[torch.Tensor, torch.Tensor]:
         {"input_ids": batch["input_ids"], "attention_mask": batch["attention_mask"]})
     sel = batch["response_mask"].bool()
     return batch["rollout_logprobs"][sel], recomputed[sel]
+
+
+def assert_generates_like(rollout, reference, weights: dict[str, torch.Tensor]) -> list[tuple]:
+    """``rollout`` (weights already loaded) generates what ``reference`` does after
+    update_weights_hf(weights): the same greedy tokens, log-probs within 1e-4. Returns the
+    summary."""
+    reference.update_weights_hf(weights.items())
+    ours, ref = rollout.generate(PROMPTS, GREEDY), reference.generate(PROMPTS, GREEDY)
+    assert summary(ours) == summary(ref)
+    torch.testing.assert_close(torch.tensor([x for o in ours for x in o.logprobs]),
+                               torch.tensor([x for o in ref for x in o.logprobs]),
+                               atol=1e-4, rtol=0)
+    return summary(ours)

@@ -12,7 +12,8 @@ import torch
 from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.parallel.spawn import spawn
 from tests.distributed.rollout_common import (CFG, GREEDY, MAX_MODEL_LEN, PROMPTS, SAMPLED,
-                                              logprob_pairs, perturbed, summary, train_engine)
+                                              assert_generates_like, logprob_pairs, perturbed,
+                                              summary, train_engine)
 
 pytest.importorskip("vllm")
 
@@ -90,17 +91,6 @@ def test_sampling_is_seeded(rollout, first_outputs):
     assert sampled[0][2] != sampled[1][2]
 
 
-def _check_equal(rollout, reference, weights):
-    """vLLM after update_weights_hf(weights) generates what transformers does with them."""
-    reference.update_weights_hf(weights.items())
-    ours, ref = rollout.generate(PROMPTS, GREEDY), reference.generate(PROMPTS, GREEDY)
-    assert summary(ours) == summary(ref)
-    torch.testing.assert_close(torch.tensor([x for o in ours for x in o.logprobs]),
-                               torch.tensor([x for o in ref for x in o.logprobs]),
-                               atol=1e-4, rtol=0)
-    return summary(ours)
-
-
 @pytest.mark.parametrize("transport", ["direct", "bytes"])
 def test_weight_update_in_place(rollout, reference, hf_sd, first_outputs, monkeypatch, transport):
     from hybridflow.models.hf import hf_to_megatron, megatron_to_hf
@@ -110,7 +100,7 @@ def test_weight_update_in_place(rollout, reference, hf_sd, first_outputs, monkey
     new = perturbed(hf_sd)
     # As the hybrid engine hands them over: split from Megatron's fused tensors (views).
     rollout.update_weights_hf(megatron_to_hf(hf_to_megatron(new, CFG), CFG).items())
-    updated = _check_equal(rollout, reference, new)
+    updated = assert_generates_like(rollout, reference, new)
     assert updated != summary(first_outputs["greedy"])
     # NaN weights poison the KV cache; the update after them zeroes it and nothing leaks.
     rollout.update_weights_hf({n: torch.full_like(t, float("nan")) for n, t in new.items()}.items())
@@ -120,7 +110,7 @@ def test_weight_update_in_place(rollout, reference, hf_sd, first_outputs, monkey
     # A subset (one whole layer) updates only that layer.
     layer0 = {n: t for n, t in hf_sd.items() if n.startswith("model.layers.0.")}
     rollout.update_weights_hf(layer0.items())
-    _check_equal(rollout, reference, {**new, **layer0})
+    assert_generates_like(rollout, reference, {**new, **layer0})
     rollout.update_weights_hf(hf_sd.items())
     reference.update_weights_hf(hf_sd.items())
     assert summary(rollout.generate(PROMPTS, GREEDY)) == summary(first_outputs["greedy"])
@@ -156,7 +146,7 @@ def test_failed_rpc_restarts_and_pushes_again(rollout, reference, hf_sd, monkeyp
     assert rollout.restarts == before + 1
     assert "weight update failed in payload 1/" in caplog.text
     assert "restarting the vLLM engine" in caplog.text
-    _check_equal(rollout, reference, new)
+    assert_generates_like(rollout, reference, new)
     rollout.update_weights_hf(hf_sd.items())
     reference.update_weights_hf(hf_sd.items())
 
