@@ -164,19 +164,25 @@ def plan_resume(resume: str, run_dir: str | os.PathLike, config: dict[str, Any],
     return ResumePlan(run_dir, path, state, continues=held)
 
 
-def _checkpoint_at(path: Path) -> Path:
-    """A step directory, or a run's (or its checkpoints folder's) newest complete one."""
+def find_checkpoint(path: str | os.PathLike) -> Path | None:
+    """``path`` when it is a checkpoint (a step directory), else the newest complete checkpoint
+    of the run directory (or its checkpoints folder) ``path`` names; None if there is none."""
+    path = Path(path)
     if (path / STATE_FILE).is_file():
         return path
+    found = checkpoints(path.parent if path.name == CHECKPOINTS else path)
+    return found[-1][1] if found else None
+
+
+def _checkpoint_at(path: Path) -> Path:
     if not path.exists():
         raise ConfigError("resume", f"{path} does not exist; use auto, never or a checkpoint "
                                     f"directory (<run>/{CHECKPOINTS}/step_N)")
-    run = path.parent if path.name == CHECKPOINTS else path
-    found = checkpoints(run)
-    if not found:
+    found = find_checkpoint(path)
+    if found is None:
         raise ConfigError("resume", f"{path} holds no complete hybridflow checkpoint; give a "
                                     f"<run>/{CHECKPOINTS}/step_N directory")
-    return found[-1][1]
+    return found
 
 
 def _holds_run(run_dir: Path) -> bool:

@@ -151,7 +151,7 @@ def load_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike, *,
     from megatron.core.dist_checkpointing.core import CheckpointingException
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from hybridflow.training.safe_load import safe_load
+    from hybridflow.training.safe_load import _unwrap, safe_load
 
     check_is_megatron_checkpoint(ckpt_dir)
     if (Path(ckpt_dir) / MODEL_FILE).exists():
@@ -161,7 +161,7 @@ def load_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike, *,
     except (CheckpointingException, CheckpointException) as e:
         # torch's CheckpointException (a BaseException, raised on every rank: planning is
         # collective) wraps each rank's error with its traceback; the first error is the story.
-        cause = next(iter(e.failures.values()))[0] if isinstance(e, CheckpointException) else e
+        cause = _unwrap(e) if isinstance(e, CheckpointException) else e
         text = str(cause)
         raise ConfigError(field, f"{ckpt_dir} does not fit this model ({type(cause).__name__}: "
                                  f"{text[:300]}{'...' if len(text) > 300 else ''}); is the "
@@ -284,17 +284,14 @@ def _actor_checkpoint(path: Path) -> Path:
 
     if not path.is_dir() or dist_checkpointing.check_is_distributed_checkpoint(str(path)):
         return path  # a Megatron checkpoint, or an error check_is_megatron_checkpoint names
-    step_dir = path
-    if not (path / checkpoint.STATE_FILE).is_file():
+    step_dir = checkpoint.find_checkpoint(path)
+    if step_dir is None:
         run_dir = path.parent if path.name == checkpoint.CHECKPOINTS else path
-        found = checkpoint.checkpoints(run_dir)
-        if not found:
-            if (run_dir / checkpoint.CHECKPOINTS).is_dir():
-                raise ConfigError("--ckpt", f"{path} holds no complete checkpoint (a killed "
-                                            "write leaves none); give a Megatron checkpoint or "
-                                            f"a <run>/{checkpoint.CHECKPOINTS}/step_N directory")
-            return path  # not an RL run either: check_is_megatron_checkpoint says what it is not
-        step_dir = found[-1][1]
+        if (run_dir / checkpoint.CHECKPOINTS).is_dir():
+            raise ConfigError("--ckpt", f"{path} holds no complete checkpoint (a killed "
+                                        "write leaves none); give a Megatron checkpoint or "
+                                        f"a <run>/{checkpoint.CHECKPOINTS}/step_N directory")
+        return path  # not an RL run either: check_is_megatron_checkpoint says what it is not
     try:
         checkpoint.read_checkpoint(step_dir, field="--ckpt")
     except ConfigError as e:  # its advice is about resuming; here: export another checkpoint
