@@ -37,6 +37,7 @@ setup(
         "datasets",
         "pyarrow",
         "matplotlib",  # reward-curve plots
+        "tensorboard",  # tracking.tensorboard (torch's SummaryWriter needs it)
     ],
     extras_require={
         # The CPU build; GPU users install plain `vllm` instead (it brings its CUDA torch).

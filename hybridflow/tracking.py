@@ -1,14 +1,16 @@
-"""Run tracking: JSONL always, W&B when asked (offline unless WANDB_API_KEY is set)."""
+"""Run tracking: JSONL always; W&B (offline unless WANDB_API_KEY is set) and TensorBoard when
+asked. docs/tracking.md describes the backends; tools/compare_runs.py reads what they write."""
 
 from __future__ import annotations
 
 import contextlib
 import errno
+import importlib.util
 import json
 import math
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,12 +27,35 @@ class TrackingConfig:
     """Also log to Weights & Biases (offline mode unless WANDB_API_KEY is set)."""
     wandb_project: str = "hybridflow"
     """W&B project name."""
+    wandb_group: str | None = None
+    """W&B run group (e.g. the seeds of one experiment); null: none."""
+    wandb_tags: list[str] = field(default_factory=list)
+    """W&B run tags, each 1-64 characters."""
+    tensorboard: bool = False
+    """Also write TensorBoard event files (numeric metrics) to <out_dir>/<name>/tensorboard/."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.out_dir, str) or not self.out_dir:
             raise ConfigError("out_dir", "must be a folder path, e.g. runs")
+        if not isinstance(self.wandb, bool):
+            raise ConfigError("wandb", f"must be true or false, got {self.wandb!r}")
+        if not isinstance(self.tensorboard, bool):
+            raise ConfigError("tensorboard", f"must be true or false, got {self.tensorboard!r}")
         if not isinstance(self.wandb_project, str) or not self.wandb_project:
             raise ConfigError("wandb_project", "must be a W&B project name")
+        if self.wandb_group is not None and (not isinstance(self.wandb_group, str)
+                                             or not self.wandb_group):
+            raise ConfigError("wandb_group", f"must be a W&B group name or null, got "
+                                             f"{self.wandb_group!r}")
+        tags = self.wandb_tags
+        if not isinstance(tags, (list, tuple)) or not all(
+                isinstance(t, str) and 1 <= len(t) <= 64 for t in tags):
+            # W&B's own limit; wandb.init would refuse it only once the workers are up.
+            raise ConfigError("wandb_tags", f"must be a list of tags of 1-64 characters, e.g. "
+                                            f"[grpo, baseline], got {tags!r}")
+        if self.tensorboard and importlib.util.find_spec("tensorboard") is None:
+            raise ConfigError("tensorboard", "needs the tensorboard package: pip install "
+                                             "tensorboard, or set tracking.tensorboard=false")
 
 
 class Tracker:
@@ -41,7 +66,10 @@ class Tracker:
     and at most a partial last one after a crash, which ``read_metrics`` skips. A new run
     (``resume_step=None``) refuses a folder whose metrics.jsonl already has rows; a resumed one
     keeps the rows of steps <= ``resume_step`` and appends after them. ``wandb_id`` continues
-    that W&B run. A failed write (full disk, unwritable folder) is a RunError."""
+    that W&B run (offline, each start writes one more ``wandb/offline-run-*`` folder with that
+    id, which ``wandb sync`` puts in one run). TensorBoard hides its events of steps after
+    ``resume_step`` (``purge_step``). A failed write (full disk, unwritable folder) is a
+    RunError."""
 
     def __init__(self, run_dir: str | os.PathLike, config_yaml: str, config: TrackingConfig,
                  name: str, *, resume_step: int | None = None, wandb_id: str | None = None):
@@ -69,9 +97,17 @@ class Tracker:
             parsed = yaml.safe_load(config_yaml)
             self._wandb = wandb.init(
                 project=config.wandb_project, name=name, dir=str(self.run_dir), mode=mode,
+                group=config.wandb_group, tags=list(config.wandb_tags) or None,
                 config=parsed if isinstance(parsed, dict) else {"yaml": config_yaml},
                 id=wandb_id, resume="allow" if wandb_id is not None else None)
             self.wandb_id = self._wandb.id
+        self._tensorboard = None
+        if config.tensorboard:
+            from torch.utils.tensorboard import SummaryWriter
+            with _writing(self.run_dir / "tensorboard"):
+                self._tensorboard = SummaryWriter(
+                    str(self.run_dir / "tensorboard"),
+                    purge_step=None if resume_step is None else resume_step + 1)
 
     def log(self, step: int, metrics: dict[str, Any]) -> None:
         """Append the row of ``step``; it is on disk when this returns."""
@@ -91,6 +127,12 @@ class Tracker:
             os.fsync(self._file.fileno())
         if self._wandb is not None:
             self._wandb.log(plain, step=step)
+        if self._tensorboard is not None:
+            with _writing(self.run_dir / "tensorboard"):
+                for key, value in plain.items():
+                    if isinstance(value, (int, float)) and not isinstance(value, bool):
+                        self._tensorboard.add_scalar(key, value, step)
+                self._tensorboard.flush()
 
     def close(self) -> None:
         try:
@@ -99,6 +141,8 @@ class Tracker:
             pass
         if self._wandb is not None:
             self._wandb.finish()
+        if self._tensorboard is not None:
+            self._tensorboard.close()
 
 
 def _plain(value: Any) -> Any:
