@@ -1,10 +1,16 @@
 """What can be known about an RL run before any process starts: the model's shape against the
-layouts, the files the run reads, the reward functions, the reshard plan.
+layouts, the files the run reads, the reward functions, the reshard plan, and with
+``cluster.nodes`` set, the memory per GPU.
 
 ``check_run(cfg)`` raises a ``ConfigError`` naming the key at fault, or returns a ``RunCheck``
 that ``hybridflow check`` prints and ``RLTrainer`` uses (model paths, shapes). It reads config.json
 files, safetensors headers, the actor's tokenizer and the prompts, and imports reward modules; it
 starts nothing and writes nothing of the run.
+
+A model given as a shape preset (``llama2-7b``, ...: ``hybridflow.models.presets``) has a shape
+and no files: everything is checked but what needs its tokenizer (the chat template, prompts
+longer than data.max_prompt_tokens), and ``RunCheck.model_dir`` refuses it (training needs the
+weights).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from hybridflow.checkpoint import ResumePlan, plan_resume, run_identity
+from hybridflow.config.memory import MemoryEstimate
 from hybridflow.config.rl import RLConfig
 from hybridflow.data.prompts import load_prompts
 from hybridflow.errors import ConfigError
@@ -29,12 +36,11 @@ SCORERS = {"scores": "reward_model", "costs": "cost_model"}
 class RunCheck:
     """The resolved facts of a valid run."""
 
-    model_dir: Path
-    """The actor's (and reference's) HF checkpoint."""
+    checkpoints: dict[str, Path | None]
+    """Config key (model, reward_model, cost_model) -> that model's HF checkpoint directory, None
+    for a shape preset; the run's models only."""
     model: ModelConfig
-    """Its shape."""
-    scorer_dirs: dict[str, Path]
-    """"scores" / "costs": the reward / cost model checkpoints, where the run has them."""
+    """The actor's shape."""
     reward_fn: Callable | None
     """The reward function, ``fn(prompt_item, response)``; None where a reward model scores."""
     cost_fn: Callable | None
@@ -49,22 +55,55 @@ class RunCheck:
     """``data``'s prompts (PromptItems, not yet tokenized): reading them checks every row."""
     resume: ResumePlan
     """Where the run starts: step 0, or the checkpoint ``resume`` leads to."""
+    presets: dict[str, str]
+    """Config key -> shape preset name, for the models given as shape presets (no weights)."""
+    memory: MemoryEstimate | None
+    """Per-GPU memory per pool and phase, where ``cluster.nodes`` is set."""
+    notes: list[str]
+    """What was not checked, and why (``hybridflow check`` prints them)."""
+
+    @property
+    def model_dir(self) -> Path:
+        """The actor's (and reference's) HF checkpoint; training needs the weights, so a
+        ConfigError names any model of the run that is a shape preset."""
+        self.require_weights()
+        return self.checkpoints["model"]
+
+    @property
+    def scorer_dirs(self) -> dict[str, Path]:
+        """"scores" / "costs": the reward / cost model checkpoints, where the run has them (a
+        ConfigError as for ``model_dir``)."""
+        self.require_weights()
+        return {key: self.checkpoints[field] for key, field in SCORERS.items()
+                if field in self.checkpoints}
+
+    def require_weights(self) -> None:
+        """A ConfigError naming the first model of the run that is a shape preset, with the fix."""
+        from hybridflow.models.source import preset_has_no_weights
+        if self.presets:
+            field, name = next(iter(self.presets.items()))
+            raise preset_has_no_weights(name, field)
 
     def summary(self, cfg: RLConfig) -> str:
+        from hybridflow.config.memory import describe
         a, c = cfg.actor.layout, cfg.critic.layout
+        where = self.checkpoints["model"] or f"{cfg.model} (shape preset, no weights)"
         lines = [
-            f"model: {self.model_dir} ({self.model.arch}, {self.model.num_layers} layers, "
+            f"model: {where} ({self.model.arch}, {self.model.num_layers} layers, "
             f"{self.model.num_heads} heads / {self.model.num_kv_heads} KV, vocab "
             f"{self.model.vocab_size})",
             f"actor: {a} -> {a.world_size} ranks; generation tp={self.gen.tp} -> "
-            f"{self.gen.replicas} replica(s) per model-parallel group, "
-            f"{self.gen.replicas * a.dp} in all; backend {cfg.rollout.backend}",
+            f"{self.gen.micro_dp} replica(s) per model-parallel group, "
+            f"{self.gen.replicas} in all; backend {cfg.rollout.backend}",
         ]
-        if cfg.algorithm.name == "ppo" or self.scorer_dirs:
+        scorers = [f for f in SCORERS.values() if f in self.checkpoints]
+        if cfg.algorithm.name == "ppo" or scorers:
             users = (["critic"] if cfg.algorithm.name == "ppo" else []) + \
-                [SCORERS[k].replace("_", " ") for k in self.scorer_dirs]
+                [f.replace("_", " ") for f in scorers]
             lines.append(f"{' + '.join(users)}: {c} -> {c.world_size} ranks each")
-        per_rank = ", ".join(_mib(b) for b in self.reshard_recv_bytes)
+        recv = self.reshard_recv_bytes
+        per_rank = ", ".join(_mib(b) for b in recv) if len(recv) <= 8 else \
+            f"{_mib(min(recv))} to {_mib(max(recv))} ({len(recv)} ranks)"
         lines.append(f"3D-HybridEngine ({cfg.hybrid_engine.mode}): bytes received per actor rank "
                      f"per switch: {per_rank} (naive path, a TP all-gather and PP broadcast of "
                      f"every tensor: up to {_mib(self.naive_recv_bytes)})")
@@ -75,6 +114,9 @@ class RunCheck:
                      f"{cfg.actor.mini_batches} mini-batch(es); {cfg.steps} steps, "
                      f"algorithm {cfg.algorithm.name}")
         lines.append(f"start: {self.resume.describe()}")
+        if self.memory is not None:
+            lines.extend(describe(cfg, self.memory))
+        lines.extend(f"note: {n}" for n in self.notes)
         return "\n".join(lines)
 
 
@@ -83,32 +125,40 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
     """Every check that needs more than the config itself; see the module docstring.
     ``reward_fn`` / ``cost_fn``: Python callables that replace the config's ``reward`` / ``cost``
     (the Python API's); the config's are imported here otherwise, once."""
-    from hybridflow.models.source import resolve_model
+    from hybridflow.config.memory import check_memory_fits, estimate_memory
 
-    model_dir = resolve_model(cfg.model, "model")
-    model = _model_config(model_dir, "model")
+    checkpoints, shapes, presets = {}, {}, {}
+    for field in ("model", *SCORERS.values()):
+        name = getattr(cfg, field)
+        if name is not None:
+            checkpoints[field], shapes[field] = _resolve(name, field)
+            if checkpoints[field] is None:
+                presets[field] = name
+    model = shapes["model"]
     _fits(model, cfg, "actor")
-    scorer_dirs = {}
-    for key, field in SCORERS.items():
-        path = getattr(cfg, field)
-        if path is not None:
-            scorer_dirs[key] = resolve_model(path, field)
-            _fits(_model_config(scorer_dirs[key], field), cfg, "critic", field)
+    for field in SCORERS.values():
+        if field in shapes:
+            _fits(shapes[field], cfg, "critic", field)
     if cfg.algorithm.name == "ppo":
         _fits(model, cfg, "critic")  # the critic starts from the actor's weights
     if cfg.pad_token_id >= model.vocab_size:
         raise ConfigError("pad_token_id", f"{cfg.pad_token_id} is not a token of the model "
                                           f"(vocab_size {model.vocab_size})")
     functions = _reward_functions(cfg, {"reward": reward_fn, "cost": cost_fn})
-    prompts = load_prompts(cfg.data)
-    _check_prompts(cfg, prompts, model_dir, functions["reward"])
+    prompts = load_prompts(cfg.data, vocab_size=model.vocab_size)
+    notes = _check_prompts(cfg, prompts, checkpoints["model"], functions["reward"])
     _check_out_dir(cfg)
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
     recv, naive = _reshard_bytes(model, gen, cfg)
+    memory = None
+    if cfg.cluster.nodes is not None:
+        memory = estimate_memory(cfg, shapes)
+        check_memory_fits(cfg, memory)
     resume = resume_plan(cfg, model)
-    return RunCheck(model_dir=model_dir, model=model, scorer_dirs=scorer_dirs, gen=gen,
-                    reshard_recv_bytes=recv, naive_recv_bytes=naive, prompts=prompts,
-                    reward_fn=functions["reward"], cost_fn=functions["cost"], resume=resume)
+    return RunCheck(checkpoints=checkpoints, model=model, gen=gen, reshard_recv_bytes=recv,
+                    naive_recv_bytes=naive, prompts=prompts, reward_fn=functions["reward"],
+                    cost_fn=functions["cost"], resume=resume, presets=presets, memory=memory,
+                    notes=notes)
 
 
 def resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
@@ -120,6 +170,18 @@ def resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
     return plan_resume(cfg.resume, Path(cfg.tracking.out_dir) / cfg.name,
                        yaml.safe_load(to_yaml(cfg)), run_identity(cfg, model),
                        defaults=yaml.safe_load(to_yaml(RLConfig())))
+
+
+def _resolve(name: str, field: str) -> tuple[Path | None, ModelConfig]:
+    """(checkpoint directory, shape) of the model ``field`` names: a shape preset has no
+    directory (None) and its shape is the preset's; otherwise the checkpoint's headers give it."""
+    from hybridflow.models.presets import shape_preset
+    from hybridflow.models.source import resolve_model
+    shape = shape_preset(name)
+    if shape is not None:
+        return None, shape
+    path = resolve_model(name, field)
+    return path, _model_config(path, field)
 
 
 def _model_config(model_dir: Path, field: str) -> ModelConfig:
@@ -161,20 +223,28 @@ def _reward_functions(cfg: RLConfig, given: dict[str, Callable | None]
     return out
 
 
-def _check_prompts(cfg: RLConfig, prompts: list, model_dir: Path,
-                   reward_fn: Callable | None) -> None:
+def _check_prompts(cfg: RLConfig, prompts: list, model_dir: Path | None,
+                   reward_fn: Callable | None) -> list[str]:
     """The prompts against what reads them: the actor's tokenizer (its chat template,
-    data.max_prompt_tokens), train_batch_size, and what a built-in reward needs of each prompt."""
+    data.max_prompt_tokens), train_batch_size, and what a built-in reward needs of each prompt.
+    ``model_dir`` None (a shape preset): text prompts are not tokenized; returns that note."""
     from hybridflow.data.loader import tokenize_prompts
     from hybridflow.models.hf import load_tokenizer
     from hybridflow.rewards import math_reward_fn, reasoning_gym_reward_fn
+    from hybridflow.validation import check_validation
 
     source, limit = cfg.data.source, cfg.data.max_prompt_tokens
-    tokenizer = load_tokenizer(model_dir)
-    try:
-        kept, dropped = tokenize_prompts(prompts, tokenizer, limit)
-    except ConfigError as e:  # the tokenizer's: name its checkpoint
-        raise ConfigError(e.field, f"{model_dir}: {e.message}") from None
+    notes = []
+    if model_dir is None and any(p.prompt_ids is None for p in prompts):
+        notes.append(f"model={cfg.model} is a shape preset without a tokenizer: the prompts' "
+                     "chat template and length (data.max_prompt_tokens) are not checked")
+        kept, dropped = prompts, 0
+    else:
+        tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
+        try:
+            kept, dropped = tokenize_prompts(prompts, tokenizer, limit)
+        except ConfigError as e:  # the tokenizer's: name its checkpoint
+            raise ConfigError(e.field, f"{model_dir}: {e.message}") from None
     if not kept:
         raise ConfigError("data.max_prompt_tokens", f"all {len(prompts)} prompts of {source} are "
                                                     f"longer than {limit} tokens (chat template "
@@ -184,6 +254,7 @@ def _check_prompts(cfg: RLConfig, prompts: list, model_dir: Path,
         raise ConfigError("train_batch_size", f"is {cfg.train_batch_size} but {source} gives "
                                               f"only {len(kept)} prompts{long}; lower it or add "
                                               "prompts")
+    check_validation(cfg, len(kept))
     # The built-in rewards fail on a prompt without what they score against, at its first step.
     if reward_fn is math_reward_fn:
         bad = next((i for i, p in enumerate(prompts, 1) if p.reference is None), None)
@@ -202,6 +273,7 @@ def _check_prompts(cfg: RLConfig, prompts: list, model_dir: Path,
                                         f"reasoning-gym dataset that made it, and prompt {bad} of "
                                         f"{source} has no metadata.source_dataset; use "
                                         "reward=math or your own module:function")
+    return notes
 
 
 def _check_out_dir(cfg: RLConfig) -> None:

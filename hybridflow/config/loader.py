@@ -4,6 +4,12 @@ Every way a config can be wrong ends in ``ConfigError(field, message)`` naming t
 an unknown key, a value of the wrong type or out of range, a YAML file that does not parse, a check
 in some dataclass's ``__post_init__`` (which names its fields relative to itself; ``build_config``
 adds the path it was built at).
+
+Composition: a YAML file may start with ``defaults: [base.yaml, ../other.yaml]``, files relative
+to the one that names them. They are merged in order (each may have defaults of its own), then the
+file's own keys, then the command line's overrides: a later value replaces an earlier one, a
+mapping is merged key by key, a list is replaced whole. ``defaults`` is the loader's, not a key of
+the run: the resolved config (``to_yaml``, runs/<name>/config.yaml) has none.
 """
 
 from __future__ import annotations
@@ -21,15 +27,18 @@ T = TypeVar("T")
 
 # The command line's names for what is not a key of the schema.
 CONFIG_FILE, OVERRIDES = "CONFIG", "overrides"
+DEFAULTS = "defaults"
+"""The key of a YAML file that lists the files it is composed on."""
 
 
 def load_config(cls: type[T], path: str | os.PathLike | None = None,
                 overrides: list[str] | tuple[str, ...] = ()) -> T:
-    """Build ``cls`` from its defaults, then the YAML file at ``path``, then ``overrides``
-    (``["actor.engine.optim.lr=1e-4", ...]``), and run every check."""
+    """Build ``cls`` from its defaults, then the YAML file at ``path`` (composed on the files its
+    ``defaults`` lists), then ``overrides`` (``["actor.engine.optim.lr=1e-4", ...]``), and run
+    every check."""
     merged = _structured(cls)
     if path is not None:
-        merged = _merge(merged, _load_yaml(path))
+        merged = _merge(merged, load_composed(path))
     return build_config(cls, _apply_overrides(merged, overrides))
 
 
@@ -180,6 +189,39 @@ def _from_omegaconf(e: Exception) -> ConfigError:
         message = ("not a key of the config; `hybridflow defaults train` prints every key with "
                    "its default")
     return ConfigError(key, message)
+
+
+def load_composed(path: str | os.PathLike, _chain: tuple[str, ...] = ()):
+    """The YAML file at ``path`` merged onto the files its ``defaults`` lists (recursively, in
+    order), as one OmegaConf node without a ``defaults`` key; not yet checked against a schema.
+    A missing file, a cycle or a ``defaults`` that is no list of file names is a ConfigError
+    naming the file and the fix."""
+    from omegaconf import OmegaConf
+
+    real = os.path.realpath(path)
+    if real in _chain:
+        cycle = " -> ".join(os.path.relpath(p) for p in (*_chain[_chain.index(real):], real))
+        raise ConfigError(CONFIG_FILE, f"{path}: the defaults form a cycle ({cycle}); remove one "
+                                       "of them")
+    node = _load_yaml(path)
+    if DEFAULTS not in node:
+        return node
+    bases = OmegaConf.to_container(node[DEFAULTS]) if OmegaConf.is_config(node[DEFAULTS]) \
+        else node[DEFAULTS]
+    if not isinstance(bases, list) or not all(isinstance(b, str) and b for b in bases):
+        raise ConfigError(CONFIG_FILE, f"{path}: defaults must be a list of YAML files relative "
+                                       f"to this file, e.g. defaults: [base.yaml]; got {bases!r}")
+    merged = OmegaConf.create({})
+    here = os.path.dirname(os.fspath(path))
+    for base in bases:
+        base_path = os.path.join(here, base)
+        if not os.path.isfile(base_path):
+            raise ConfigError(CONFIG_FILE, f"{path}: defaults names {base}, but {base_path} is "
+                                           "not a file; fix the name (paths are relative to "
+                                           f"{here or '.'})")
+        merged = OmegaConf.merge(merged, load_composed(base_path, (*_chain, real)))
+    del node[DEFAULTS]
+    return OmegaConf.merge(merged, node)
 
 
 def _load_yaml(path: str | os.PathLike):

@@ -16,6 +16,7 @@ from hybridflow.algorithms.kl import KL_KINDS
 from hybridflow.algorithms.losses import AGG_MODES, LEVELS
 from hybridflow.algorithms.mismatch import RolloutCorrectionConfig
 from hybridflow.checkpoint import CheckpointConfig
+from hybridflow.config.cluster import ClusterConfig, check_cluster
 from hybridflow.controller.worker_group import RayConfig
 from hybridflow.data.prompts import PromptDataConfig
 from hybridflow.errors import ConfigError, check_choice, check_float, check_int
@@ -23,6 +24,7 @@ from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.rollout.base import SamplingConfig
 from hybridflow.tracking import TrackingConfig
 from hybridflow.training.engine import EngineConfig, OptimConfig
+from hybridflow.validation import ValidationConfig
 
 ALGORITHMS = ("grpo", "ppo", "remax", "rloo", "reinforce_plus_plus", "safe_rlhf")
 BACKENDS = ("vllm", "megatron", "hf")
@@ -256,6 +258,8 @@ class RLConfig:
     """Where config.yaml, metrics.jsonl, checkpoints and the reward curve go."""
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     """When the run saves what it needs to resume exactly."""
+    validation: ValidationConfig = field(default_factory=ValidationConfig)
+    """Greedy generations on held-out prompts, logged as val/reward."""
     resume: str = "auto"
     """auto: continue the run in tracking.out_dir/<name> from its newest complete checkpoint
     (from step 0 if it has none); never: refuse to start over an existing run; or a checkpoint
@@ -266,6 +270,9 @@ class RLConfig:
     them in <model>/nonfinite_skipped."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Ray."""
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    """The GPUs the run is meant for: with nodes set, hybridflow check checks the world sizes
+    and the memory per GPU against them."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*",
@@ -285,6 +292,7 @@ class RLConfig:
         check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         self._check_algorithm()
         self._check_batches()
+        check_cluster(self)
 
     def _check_algorithm(self) -> None:
         a = self.algorithm
@@ -299,6 +307,14 @@ class RLConfig:
             key = "cost" if self.cost is not None else "cost_model"
             raise ConfigError(key, f"only safe_rlhf uses a cost; algorithm.name={a.name} would "
                                    "ignore it: remove it or use algorithm.name=safe_rlhf")
+        if self.data.source == "synthetic":  # random token ids: only a model can score them
+            for key in ("reward_model",) + (("cost_model",) if a.name == "safe_rlhf" else ()):
+                if getattr(self, key) is None:
+                    raise ConfigError(key, f"data.source=synthetic prompts are random token ids: "
+                                           f"a {key.split('_')[0]} function cannot score what is "
+                                           f"generated from them; set {key} (a checkpoint "
+                                           "directory, or a shape preset such as llama2-7b for "
+                                           "hybridflow check)")
         if a.overlong_buffer >= self.rollout.sampling.max_tokens:
             raise ConfigError("algorithm.overlong_buffer", f"{a.overlong_buffer} must be below "
                               f"rollout.sampling.max_tokens={self.rollout.sampling.max_tokens}")
@@ -332,13 +348,16 @@ class RLConfig:
             ("reward", self.reward_model is not None, "remove reward_model"),
             ("rollout.kv_cache_mb", self.rollout.backend != "vllm", "rollout.backend=vllm"),
             *((f"data.{k}", self.data.source != "reasoning_gym", "data.source=reasoning_gym")
-              for k in ("tasks", "task_kwargs", "size")),
-            *((f"data.{k}", self.data.source == "reasoning_gym", "a .jsonl or .parquet "
-                                                                 "data.source")
-              for k in ("prompt_key", "answer_key")),
+              for k in ("tasks", "task_kwargs")),
+            ("data.size", self.data.source not in ("reasoning_gym", "synthetic"),
+             "data.source=reasoning_gym or synthetic"),
+            *((f"data.{k}", self.data.source in ("reasoning_gym", "synthetic"),
+               "a .jsonl or .parquet data.source") for k in ("prompt_key", "answer_key")),
             ("ray.num_cpus", self.ray.address != "local", "ray.address=local (a cluster "
                                                           "has its own CPUs)"),
             ("tracking.wandb_project", not self.tracking.wandb, "set tracking.wandb=true"),
+            ("tracking.wandb_group", not self.tracking.wandb, "set tracking.wandb=true"),
+            ("tracking.wandb_tags", not self.tracking.wandb, "set tracking.wandb=true"),
             ("algorithm.overlong_penalty", a.overlong_buffer == 0,
              "set algorithm.overlong_buffer > 0"),
             ("algorithm.max_sampling_rounds", not a.dynamic_sampling,

@@ -14,18 +14,24 @@ def tokenize_prompts(items: Sequence[PromptItem], tokenizer: Any,
                      max_prompt_tokens: int) -> tuple[list[PromptItem], int]:
     """Apply ``tokenizer``'s chat template (with the generation prompt, so the model answers next)
     to each item: the items of at most ``max_prompt_tokens`` tokens, with ``prompt_ids`` set, and
-    how many longer ones were dropped."""
+    how many longer ones were dropped. Items that come with ``prompt_ids`` (synthetic prompts) are
+    kept as they are, under the same limit; ``tokenizer`` may be None if all do."""
     if not isinstance(max_prompt_tokens, int) or max_prompt_tokens < 1:
         raise ValueError(f"max_prompt_tokens must be a positive integer, got {max_prompt_tokens!r}")
-    if not getattr(tokenizer, "chat_template", None):
+    needs_template = any(item.prompt_ids is None for item in items)
+    if needs_template and not getattr(tokenizer, "chat_template", None):
         raise ConfigError("model", "its tokenizer has no chat template; use an instruct/chat "
                                    "model (or add a chat_template to its tokenizer_config.json)")
     kept, dropped = [], 0
     for item in items:
-        text = tokenizer.apply_chat_template(item.messages, add_generation_prompt=True,
-                                             tokenize=False)
-        # The template writes the special tokens itself; adding them again would double the BOS.
-        ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+        if item.prompt_ids is not None:
+            ids = item.prompt_ids
+        else:
+            text = tokenizer.apply_chat_template(item.messages, add_generation_prompt=True,
+                                                 tokenize=False)
+            # The template writes the special tokens itself; adding them again would double the
+            # BOS.
+            ids = tokenizer(text, add_special_tokens=False)["input_ids"]
         if len(ids) > max_prompt_tokens:
             dropped += 1
         else:

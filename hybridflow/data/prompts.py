@@ -1,9 +1,14 @@
-"""Prompt datasets: reasoning-gym tasks, JSONL/Parquet files or records in memory -> ``PromptItem``.
+"""Prompt datasets: reasoning-gym tasks, JSONL/Parquet files, records in memory or synthetic token
+ids -> ``PromptItem``.
 
 A file row holds its prompt in one column, either a string (one user turn) or a chat list of
 ``{"role", "content"}``; its reference answer comes from the answer column, else from a trailing
 assistant turn of the chat (which is taken off the prompt either way). Loading is all or nothing:
 the first bad row ends it in one ``ConfigError`` naming the file, the row and the column.
+
+Synthetic prompts (``data.source: synthetic``) are random token ids of a fixed length, for
+throughput runs (the HybridFlow paper's 1024-token prompts): no text, no chat template; only a
+reward model can score what is generated from them.
 """
 
 from __future__ import annotations
@@ -16,6 +21,10 @@ from typing import Any, Iterable, Mapping
 from hybridflow.errors import ConfigError
 
 FILE_SUFFIXES = (".jsonl", ".parquet")
+SYNTHETIC_FIRST_ID = 3
+"""Synthetic prompts draw token ids from [SYNTHETIC_FIRST_ID, vocab_size): ids 0-2 are the special
+tokens of Llama-family vocabularies (unk/pad, bos, eos); specials elsewhere (Qwen2's, at the end
+of its vocabulary) may be drawn."""
 
 
 @dataclass
@@ -23,14 +32,16 @@ class PromptItem:
     """One prompt: the chat to generate from, its reference answer, and what scoring may need."""
 
     messages: list[dict[str, str]]
-    """The chat, ``[{"role": ..., "content": ...}, ...]``, ending before the assistant's turn."""
+    """The chat, ``[{"role": ..., "content": ...}, ...]``, ending before the assistant's turn;
+    empty for a synthetic prompt (token ids only)."""
     reference: str | None = None
     """The reference answer, or None when the data has none."""
     extra: dict[str, Any] = field(default_factory=dict)
     """Everything else the row carried; for reasoning-gym, the entry itself (question, answer,
     metadata with source_dataset), which its scorer needs."""
     prompt_ids: list[int] | None = None
-    """The chat template applied and tokenized (``data.loader.tokenize_prompts`` fills it)."""
+    """The chat template applied and tokenized (``data.loader.tokenize_prompts`` fills it); set
+    from the start for synthetic prompts, which tokenizing passes through."""
 
 
 @dataclass(kw_only=True)
@@ -38,13 +49,16 @@ class PromptDataConfig:
     """Where the prompts come from and how they are turned into chats."""
 
     source: str = "reasoning_gym"
-    """``reasoning_gym`` (procedurally generated tasks) or the path of a .jsonl or .parquet file."""
+    """``reasoning_gym`` (procedurally generated tasks), the path of a .jsonl or .parquet file, or
+    ``synthetic``: random token ids of exactly max_prompt_tokens each, for throughput runs (needs
+    a reward_model: no reward function can score them)."""
     tasks: list[str] = field(default_factory=lambda: ["basic_arithmetic"])
     """reasoning_gym: the reasoning-gym dataset names, e.g. [basic_arithmetic, gsm_symbolic]."""
     task_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
     """reasoning_gym: per-task dataset options, e.g. {basic_arithmetic: {min_terms: 2}}."""
     size: int = 1000
-    """reasoning_gym: the number of prompts, split evenly over the tasks."""
+    """reasoning_gym: the number of prompts, split evenly over the tasks; synthetic: the number of
+    prompts."""
     prompt_key: str | None = None
     """Files: the column holding the prompt (a string or a chat list); None takes ``prompt``, else
     ``messages``, whichever a row has."""
@@ -54,11 +68,13 @@ class PromptDataConfig:
     system_prompt: str | None = None
     """A system turn put before every chat that has none of its own; None adds nothing."""
     max_prompt_tokens: int = 512
-    """Prompts longer than this many tokens (chat template applied) are dropped and counted."""
+    """Prompts longer than this many tokens (chat template applied) are dropped and counted;
+    synthetic prompts are exactly this long."""
     shuffle: bool = True
     """Reshuffle the prompts every epoch; False walks them in order."""
     seed: int = 0
-    """Seed of the reasoning-gym generation and of the epoch shuffles."""
+    """Seed of the reasoning-gym generation, of the synthetic prompts' token ids and of the epoch
+    shuffles."""
 
     def __post_init__(self) -> None:
         self.tasks = list(self.tasks)
@@ -67,8 +83,9 @@ class PromptDataConfig:
             raise ConfigError(f"task_kwargs.{bad[0]}", "must be a mapping of dataset options, "
                                                            "e.g. {min_terms: 2}")
         self.task_kwargs = {k: dict(v) for k, v in self.task_kwargs.items()}
-        if self.source != "reasoning_gym" and not self.source.endswith(FILE_SUFFIXES):
-            raise ConfigError("source", f"must be reasoning_gym or a path ending in "
+        if self.source not in ("reasoning_gym", "synthetic") and \
+                not self.source.endswith(FILE_SUFFIXES):
+            raise ConfigError("source", f"must be reasoning_gym, synthetic or a path ending in "
                                              f"{' or '.join(FILE_SUFFIXES)}, got {self.source!r}")
         if not isinstance(self.max_prompt_tokens, int) or self.max_prompt_tokens < 1:
             raise ConfigError("max_prompt_tokens", f"must be a positive integer, got "
@@ -81,6 +98,12 @@ class PromptDataConfig:
                 raise ConfigError(name, f"must be a column name or null, got {value!r}")
         if self.source == "reasoning_gym":
             self._check_tasks()
+        if self.source == "synthetic":
+            if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
+                raise ConfigError("size", f"must be a positive integer, got {self.size!r}")
+            if self.system_prompt is not None:
+                raise ConfigError("system_prompt", "has no effect with source=synthetic (token "
+                                                   "ids, no chat); remove it")
 
     def _check_tasks(self) -> None:
         if not self.tasks:
@@ -103,13 +126,30 @@ class PromptDataConfig:
                                            f"({len(self.tasks)}), got {self.size!r}")
 
 
-def load_prompts(cfg: PromptDataConfig) -> list[PromptItem]:
-    """All prompts ``cfg`` names, in a deterministic order (the sampler shuffles)."""
+def load_prompts(cfg: PromptDataConfig, vocab_size: int | None = None) -> list[PromptItem]:
+    """All prompts ``cfg`` names, in a deterministic order (the sampler shuffles);
+    ``vocab_size``: the model's, which synthetic prompts draw their token ids below."""
+    if cfg.source == "synthetic":
+        if vocab_size is None:
+            raise ValueError("synthetic prompts need the model's vocab_size")
+        return synthetic_prompts(cfg.size, cfg.max_prompt_tokens, vocab_size, cfg.seed)
     if cfg.source == "reasoning_gym":
         return reasoning_gym_prompts(cfg.tasks, size=cfg.size, seed=cfg.seed,
                                      task_kwargs=cfg.task_kwargs, system_prompt=cfg.system_prompt)
     return prompts_from_file(cfg.source, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
                              system_prompt=cfg.system_prompt)
+
+
+def synthetic_prompts(size: int, length: int, vocab_size: int, seed: int) -> list[PromptItem]:
+    """``size`` prompts of ``length`` token ids each, drawn uniformly from [SYNTHETIC_FIRST_ID,
+    vocab_size) by a generator seeded with ``seed``: set as ``prompt_ids``, no chat."""
+    import numpy as np
+
+    if vocab_size <= SYNTHETIC_FIRST_ID:
+        raise ValueError(f"vocab_size {vocab_size} leaves no ids from {SYNTHETIC_FIRST_ID}")
+    ids = np.random.default_rng(seed).integers(SYNTHETIC_FIRST_ID, vocab_size,
+                                               size=(size, length))
+    return [PromptItem(messages=[], prompt_ids=row) for row in ids.tolist()]
 
 
 def reasoning_gym_prompts(tasks: list[str], *, size: int, seed: int,

@@ -1,0 +1,313 @@
+"""Memory per GPU of an RL run, estimated from its config and its models' shapes: pure arithmetic,
+no process, no tensor. ``hybridflow check`` compares it with ``cluster.gpu_memory_gb``; the
+auto-mapping planner builds on it.
+
+``estimate_memory(cfg, shapes)`` returns, for every pool of GPUs (the worker groups that share
+them: ``hybridflow.config.cluster.gpu_pools``), the bytes each role holds on one GPU in each
+phase of an iteration. The phases run one after another, so a GPU's peak is the largest phase
+total, not the sum of the phases:
+
+* ``generation``: the actor at the generation layout (its weights gathered by the
+  3D-HybridEngine to tp = rollout.tp, pp = 1) and the KV cache; the actor's grads are released,
+  its optimizer state stays unless ``hybrid_engine.offload_optimizer``, the reference's weights
+  unless ``ref.offload``;
+* ``inference``: the forward-only passes (old and reference log-probs, values, reward and cost
+  scores), one model at a time; everything resident, plus the largest pass's transient;
+* ``actor update`` and, for PPO, ``critic update``: everything resident plus that model's stored
+  activations.
+
+What each role holds (P parameters; t, p, d its layout; b its engine's dtype bytes):
+
+* weights ``P*b/(t*p)``; grads ``P*4/(t*p)`` (Megatron's DDP reduces them in fp32:
+  ``grad_reduce_in_fp32``); Adam state ``P*12/(t*p)`` in bf16 (fp32 main weights and two
+  moments) or ``P*8/(t*p)`` in fp32 (two moments; SGD's momentum: 8 and 4), divided by d with
+  ``engine.optim.distributed`` (Megatron's distributed optimizer shards it over data-parallel
+  ranks; the grad buffer stays whole);
+* stored activations of training, Korthikanti et al. 2022 ("Reducing Activation Recomputation
+  in Large Transformer Models", arXiv 2205.05198, section 4), per layer and micro-batch of b
+  sequences of s = data.max_prompt_tokens + rollout.sampling.max_tokens tokens, h hidden, a
+  heads, in 16-bit: ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes without sequence parallelism,
+  ``s*b*h*(34 + 5*a*s/h)/t`` with it (scaled by b/2 for fp32). The 5as/h term is the attention
+  scores that Megatron's local attention keeps (no flash attention); the engine has no activation
+  recomputation, so the recompute variant (``2*s*b*h`` per layer) does not apply. Under 1F1B the
+  first pipeline stage holds min(p, m) micro-batches in flight (m: micro-batches per optimizer
+  step and data-parallel rank) of its L/p layers; the last stage one, plus the logits
+  ``b*s*V/t`` in the model's dtype and their fp32 log-softmax. The estimate takes the larger;
+* forward-only passes keep no activations: one layer's worth and the logits, transiently;
+* generation: weights ``P*b/tg`` (the training shard is a slice of them under the 3D engine; the
+  naive mode keeps it besides), the KV cache ``2*L*(kv_heads/tg)*head_dim*b`` bytes per token of
+  prompt + response for the sequences decoded together: the replica's share of the step's
+  ``train_batch_size * n`` samples, at most ``MegatronRollout``'s max_batch_size at a time
+  (rollout.backend=megatron); vLLM takes ``rollout.kv_cache_mb`` and keeps its own copy of the
+  weights (tg = 1) in every phase; the hf backend keeps its own weights, the KV cache of the
+  whole share and every step's logits.
+
+Left out: CUDA context and allocator fragmentation (a few GiB: leave headroom), communication
+buffers, the reshard's buckets, embedding and output layers sitting on one pipeline stage only
+(the weights are taken evenly over t*p).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.config.cluster import gpu_pools
+from hybridflow.errors import ConfigError
+from hybridflow.models.config import ModelConfig
+
+GIB = 2**30
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+
+
+@dataclass(frozen=True)
+class PoolMemory:
+    """One pool of GPUs: the worker groups on it and what one of its GPUs holds per phase."""
+
+    groups: tuple[str, ...]
+    """Worker groups sharing these GPUs (actor, critic, reward_model, cost_model)."""
+    ranks: int
+    """Ranks of each group (bundles of the pool)."""
+    phases: dict[str, dict[str, dict[str, int]]]
+    """phase -> role (actor, rollout, ref, critic, reward_model, cost_model) -> part (weights,
+    grads, optimizer, activations, kv cache, ...) -> bytes on one GPU."""
+
+    def role_bytes(self, phase: str, role: str) -> int:
+        return sum(self.phases[phase][role].values())
+
+    def total(self, phase: str) -> int:
+        return sum(self.role_bytes(phase, role) for role in self.phases[phase])
+
+    @property
+    def peak(self) -> tuple[str, int]:
+        """(phase, bytes) of the fullest phase."""
+        return max(((p, self.total(p)) for p in self.phases), key=lambda x: x[1])
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    pools: tuple[PoolMemory, ...]
+
+    @property
+    def peak(self) -> tuple[PoolMemory, str, int]:
+        """(pool, phase, bytes) of the fullest GPU."""
+        return max(((pool, *pool.peak) for pool in self.pools), key=lambda x: x[2])
+
+
+def param_count(shape: ModelConfig, head: str = "lm") -> int:
+    """Parameters of the model; ``head="value"`` swaps the LM output layer for a scalar head
+    (critics, reward and cost models)."""
+    from hybridflow.models.params import llama_param_metas
+    metas = llama_param_metas(shape)
+    n = sum(math.prod(m.shape) for m in metas)
+    if head == "value":
+        n += shape.hidden_size - sum(math.prod(m.shape) for m in metas
+                                     if m.name == "output_layer.weight")
+    return n
+
+
+def layer_activation_bytes(shape: ModelConfig, seq: int, micro_batch: int, tp: int,
+                           sequence_parallel: bool, dtype: str) -> float:
+    """Stored activations of one transformer layer for one micro-batch (Korthikanti et al.
+    2022, without recomputation; see the module docstring)."""
+    s, b, h, a = seq, micro_batch, shape.hidden_size, shape.num_heads
+    if sequence_parallel:
+        per = s * b * h * (34 + 5 * a * s / h) / tp
+    else:
+        per = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
+    return per * DTYPE_BYTES[dtype] / 2
+
+
+def estimate_memory(cfg: Any, shapes: dict[str, ModelConfig]) -> MemoryEstimate:
+    """Bytes per GPU, per pool, phase and role (see the module docstring). ``cfg`` an RLConfig;
+    ``shapes``: config key (model, reward_model, cost_model) -> that model's shape."""
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
+    samples = cfg.train_batch_size * cfg.rollout.sampling.n
+    pools = []
+    for groups, ranks in gpu_pools(cfg):
+        resident: dict[str, dict[str, int]] = {}  # role -> part -> bytes, outside its own phase
+        generation: dict[str, dict[str, int]] = {}
+        forward: dict[str, int] = {}  # role -> its forward pass's transient
+        updates: dict[str, tuple[str, int]] = {}  # phase -> (role, its activations)
+        for group in groups:
+            if group == "actor":
+                _actor(cfg, shapes["model"], seq, samples, resident, generation, forward,
+                       updates)
+            else:
+                shape = shapes["model" if group == "critic" else group]  # critic: actor's
+                _critic_side(cfg, group, shape, seq, samples, resident, forward, updates)
+        phases = {"generation": {role: dict(parts) for role, parts in resident.items()}}
+        for role, parts in generation.items():
+            phases["generation"].setdefault(role, {}).update(parts)
+        if "actor" in phases["generation"]:  # the switch releases the actor's grads
+            phases["generation"]["actor"].pop("grads")
+            if cfg.hybrid_engine.offload_optimizer:
+                phases["generation"]["actor"].pop("optimizer")
+        if cfg.ref.offload and "ref" in phases["generation"]:
+            phases["generation"]["ref"] = {}
+        if forward:  # the passes run one after another: the largest transient counts
+            role = max(forward, key=forward.get)
+            phases["inference"] = _with(resident, role, "forward transient", forward[role])
+        for name, (role, act) in updates.items():
+            phases[name] = _with(resident, role, "activations", act)
+            if cfg.ref.offload:
+                phases[name]["ref"] = {}
+        pools.append(PoolMemory(groups=groups, ranks=ranks, phases=phases))
+    return MemoryEstimate(pools=tuple(pools))
+
+
+def check_memory_fits(cfg: Any, estimate: MemoryEstimate) -> None:
+    """A ConfigError naming the layout key to change where a GPU's peak exceeds
+    ``cluster.gpu_memory_gb``."""
+    limit = cfg.cluster.gpu_memory_gb * GIB
+    for pool in estimate.pools:
+        phase, total = pool.peak
+        if total <= limit:
+            continue
+        roles = pool.phases[phase]
+        role = max(roles, key=lambda r: pool.role_bytes(phase, r))
+        parts = ", ".join(f"{r} {pool.role_bytes(phase, r) / GIB:.1f}" for r in roles
+                          if pool.role_bytes(phase, r))
+        key, fix = _fix(cfg, role, roles[role])
+        raise ConfigError(key, f"the {phase} phase needs an estimated {total / GIB:.1f} GiB per "
+                               f"GPU on the GPUs of {' + '.join(pool.groups)} ({parts} GiB), "
+                               f"more than cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}; "
+                               f"the largest part is {role}'s: {fix}")
+
+
+def describe(cfg: Any, estimate: MemoryEstimate) -> list[str]:
+    """Lines for ``hybridflow check``: each pool's per-GPU estimate per phase."""
+    limit = cfg.cluster.gpu_memory_gb
+    lines = []
+    for pool in estimate.pools:
+        phases = ", ".join(f"{p} {pool.total(p) / GIB:.1f}" for p in pool.phases)
+        phase, total = pool.peak
+        roles = ", ".join(f"{r} {pool.role_bytes(phase, r) / GIB:.1f}"
+                          for r in pool.phases[phase] if pool.role_bytes(phase, r))
+        lines.append(f"memory per GPU of {' + '.join(pool.groups)} ({pool.ranks} GPUs), estimate "
+                     f"in GiB of cluster.gpu_memory_gb={limit:g}: {phases}; peak {phase}: "
+                     f"{roles}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
+def _with(resident: dict[str, dict[str, int]], role: str, part: str, value: int
+          ) -> dict[str, dict[str, int]]:
+    out = {r: dict(parts) for r, parts in resident.items()}
+    out.setdefault(role, {})[part] = value
+    return out
+
+
+def _train_state(n: int, layout, engine) -> dict[str, int]:
+    """Weights, fp32 grads and optimizer state per GPU of a trained model of ``n`` parameters."""
+    mp = layout.tp * layout.pp
+    b = DTYPE_BYTES[engine.dtype]
+    per_param = {("adam", "bf16"): 12, ("adam", "fp32"): 8, ("sgd", "bf16"): 8,
+                 ("sgd", "fp32"): 4}[(engine.optim.name, engine.dtype)]
+    optimizer = n * per_param / mp / (layout.dp if engine.optim.distributed else 1)
+    return {"weights": int(n * b / mp), "grads": int(n * 4 / mp), "optimizer": int(optimizer)}
+
+
+def _training_activations(shape: ModelConfig, part, seq: int, samples: int, lm_head: bool) -> int:
+    lay, eng = part.layout, part.engine
+    b = eng.micro_batch_size
+    micro = max(1, samples // (lay.dp * part.mini_batches * b))
+    layer = layer_activation_bytes(shape, seq, b, lay.tp, eng.sequence_parallel, eng.dtype)
+    stage_layers = shape.num_layers / lay.pp
+    logits = _logits(shape, seq, b, lay.tp, eng.dtype) if lm_head else 0
+    first = stage_layers * layer * min(lay.pp, micro)
+    last = stage_layers * layer + logits
+    return int(max(first, last))
+
+
+def _forward_transient(shape: ModelConfig, part, seq: int, lm_head: bool) -> int:
+    lay, eng = part.layout, part.engine
+    b = eng.forward_micro_batch_size or eng.micro_batch_size
+    layer = layer_activation_bytes(shape, seq, b, lay.tp, eng.sequence_parallel, eng.dtype)
+    return int(layer + (_logits(shape, seq, b, lay.tp, eng.dtype) if lm_head else 0))
+
+
+def _logits(shape: ModelConfig, seq: int, micro_batch: int, tp: int, dtype: str) -> float:
+    # The logits in the model's dtype and their fp32 log-softmax.
+    return seq * micro_batch * shape.vocab_size / tp * (DTYPE_BYTES[dtype] + 4)
+
+
+def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation, forward,
+           updates) -> None:
+    from hybridflow.parallel.layout import GenLayout
+    actor, r = cfg.actor, cfg.rollout
+    n, b = param_count(shape), DTYPE_BYTES[actor.engine.dtype]
+    resident["actor"] = _train_state(n, actor.layout, actor.engine)
+    resident["ref"] = {"weights": resident["actor"]["weights"]}
+    gen = GenLayout(train=actor.layout, tp=r.tp)
+    gen_weights = {"generation weights": int(n * b / (gen.tp * gen.pp))}
+    if cfg.hybrid_engine.mode == "3d":  # the training shard is a slice of the generation one
+        gen_weights["weights"] = 0
+    generation["actor"] = gen_weights
+    share = math.ceil(samples / gen.replicas)
+    per_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // gen.tp) * shape.head_dim * b
+    if r.backend == "vllm":
+        resident["rollout"] = {"engine weights": int(n * b)}
+        generation["rollout"] = {"kv cache": int(r.kv_cache_mb * 2**20)}
+    elif r.backend == "megatron":
+        resident["rollout"] = {}
+        generation["rollout"] = {"kv cache": int(min(share, _megatron_max_batch()) * seq
+                                                 * per_token)}
+    else:  # hf: its own model, the whole share at once, every step's logits kept
+        resident["rollout"] = {"engine weights": int(n * b)}
+        generation["rollout"] = {"kv cache": int(share * seq * per_token),
+                                 "logits": int(share * r.sampling.max_tokens * shape.vocab_size
+                                               * (b + 4))}
+    forward["actor"] = _forward_transient(shape, actor, seq, lm_head=True)
+    updates["actor update"] = ("actor", _training_activations(shape, actor, seq, samples, True))
+
+
+def _critic_side(cfg, group: str, shape: ModelConfig, seq: int, samples: int, resident, forward,
+                 updates) -> None:
+    critic = cfg.critic
+    n = param_count(shape, head="value")
+    if group == "critic":
+        resident["critic"] = _train_state(n, critic.layout, critic.engine)
+        updates["critic update"] = ("critic", _training_activations(shape, critic, seq, samples,
+                                                                     False))
+    else:
+        b = DTYPE_BYTES[critic.engine.dtype]
+        resident[group] = {"weights": int(n * b / (critic.layout.tp * critic.layout.pp))}
+    forward[group] = _forward_transient(shape, critic, seq, lm_head=False)
+
+
+def _megatron_max_batch() -> int:
+    """Sequences MegatronRollout decodes together (its constructor's default)."""
+    from hybridflow.rollout.megatron import MegatronRollout
+    return inspect.signature(MegatronRollout.__init__).parameters["max_batch_size"].default
+
+
+def _fix(cfg, role: str, parts: dict[str, int]) -> tuple[str, str]:
+    """(key, how) to shrink ``role``'s share of a GPU; ``parts`` its bytes by part."""
+    nodes = cfg.cluster.gpus_per_node
+    section = "actor" if role in ("actor", "ref", "rollout") else "critic"
+    lay, eng = getattr(cfg, section).layout, getattr(cfg, section).engine
+    if role == "rollout" and cfg.rollout.backend == "vllm":
+        return "rollout.kv_cache_mb", "lower it, or use rollout.backend=megatron"
+    if role == "rollout" and cfg.rollout.tp < lay.tp:
+        return "rollout.tp", (f"raise it (up to actor.layout.tp={lay.tp}) to split the "
+                              "generation weights and KV cache over more GPUs")
+    if role == "ref" and not cfg.ref.offload:
+        return "ref.offload", "set it to true, or raise actor.layout.tp or pp"
+    if max(parts, key=parts.get) == "activations":
+        if eng.micro_batch_size > 1:
+            return f"{section}.engine.micro_batch_size", "lower it: the stored activations grow " \
+                                                         "with it"
+        if section == "actor" and lay.tp > 1 and not eng.sequence_parallel:
+            return "actor.engine.sequence_parallel", "set it to true: it splits the stored " \
+                                                     "activations over tp"
+    key = f"{section}.layout"
+    if lay.tp * 2 <= nodes:
+        return f"{key}.tp", (f"raise it (tp={lay.tp} now; up to cluster.gpus_per_node={nodes}) or "
+                             f"{key}.pp, lowering {key}.dp to keep the world size")
+    return f"{key}.pp", (f"raise it (pp={lay.pp} now), lowering {key}.dp to keep the world size; "
+                         "it shrinks weights, grads and optimizer state, not the stored "
+                         "activations (under 1F1B the first stage keeps pp micro-batches of its "
+                         "layers)")

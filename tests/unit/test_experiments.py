@@ -1,0 +1,348 @@
+"""experiments/: composed configs (``defaults:``), the SmolLM2 recipes resolving as their flat files
+did, the HybridFlow paper's configs (shape presets, synthetic prompts, cluster and memory checks),
+and every config passing ``hybridflow check``."""
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from hybridflow.cli import main
+from hybridflow.config import RLConfig, load_config, to_yaml
+from hybridflow.config.check import check_run
+from hybridflow.config.memory import estimate_memory, layer_activation_bytes, param_count
+from hybridflow.data.loader import tokenize_prompts
+from hybridflow.data.prompts import SYNTHETIC_FIRST_ID, PromptDataConfig, load_prompts
+from hybridflow.errors import ConfigError
+from hybridflow.models.config import ModelConfig
+from hybridflow.models.presets import SHAPES
+
+ROOT = Path(__file__).resolve().parents[2]
+EXPERIMENTS = ROOT / "experiments"
+ALL_YAML = sorted(EXPERIMENTS.glob("**/*.yaml"))
+RUNNABLE = [p for p in ALL_YAML if p.name != "base.yaml"]  # base.yaml: a building block
+PAPER = sorted((EXPERIMENTS / "paper").glob("*/llama2_*.yaml"))
+
+
+def write(path: Path, text: str) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+    return path
+
+
+def resolved(path, *overrides) -> dict:
+    return yaml.safe_load(to_yaml(load_config(RLConfig, path, list(overrides))))
+
+
+# ------------------------------------------------------------------------------------------------
+# composition
+
+
+def test_defaults_merge_in_order_then_own_keys_then_overrides(tmp_path):
+    write(tmp_path / "common" / "root.yaml", "steps: 1\nseed: 1\ndata: {size: 10, tasks: [a]}\n")
+    write(tmp_path / "common" / "base.yaml", "defaults: [root.yaml]\nsteps: 2\n"
+                                             "data: {size: 20, tasks: [basic_arithmetic]}\n")
+    write(tmp_path / "other.yaml", "steps: 3\npad_token_id: 5\n")
+    run = write(tmp_path / "runs" / "run.yaml",
+                "defaults: [../common/base.yaml, ../other.yaml]\nname: composed\nseed: 7\n")
+    cfg = load_config(RLConfig, run, ["pad_token_id=6"])
+    assert (cfg.name, cfg.steps, cfg.seed, cfg.pad_token_id) == ("composed", 3, 7, 6)
+    assert cfg.data.size == 20 and cfg.data.tasks == ["basic_arithmetic"]  # a list is replaced
+    assert cfg.data.max_prompt_tokens == PromptDataConfig().max_prompt_tokens  # untouched key
+    text = to_yaml(cfg)  # what runs/<name>/config.yaml holds: resolved, no defaults key
+    assert "defaults" not in yaml.safe_load(text) and "steps: 3" in text
+
+
+@pytest.mark.parametrize("text, message", [
+    ("defaults: [missing.yaml]\n", "missing.yaml is not a file"),
+    ("defaults: base.yaml\n", "defaults must be a list"),
+    ("defaults: [3]\n", "defaults must be a list"),
+    ("defaults: [loop.yaml]\n", "cycle"),
+])
+def test_bad_defaults_name_the_file_and_the_fix(tmp_path, capsys, text, message):
+    write(tmp_path / "loop.yaml", "defaults: [c.yaml]\n")
+    config = write(tmp_path / "c.yaml", text)
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, config)
+    assert e.value.field == "CONFIG" and str(config) in e.value.message, e.value
+    assert message in e.value.message, e.value
+    assert main(["check", str(config)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridflow: error: CONFIG: ") and len(err.strip().splitlines()) == 1
+
+
+def test_a_key_of_a_default_is_checked_like_any_other(tmp_path):
+    write(tmp_path / "base.yaml", "actor: {ppo_epoch: 2}\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, write(tmp_path / "run.yaml", "defaults: [base.yaml]\n"))
+    assert e.value.field == "actor.ppo_epoch"
+
+
+# The two SmolLM2 recipes as flat files, before experiments/ was composed: the composed ones must
+# resolve to exactly these.
+FLAT_SMOLLM2 = """
+model: smollm2
+actor:
+  layout: {tp: 1, pp: 2, dp: 1}
+  engine:
+    micro_batch_size: 4
+    optim: {name: adam, lr: 2.0e-5, clip_grad: 1.0}
+  mini_batches: 1
+rollout:
+  backend: vllm
+  tp: 1
+  sampling: {temperature: 1.0, max_tokens: 24, n: 4}
+data:
+  source: reasoning_gym
+  tasks: [chain_sum]
+  task_kwargs:
+    chain_sum: {min_terms: 2, max_terms: 2, min_digits: 1, max_digits: 1, allow_negation: false}
+  size: 400
+  system_prompt: "Reply with only the final number."
+  max_prompt_tokens: 64
+reward: reasoning_gym
+train_batch_size: 4
+"""
+FLAT = {
+    "quickstart_grpo.yaml": FLAT_SMOLLM2 + "name: quickstart-grpo\nalgorithm: {name: grpo}\n"
+                                           "steps: 10\nvalidation: {every: 5, size: 32}\n",
+    "dapo_smollm2.yaml": FLAT_SMOLLM2.replace("  mini_batches: 1\n", """  mini_batches: 1
+  clip_ratio_low: 0.2
+  clip_ratio_high: 0.28
+  loss_agg_mode: token-mean
+  kl_loss_coef: 0.0
+""") + """name: dapo-smollm2
+algorithm:
+  name: grpo
+  dynamic_sampling: true
+  max_sampling_rounds: 3
+  overlong_buffer: 8
+  overlong_penalty: 1.0
+steps: 4
+""",
+}
+
+
+@pytest.mark.parametrize("name", sorted(FLAT))
+def test_smollm2_recipes_resolve_as_their_flat_files_did(tmp_path, name):
+    flat = write(tmp_path / name, FLAT[name])
+    composed = EXPERIMENTS / name
+    assert "defaults:" in composed.read_text()  # a small override of experiments/smollm2/
+    assert resolved(composed) == resolved(flat)
+
+
+# ------------------------------------------------------------------------------------------------
+# every config passes hybridflow check
+
+
+def test_every_base_is_a_building_block_of_some_config():
+    named = set()
+    for path in ALL_YAML:
+        data = yaml.safe_load(path.read_text()) or {}
+        named |= {(path.parent / d).resolve() for d in data.get("defaults", [])}
+    bases = {p.resolve() for p in ALL_YAML if p.name == "base.yaml"}
+    assert bases and bases <= named, bases - named
+    assert all(p.resolve() not in named for p in RUNNABLE)  # a run is nobody's building block
+
+
+@pytest.mark.parametrize("path", RUNNABLE, ids=[str(p.relative_to(EXPERIMENTS)) for p in RUNNABLE])
+def test_hybridflow_check_passes(path, capsys, tmp_path):
+    # smollm2 is prepared once into the default cache (as the config contract's check does).
+    assert main(["check", str(path), f"tracking.out_dir={tmp_path}"]) == 0, \
+        capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "config OK" in out
+    if path in PAPER:
+        assert "memory per GPU of actor" in out and "GiB of cluster.gpu_memory_gb=80" in out
+
+
+def test_the_paper_configs_cover_every_workload():
+    names = {(p.parent.name, p.stem) for p in PAPER}
+    assert names == {(a, f"llama2_{s}") for a in ("ppo", "remax", "safe_rlhf")
+                     for s in ("7b", "13b", "34b", "70b")}
+
+
+@pytest.mark.parametrize("path", PAPER, ids=[str(p.relative_to(EXPERIMENTS)) for p in PAPER])
+def test_paper_config_is_the_papers_workload(path):
+    cfg = load_config(RLConfig, path)
+    algorithm = path.parent.name
+    size = path.stem.split("_")[1]
+    assert cfg.algorithm.name == algorithm
+    assert cfg.model == cfg.reward_model == f"llama2-{size}"
+    assert cfg.cost_model == (f"llama2-{size}" if algorithm == "safe_rlhf" else None)
+    assert cfg.train_batch_size == 1024  # prompts per step
+    assert cfg.data.source == "synthetic" and cfg.data.max_prompt_tokens == 1024
+    assert cfg.rollout.sampling.max_tokens == 1024 and cfg.rollout.sampling.ignore_eos
+    trained = [cfg.actor] + ([cfg.critic] if algorithm == "ppo" else [])
+    assert all((p.ppo_epochs, p.mini_batches) == (1, 8) for p in trained)
+    gpus = cfg.cluster.nodes * cfg.cluster.gpus_per_node
+    assert 16 <= gpus <= 128 and cfg.cluster.gpu_memory_gb == 80
+    assert cfg.actor.layout.world_size == cfg.critic.layout.world_size == gpus  # colocated
+    assert cfg.ray.colocate and cfg.ray.gpus_per_worker == 1
+    assert f"on {gpus}\n# A100-80GB GPUs" in path.read_text()  # the file names its cluster
+
+
+def test_the_readme_table_is_what_check_estimates():
+    from hybridflow.config.memory import GIB
+    rows = {}
+    for line in (EXPERIMENTS / "README.md").read_text().splitlines():
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        if line.startswith("| Llama-2"):
+            rows[(cells[0], cells[1])] = cells
+    names = {"ppo": "PPO", "remax": "ReMax", "safe_rlhf": "Safe-RLHF"}
+    assert len(rows) == len(PAPER)
+    for path in PAPER:
+        cfg = load_config(RLConfig, path)
+        shapes = {k: SHAPES[getattr(cfg, k)] for k in ("model", "reward_model", "cost_model")
+                  if getattr(cfg, k) is not None}
+        (pool,) = estimate_memory(cfg, shapes).pools
+        row = rows[(f"Llama-2 {path.stem.split('_')[1].upper()}", names[path.parent.name])]
+        assert row[2] == str(cfg.cluster.nodes * cfg.cluster.gpus_per_node)
+        assert row[3] == f"{cfg.actor.layout.tp}, {cfg.actor.layout.pp}, {cfg.actor.layout.dp}"
+        assert row[5].replace("*", "") == " / ".join(f"{pool.total(p) / GIB:.1f}"
+                                                     for p in pool.phases), path
+
+
+# ------------------------------------------------------------------------------------------------
+# shape presets
+
+
+def test_llama2_presets():
+    counts = {name: param_count(shape) / 1e9 for name, shape in SHAPES.items()}
+    assert [round(counts[f"llama2-{s}"], 2) for s in ("7b", "13b", "34b", "70b")] == \
+        [6.74, 13.02, 33.74, 68.98]
+    assert SHAPES["llama2-70b"].num_kv_heads == SHAPES["llama2-34b"].num_kv_heads == 8
+    assert all(s.vocab_size == 32000 and not s.tie_embeddings and s.head_dim == 128
+               for s in SHAPES.values())
+
+
+def test_check_takes_a_preset_and_notes_what_it_skips(capsys, tmp_path):
+    assert main(["check", "model=llama2-7b", "rollout.backend=hf",
+                 f"tracking.out_dir={tmp_path}"]) == 0, capsys.readouterr().err
+    out = capsys.readouterr().out
+    assert "llama2-7b (shape preset, no weights)" in out and "32 layers" in out
+    notes = [line for line in out.splitlines() if line.startswith("note:")]
+    assert len(notes) == 1 and "max_prompt_tokens" in notes[0] and "not checked" in notes[0]
+
+
+@pytest.mark.parametrize("args, key, hint", [
+    (["experiments/paper/remax/llama2_7b.yaml"], "model", "model=/path/to/Llama-2-7b-hf"),
+    (["model=tiny-llama", "reward_model=llama2-13b", "rollout.backend=hf"], "reward_model",
+     "reward_model=/path/to/Llama-2-13b-hf"),
+])
+def test_train_refuses_a_shape_preset(args, key, hint, capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("HYBRIDFLOW_CACHE", str(tmp_path / "cache"))
+    files = [str(ROOT / a) for a in args if a.endswith(".yaml")]
+    rest = [a for a in args if not a.endswith(".yaml")]
+    assert main(["train", *files, *rest, f"tracking.out_dir={tmp_path / 'runs'}"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"hybridflow: error: {key}: ") and hint in err, err
+    assert not (tmp_path / "runs").exists()
+
+
+# ------------------------------------------------------------------------------------------------
+# synthetic prompts
+
+
+def test_synthetic_prompts():
+    cfg = PromptDataConfig(source="synthetic", size=5, max_prompt_tokens=7, seed=3)
+    items = load_prompts(cfg, vocab_size=50)
+    assert len(items) == 5 and all(len(i.prompt_ids) == 7 and not i.messages for i in items)
+    assert all(SYNTHETIC_FIRST_ID <= t < 50 for i in items for t in i.prompt_ids)
+    assert [i.prompt_ids for i in load_prompts(cfg, vocab_size=50)] == \
+        [i.prompt_ids for i in items]  # drawn from data.seed
+    other = load_prompts(PromptDataConfig(source="synthetic", size=5, max_prompt_tokens=7,
+                                          seed=4), vocab_size=50)
+    assert [i.prompt_ids for i in other] != [i.prompt_ids for i in items]
+    kept, dropped = tokenize_prompts(items, None, max_prompt_tokens=7)  # passed through
+    assert dropped == 0 and [k.prompt_ids for k in kept] == [i.prompt_ids for i in items]
+    assert tokenize_prompts(items, None, max_prompt_tokens=6) == ([], 5)
+
+
+@pytest.mark.parametrize("overrides, key, message", [
+    (["data.source=synthetic"], "reward_model", "cannot score"),
+    (["data.source=synthetic", "reward_model=llama2-7b", "algorithm.name=safe_rlhf",
+      "cost=math"], "cost_model", "cannot score"),
+    (["data.source=synthetic", "reward_model=llama2-7b", "data.system_prompt=hi"],
+     "data.system_prompt", "no effect"),
+    (["data.source=synthetic", "reward_model=llama2-7b", "data.prompt_key=q"],
+     "data.prompt_key", "no effect"),
+    (["data.source=synthetic", "reward_model=llama2-7b", "data.size=0"], "data.size",
+     "positive integer"),
+])
+def test_synthetic_refusals(overrides, key, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, None, ["model=llama2-7b", *overrides])
+    assert e.value.field == key and message in e.value.message, e.value
+
+
+# ------------------------------------------------------------------------------------------------
+# cluster and memory
+
+
+def test_memory_estimate_by_hand():
+    shape = ModelConfig(vocab_size=1000, hidden_size=64, ffn_hidden_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16)
+    # embedding + output 2*1000*64, per layer qkv 128*64 + proj 64*64 + fc1 256*64 + fc2 64*128
+    # + 2 norms 64, final norm 64
+    assert param_count(shape) == 2 * 64000 + 2 * (8192 + 4096 + 16384 + 8192 + 128) + 64 == 202048
+    cfg = load_config(RLConfig, None, [
+        "algorithm.name=grpo", "actor.layout.tp=2", "actor.layout.dp=2", "rollout.backend=megatron",
+        "actor.engine.dtype=bf16", "actor.engine.optim.distributed=true",
+        "actor.engine.micro_batch_size=1", "train_batch_size=4", "rollout.sampling.n=2",
+        "data.max_prompt_tokens=16", "rollout.sampling.max_tokens=16"])
+    (pool,) = estimate_memory(cfg, {"model": shape}).pools
+    assert pool.groups == ("actor",) and pool.ranks == 4
+    p = 202048
+    weights, grads, adam = p * 2 // 2, p * 4 // 2, p * 12 // 2 // 2  # bf16 / tp; fp32; / tp / dp
+    # s = 32, b = 1, h = 64, a = 4, t = 2: s*b*h*(10 + 24/t + 5*a*s/(h*t)) = 2048 * 27 per layer
+    layer = 32 * 64 * (10 + 24 / 2 + 5 * 4 * 32 / (64 * 2))
+    assert layer == layer_activation_bytes(shape, 32, 1, 2, False, "bf16") == 55296
+    logits = 32 * 1000 / 2 * (2 + 4)  # bf16 logits and their fp32 log-softmax, over tp
+    update = {"actor": {"weights": weights, "grads": grads, "optimizer": adam,
+                        "activations": 2 * layer + logits},
+              "ref": {"weights": weights}, "rollout": {}}
+    assert pool.phases["actor update"] == update
+    # generation: the weights gathered to tg=1 (the training shard is a slice of them), the
+    # optimizer state stays, grads are released; KV cache: 4 replicas (2 per tp=2 group, dp=2)
+    # share 8 samples, 2 each, of 32 tokens, 2 (k, v) * 2 layers * 2 KV heads * 16 * 2 bytes.
+    assert pool.phases["generation"] == {
+        "actor": {"weights": 0, "optimizer": adam, "generation weights": p * 2},
+        "ref": {"weights": weights}, "rollout": {"kv cache": 2 * 32 * (2 * 2 * 2 * 16 * 2)}}
+    assert pool.phases["inference"]["actor"]["forward transient"] == layer + logits
+    assert pool.peak == ("actor update", sum(sum(r.values()) for r in update.values()))
+    # With sequence parallelism: s*b*h*(34 + 5*a*s/h)/t.
+    assert layer_activation_bytes(shape, 32, 1, 2, True, "bf16") == 2048 * (34 + 10) / 2
+
+
+def paper(name, *overrides):
+    return load_config(RLConfig, EXPERIMENTS / "paper" / name, list(overrides))
+
+
+def test_a_70b_actor_at_tp1_does_not_fit(capsys, tmp_path):
+    overrides = ["actor.layout.tp=1", "actor.layout.dp=32", "rollout.tp=1",
+                 "actor.engine.sequence_parallel=false", f"tracking.out_dir={tmp_path}"]
+    with pytest.raises(ConfigError) as e:
+        check_run(paper("remax/llama2_70b.yaml", *overrides))
+    assert e.value.field == "actor.layout.tp", e.value
+    assert "cluster.gpu_memory_gb=80" in e.value.message and "GiB per GPU" in e.value.message
+    assert main(["check", str(EXPERIMENTS / "paper/remax/llama2_70b.yaml"), *overrides]) == 2
+    assert capsys.readouterr().err.startswith("hybridflow: error: actor.layout.tp: ")
+    # Smaller GPUs: the layout that fits 80 GB does not fit 40.
+    with pytest.raises(ConfigError) as e:
+        check_run(paper("ppo/llama2_70b.yaml", "cluster.gpu_memory_gb=40",
+                        f"tracking.out_dir={tmp_path}"))
+    assert e.value.field.endswith(".tp") or e.value.field.endswith(".pp"), e.value
+
+
+@pytest.mark.parametrize("overrides, key, message", [
+    (["cluster.nodes=8"], "actor.layout.dp", "set actor.layout.dp=2"),
+    (["critic.layout.dp=2"], "critic.layout.dp", "GPUs of their own"),
+    (["ray.gpus_per_worker=0"], "ray.gpus_per_worker", "no rank claims a GPU"),
+    (["cluster.nodes=32", "cluster.gpus_per_node=4"], "actor.layout.tp", "one node"),
+    (["cluster.nodes=null", "cluster.gpus_per_node=4"], "cluster.gpus_per_node", "no effect"),
+])
+def test_cluster_world_sizes(overrides, key, message):
+    with pytest.raises(ConfigError) as e:
+        paper("ppo/llama2_70b.yaml", *overrides)
+    assert e.value.field == key and message in e.value.message, e.value
