@@ -83,6 +83,7 @@ class RLTrainer:
         self.config = cfg
         self.checked = check_run(cfg, *(fn if callable(fn) else None
                                         for fn in (reward_fn, cost_fn)))
+        self.checked.require_weights()  # a shape preset is for hybridflow check only
         self.reward_fn, self.cost_fn = self.checked.reward_fn, self.checked.cost_fn
         self.model_dir = self.checked.model_dir
         from transformers import AutoTokenizer
@@ -96,6 +97,7 @@ class RLTrainer:
             return
         from hybridflow.algorithms import AdaptiveKLController, FixedKLController
         from hybridflow.algorithms.safe_rlhf import LagrangeMultiplier
+        from hybridflow.config.cluster import gpu_pools
         from hybridflow.controller.worker_group import ResourcePool, WorkerGroup
         from hybridflow.controller.workers import ActorRolloutRefWorker, CriticWorker
 
@@ -117,9 +119,8 @@ class RLTrainer:
                                 model_key=SCORERS[key])))
         self._pools = {}  # world size -> the ResourcePool its colocated groups share
         if cfg.ray.colocate:
-            for size in {g[1] for g in groups}:
-                share = sum(g[1] == size for g in groups)
-                self._pools[size] = ResourcePool(size, cfg.ray, share=share)
+            for names, size in gpu_pools(cfg):
+                self._pools[size] = ResourcePool(size, cfg.ray, share=len(names))
         built = {name: WorkerGroup(cls, size, ray_config=cfg.ray, name=name,
                                    pool=self._pools.get(size), **kwargs)
                  for name, size, cls, kwargs in groups}
@@ -264,6 +265,7 @@ class RLTrainer:
         from hybridflow.config.check import resume_plan
         from hybridflow.data.loader import PromptSampler
         from hybridflow.rewards import describe_reward_fn
+        from hybridflow.validation import check_validation, split_held_out
 
         # Planned again (check_run did at __init__): an earlier fit may have moved the run on.
         cfg, plan = self.config, resume_plan(self.config, self.checked.model)
@@ -273,6 +275,8 @@ class RLTrainer:
                   flush=True)
             return []
         items = self._prompts(prompts if prompts is not None else self.checked.prompts)
+        check_validation(cfg, len(items))
+        items, held_out = split_held_out(items, cfg.validation.size, cfg.data.seed)
         sampler = PromptSampler(len(items), cfg.train_batch_size, seed=cfg.data.seed,
                                 shuffle=cfg.data.shuffle)
         self._start_workers()
@@ -287,18 +291,22 @@ class RLTrainer:
                 print(plan.describe(), flush=True)
             # Only now, with the workers up and the state loaded, is anything of the run written.
             remove_partial_checkpoints(plan.run_dir)
+            # A run that continues from step 0 drops its step-0 row (validation before step 1),
+            # which it writes again.
+            kept = plan.step if plan.step else -1
             tracker = Tracker(plan.run_dir, to_yaml(cfg), cfg.tracking, cfg.name,
-                              resume_step=plan.step if plan.checkpoint or plan.continues
-                              else None, wandb_id=plan.state.get("wandb_id"))
+                              resume_step=kept if plan.checkpoint or plan.continues else None,
+                              wandb_id=plan.state.get("wandb_id"))
             try:
-                history = self._loop(items, sampler, tracker, plan.step, stop)
+                history = self._loop(items, held_out, sampler, tracker, plan.step, stop)
             finally:
                 tracker.close()
         if self.step == cfg.steps:
             self._summarize(tracker.metrics_path, plan.run_dir)
         return history
 
-    def _loop(self, items, sampler, tracker, first: int, stop) -> list[dict[str, float]]:
+    def _loop(self, items, held_out, sampler, tracker, first: int, stop
+              ) -> list[dict[str, float]]:
         from tqdm import tqdm
         cfg = self.config
         history: list[dict[str, float]] = []
@@ -306,11 +314,15 @@ class RLTrainer:
                    unit="step")
         self.step = first
         try:
+            if first == 0 and cfg.validation.due(0, cfg.steps):
+                tracker.log(0, self._validate(held_out, bar))
             for step in range(first + 1, cfg.steps + 1):
                 if stop.requested:  # before any step of this process: nothing new to save
                     break
                 self.step = step
                 metrics = self._step(lambda: [items[i] for i in next(sampler)])
+                if cfg.validation.due(step, cfg.steps):
+                    metrics.update(self._validate(held_out, bar))
                 tracker.log(step, metrics)
                 history.append(metrics)
                 bar.update(1)
@@ -385,6 +397,22 @@ class RLTrainer:
                        "dapo/groups_dropped": len(equal) - len(fill),
                        "dapo/filled_with_equal": len(fill), **self._overlong_metrics(batch)}
 
+    def _validate(self, held_out: list[PromptItem], bar) -> dict[str, float]:
+        """Greedy responses to the held-out prompts, scored as training samples are (the reward
+        model where the run has one): ``val/reward`` and ``val/response_length`` means."""
+        start = time.perf_counter()
+        batch = self.generate(held_out, sampling=replace(self.config.sampling, temperature=0.0,
+                                                         n=1))
+        out = {"val/reward": self._scores(batch, "scores", self.reward_fn).mean().item(),
+               "val/response_length": batch["response_mask"].sum(-1).float().mean().item()}
+        if self.config.algorithm.name == "safe_rlhf":
+            out["val/cost"] = self._scores(batch, "costs", self.cost_fn).mean().item()
+        out["timing/validation_s"] = time.perf_counter() - start
+        when = f"after step {self.step}" if self.step else "before step 1"
+        bar.write(f"validation {when}: val/reward {out['val/reward']:.3f} over "
+                  f"{len(held_out)} held-out prompts (greedy)")
+        return out
+
     def _overlong_metrics(self, batch: Batch) -> dict[str, float]:
         if "overlong_penalty" not in batch:
             return {}
@@ -392,7 +420,8 @@ class RLTrainer:
 
     def _summarize(self, metrics_path: Path, run_dir: Path) -> None:
         from hybridflow.tracking import plot_metric, read_metrics
-        rows = read_metrics(metrics_path)
+        all_rows = read_metrics(metrics_path)
+        rows = [r for r in all_rows if "reward/mean" in r]  # a step-0 row holds validation only
         plot = run_dir / "reward_curve.png"
         plot_metric(metrics_path, "reward/mean", plot, title=self.config.name)
         k = max(1, len(rows) // 3)
@@ -400,6 +429,11 @@ class RLTrainer:
         last = sum(r["reward/mean"] for r in rows[-k:]) / k
         print(f"reward/mean: {first:.3f} over the first {k} steps -> {last:.3f} over the last {k}",
               flush=True)
+        val = [r for r in all_rows if "val/reward" in r]
+        if val:
+            print(f"val/reward (greedy, {self.config.validation.size} held-out prompts): "
+                  f"{val[0]['val/reward']:.3f} at step {val[0]['step']} -> "
+                  f"{val[-1]['val/reward']:.3f} at step {val[-1]['step']}", flush=True)
         print(f"wrote {metrics_path} and {plot}", flush=True)
 
     # ----------------------------------------------------------------------------- checkpoints
