@@ -306,7 +306,20 @@ class WorkerGroup:
                     if (task_error := _creation_error(e)) is not None:
                         _raise_task_error(task_error.as_instanceof_cause())
                     raise self._died(rank, e) from None
+                except ray.exceptions.OutOfMemoryError as e:
+                    self._kill()
+                    raise self._out_of_memory(rank, e) from None
         return results
+
+    def _out_of_memory(self, rank: int, e) -> RunError:
+        """Ray's memory monitor killed a worker (this rank's, or one it waited for)."""
+        usage = re.search(r"was ([\d.]+GB used / [\d.]+GB limit)", str(e))
+        return RunError(f"worker group '{self.name}' rank {rank}: Ray killed a worker because "
+                        f"this node ran out of memory"
+                        + (f" ({usage.group(1)})" if usage else "") + "; the run stopped (its "
+                        "last checkpoint, if any, is intact). Give the run less to hold (smaller "
+                        "micro-batches, rollout.kv_cache_mb, shorter sequences, fewer colocated "
+                        "models) or stop what else uses this node's memory")
 
     def _died(self, rank: int, e) -> RunError:
         return RunError(f"worker group '{self.name}' rank {rank} (pid "

@@ -1,0 +1,33 @@
+"""A worker killed by Ray's memory monitor ends the run with one RunError that names the group and
+the node's memory, not Ray's traceback (seen when PPO on SmolLM2 outgrew a 24 GiB machine)."""
+
+import pytest
+import ray
+
+from hybridflow.controller.worker_group import WorkerGroup
+from hybridflow.errors import RunError
+
+RAY_MESSAGE = ("1 worker(s) were killed due to the node running low on memory. Memory on the "
+               "node (IP: 10.0.0.1, ID: 47ea) was 22.39GB used / 23.59GB limit (0.949243)\n"
+               "OOM kill reason: Memory usage 24107769856B exceeded threshold")
+
+
+def test_out_of_memory_is_a_run_error(monkeypatch):
+    group = object.__new__(WorkerGroup)  # no processes: only _wait's handling is under test
+    group.name, group.actors, group.pids = "critic", [], [None, None]
+    killed = []
+    monkeypatch.setattr(group, "_kill", lambda: killed.append(True))
+    monkeypatch.setattr(ray, "wait", lambda pending, **kw: ([pending[0]], pending[1:]))
+
+    def get(ref):
+        if ref == "rank1":
+            raise ray.exceptions.OutOfMemoryError(RAY_MESSAGE)
+        return "ok"
+    monkeypatch.setattr(ray, "get", get)
+    with pytest.raises(RunError) as e:
+        group._wait(["rank0", "rank1"], "compute_values", 0, "ray.call_timeout_s")
+    message = str(e.value)
+    assert message.startswith("worker group 'critic' rank 1: Ray killed a worker because this "
+                              "node ran out of memory (22.39GB used / 23.59GB limit)")
+    assert "\n" not in message and "micro-batches" in message
+    assert killed  # the other ranks may wait in a collective for the killed one
