@@ -108,7 +108,9 @@ class RunCheck:
                      f"per switch: {per_rank} (naive path, a TP all-gather and PP broadcast of "
                      f"every tensor: up to {_mib(self.naive_recv_bytes)})")
         samples = cfg.train_batch_size * cfg.rollout.sampling.n
-        lines.append(f"data: {len(self.prompts)} prompts from {cfg.data.source}")
+        held = (f", {cfg.validation.size} held out for validation every "
+                f"{cfg.validation.every} steps" if cfg.validation.enabled else "")
+        lines.append(f"data: {len(self.prompts)} prompts from {cfg.data.source}{held}")
         lines.append(f"step: {cfg.train_batch_size} prompts x {cfg.rollout.sampling.n} samples = "
                      f"{samples}; actor: {cfg.actor.ppo_epochs} epoch(s) x "
                      f"{cfg.actor.mini_batches} mini-batch(es); {cfg.steps} steps, "

@@ -20,7 +20,9 @@ from hybridflow.models.presets import SHAPES
 ROOT = Path(__file__).resolve().parents[2]
 EXPERIMENTS = ROOT / "experiments"
 ALL_YAML = sorted(EXPERIMENTS.glob("**/*.yaml"))
-RUNNABLE = [p for p in ALL_YAML if p.name != "base.yaml"]  # base.yaml: a building block
+# A file that names no run (no `name:`) is a building block that runs compose with `defaults:`.
+BLOCKS = [p for p in ALL_YAML if "name" not in (yaml.safe_load(p.read_text()) or {})]
+RUNNABLE = [p for p in ALL_YAML if p not in BLOCKS]
 PAPER = sorted((EXPERIMENTS / "paper").glob("*/llama2_*.yaml"))
 
 
@@ -140,7 +142,7 @@ def test_every_base_is_a_building_block_of_some_config():
     for path in ALL_YAML:
         data = yaml.safe_load(path.read_text()) or {}
         named |= {(path.parent / d).resolve() for d in data.get("defaults", [])}
-    bases = {p.resolve() for p in ALL_YAML if p.name == "base.yaml"}
+    bases = {p.resolve() for p in BLOCKS}
     assert bases and bases <= named, bases - named
     assert all(p.resolve() not in named for p in RUNNABLE)  # a run is nobody's building block
 
