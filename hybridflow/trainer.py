@@ -83,9 +83,8 @@ class RLTrainer:
         self.config = cfg
         self.checked = check_run(cfg, *(fn if callable(fn) else None
                                         for fn in (reward_fn, cost_fn)))
-        self.checked.require_weights()  # a shape preset is for hybridflow check only
         self.reward_fn, self.cost_fn = self.checked.reward_fn, self.checked.cost_fn
-        self.model_dir = self.checked.model_dir
+        self.model_dir = self.checked.model_dir  # refuses a shape preset (check only, no weights)
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
         self._workers_started = False

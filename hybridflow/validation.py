@@ -8,6 +8,7 @@ training sampler never sees them), and logs ``val/reward`` (their mean score) an
 
 from __future__ import annotations
 
+import math
 import random
 from dataclasses import dataclass
 from typing import Sequence, TypeVar
@@ -71,14 +72,9 @@ def check_validation(cfg, n_prompts: int) -> None:
     if scorers:  # the reward (and cost) model scores them at critic.layout
         c = cfg.critic
         forward = c.engine.forward_micro_batch_size or c.engine.micro_batch_size
-        split = _lcm(split, c.layout.dp * forward)
+        split = math.lcm(split, c.layout.dp * forward)
     if v.size % split:
         raise ConfigError("validation.size", f"{v.size} prompts do not split over the "
                                              f"{replicas} generation replicas"
                           + (" and the reward model's data-parallel micro-batches" if scorers
                              else "") + f"; use a multiple of {split}")
-
-
-def _lcm(a: int, b: int) -> int:
-    from math import gcd
-    return a * b // gcd(a, b)
