@@ -1,7 +1,8 @@
 """Megatron-Core rollout on CPU: the same tokens as transformers, log-probs equal to the training
-engine's, in-place weight updates, failed updates that change nothing, TP=2 equal to TP=1; the
-fast decode path (FastDecoder, eager on CPU) gives what Megatron's own forward gives. On a GPU,
-the fast path with CUDA graphs against Megatron's path.
+engine's (mismatch metrics ~0, moving once the rollout's weights are perturbed), in-place weight
+updates, failed updates that change nothing, TP=2 equal to TP=1; the fast decode path
+(FastDecoder, eager on CPU) gives what Megatron's own forward gives. On a GPU, the fast path with
+CUDA graphs against Megatron's path.
 
 All checks of one world size run in one spawned process (Megatron's groups are process state);
 the tests below read its results.
@@ -14,8 +15,9 @@ import torch
 
 from hybridflow.parallel.spawn import spawn
 from tests.distributed.rollout_common import (CFG, GREEDY, MAX_MODEL_LEN, PROMPTS, SAMPLED,
-                                              UNSEEDED, logprob_pairs, perturbed, summary,
-                                              train_engine)
+                                              UNSEEDED, assert_mismatch_moves, logprob_pairs,
+                                              mismatch_metrics, perturbed, samples_off_policy,
+                                              summary, train_engine)
 
 
 def _errors(fn) -> str:
@@ -60,6 +62,10 @@ def megatron_checks(rank, world, ckpt):
                                       torch.tensor(sum((o.logprobs for o in greedy), [])))
     r["fast_logprobs"] = logprob_pairs(engine, fast)
     rollout.fast_decode = False
+
+    # The rollout alone takes perturbed weights (and hf_sd again after); the engine keeps hf_sd.
+    r["mismatch"] = {scale: mismatch_metrics(engine, outputs)
+                     for scale, outputs in samples_off_policy(rollout, hf_sd).items()}
 
     new = perturbed(hf_sd)
     rollout.update_weights_hf(new.items())
@@ -159,6 +165,10 @@ def test_logprobs_equal_training_engine(results):
         rollout, train = results[key]
         assert rollout.numel() > 20
         torch.testing.assert_close(rollout, train, atol=1e-4, rtol=0, msg=key)
+
+
+def test_mismatch_metrics_are_zero_on_same_weights_and_grow_with_perturbation(results):
+    assert_mismatch_moves(results["mismatch"], identical_bound=1e-5)
 
 
 def test_sampling_is_seeded_and_samples_differ(results):

@@ -1,7 +1,7 @@
 """vLLM rollout on CPU, one in-process engine for the whole module: the same greedy tokens as the
-Megatron-Core and transformers backends, log-probs equal to the training engine's, in-place
-weight updates equal to a model loaded with those weights, and failed updates that leave a usable
-engine.
+Megatron-Core and transformers backends, log-probs equal to the training engine's (mismatch
+metrics ~0, moving once the rollout's weights are perturbed), in-place weight updates equal to a
+model loaded with those weights, and failed updates that leave a usable engine.
 """
 
 import logging
@@ -12,22 +12,25 @@ import torch
 from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.parallel.spawn import spawn
 from tests.distributed.rollout_common import (CFG, GREEDY, MAX_MODEL_LEN, PROMPTS, SAMPLED,
-                                              assert_generates_like, logprob_pairs, perturbed,
-                                              summary, train_engine)
+                                              assert_generates_like, assert_mismatch_moves,
+                                              logprob_pairs, mismatch_metrics, perturbed,
+                                              samples_off_policy, summary, train_engine)
 
 pytest.importorskip("vllm")
 
 
-def recompute(rank, world, ckpt, outputs_by_key):
-    """In a fresh process: the training engine's log-probs for the given outputs, and the
-    Megatron backend's greedy generation."""
+def recompute(rank, world, ckpt, outputs_by_key, off_policy):
+    """In a fresh process: the training engine's log-probs for the given outputs, the Megatron
+    backend's greedy generation, and the mismatch metrics of ``off_policy``'s outputs (by
+    perturbation scale) against the unperturbed training engine."""
     from hybridflow.models.hf import load_hf_state_dict
     from hybridflow.rollout.megatron import MegatronRollout
 
     engine = train_engine(load_hf_state_dict(ckpt))
     pairs = {key: logprob_pairs(engine, outs) for key, outs in outputs_by_key.items()}
+    mismatch = {scale: mismatch_metrics(engine, outs) for scale, outs in off_policy.items()}
     megatron = MegatronRollout(ckpt, max_model_len=MAX_MODEL_LEN)
-    return pairs, summary(megatron.generate(PROMPTS, GREEDY))
+    return pairs, summary(megatron.generate(PROMPTS, GREEDY)), mismatch
 
 
 @pytest.fixture(scope="module")
@@ -67,8 +70,14 @@ def first_outputs(rollout):
 
 
 @pytest.fixture(scope="module")
-def recomputed(ckpt, first_outputs):
-    return spawn(recompute, 1, ckpt, first_outputs)[0]
+def off_policy(rollout, hf_sd, first_outputs):
+    """After first_outputs: the rollout holds hf_sd again when this returns."""
+    return samples_off_policy(rollout, hf_sd)
+
+
+@pytest.fixture(scope="module")
+def recomputed(ckpt, first_outputs, off_policy):
+    return spawn(recompute, 1, ckpt, first_outputs, off_policy)[0]
 
 
 def test_greedy_same_in_vllm_megatron_transformers(first_outputs, recomputed, reference):
@@ -82,6 +91,10 @@ def test_logprobs_equal_training_engine(first_outputs, recomputed):
         rollout_lp, train_lp = recomputed[0][key]
         assert rollout_lp.numel() > 20
         torch.testing.assert_close(rollout_lp, train_lp, atol=1e-4, rtol=0, msg=key)
+
+
+def test_mismatch_metrics_are_zero_on_same_weights_and_grow_with_perturbation(recomputed):
+    assert_mismatch_moves(recomputed[2], identical_bound=1e-5)
 
 
 def test_sampling_is_seeded(rollout, first_outputs):
