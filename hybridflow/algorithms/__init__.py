@@ -27,6 +27,7 @@ from hybridflow.algorithms.losses import (
     entropy_loss,
     policy_loss,
     value_loss,
+    vocab_parallel_entropy,
 )
 from hybridflow.algorithms.mismatch import (
     RolloutCorrectionConfig,
@@ -63,4 +64,5 @@ __all__ = [
     "rollout_mismatch",
     "safe_rlhf_combined_advantage",
     "value_loss",
+    "vocab_parallel_entropy",
 ]

@@ -8,6 +8,7 @@ that computing them never forces a device sync; the caller calls ``.item()`` whe
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 
 from hybridflow.algorithms.advantages import _check_token_shape, masked_mean
 from hybridflow.errors import ArgumentError
@@ -203,14 +204,43 @@ def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
     that underflowed to 0.
 
     Args:
-        logits: [B, T, V], finite (a -inf logit gives 0 * -inf = NaN). Computed in its dtype;
-            upcast bf16 logits first if precision matters.
+        logits: [B, T, V], finite (a -inf logit gives 0 * -inf = NaN). Computed in fp32.
 
     Returns:
-        [B, T] entropy in nats.
+        [B, T] entropy in nats, in the logits' dtype.
     """
-    probs = torch.softmax(logits, dim=-1)
-    return torch.logsumexp(logits, dim=-1) - (probs * logits).sum(dim=-1)
+    return vocab_parallel_entropy(logits).to(logits.dtype)
+
+
+def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
+    """``entropy_from_logits`` of the full vocabulary when each tensor-parallel rank holds a slice
+    of it; only [B, T] sums cross ranks, never the logits.
+
+    With m the (global) max logit, y = z - m and e = exp(y): H = log sum_v e_v - sum_v e_v y_v /
+    sum_v e_v. The two sums go through Megatron's ``reduce_from_tensor_model_parallel_region``
+    (all-reduce forward, identity backward): every rank computes the same H and the same loss from
+    it, so the gradient of a rank's slice is its local term. m is a constant shift that H does not
+    depend on, so it needs no gradient.
+
+    Args:
+        logits: [B, T, V / tp], this rank's vocabulary slice, finite. Computed in fp32.
+        group: the tensor-parallel group; None when ``logits`` hold the whole vocabulary.
+
+    Returns:
+        [B, T] entropy in nats, the same on every rank of ``group``.
+    """
+    z = logits.float()
+    parallel = group is not None and dist.get_world_size(group) > 1
+    m = z.detach().max(dim=-1, keepdim=True).values
+    if parallel:
+        dist.all_reduce(m, op=dist.ReduceOp.MAX, group=group)
+    y = z - m
+    e = torch.exp(y)
+    sums = torch.stack([e.sum(dim=-1), (e * y).sum(dim=-1)])
+    if parallel:
+        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
+        sums = reduce_from_tensor_model_parallel_region(sums, group)
+    return torch.log(sums[0]) - sums[1] / sums[0]
 
 
 def entropy_loss(entropy: torch.Tensor, mask: torch.Tensor, agg: str = "token-mean",

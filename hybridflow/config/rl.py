@@ -70,6 +70,10 @@ class ActorConfig(UpdateConfig):
     ratio_level: str = "token"
     """Importance ratio of the clipped objective: token (PPO) or sequence (GSPO: the
     length-normalised sequence ratio and the sequence's mean advantage)."""
+    entropy_coef: float = 0.0
+    """Entropy bonus: subtracts entropy_coef * the policy's entropy over response tokens
+    (aggregated by loss_agg_mode) from the loss and logs actor/entropy (token mean); 0 disables
+    both, and the extra softmax over the vocabulary they cost."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Correction for the rollout engine's log-probs differing from the training engine's."""
 
@@ -83,6 +87,7 @@ class ActorConfig(UpdateConfig):
         check_float("kl_loss_coef", self.kl_loss_coef, low=0)
         check_choice("kl_loss_type", self.kl_loss_type, KL_KINDS)
         check_choice("ratio_level", self.ratio_level, LEVELS)
+        check_float("entropy_coef", self.entropy_coef, low=0)
 
 
 @dataclass(kw_only=True)

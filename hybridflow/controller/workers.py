@@ -50,15 +50,16 @@ def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
 
 
 def _ppo_updates(engine, data: dict[str, torch.Tensor], schedule, agg: str, dp_group,
-                 loss_for, prefix: str, loss_key: str | None) -> Batch:
+                 loss_for, prefix: str, loss_key: str | None, with_entropy: bool = False) -> Batch:
     """``schedule.ppo_epochs`` passes of ``schedule.mini_batches`` optimizer steps over this DP
     rank's ``data``. ``loss_for(denominator)`` gives a mini-batch's loss function, the
-    denominator being its global count for ``agg``. Returns the metrics averaged over steps."""
+    denominator being its global count for ``agg``; ``with_entropy`` hands it the policy's
+    entropy (see ``TrainEngine.train_step``). Returns the metrics averaged over steps."""
     rows, skipped = [], 0
     for _ in range(schedule.ppo_epochs):
         for part in Batch(data).split(schedule.mini_batches):
             denom = _denominator(part["response_mask"], agg, dp_group)
-            step = engine.train_step(part.tensors, loss_for(denom))
+            step = engine.train_step(part.tensors, loss_for(denom), with_entropy=with_entropy)
             if step.pop("nonfinite"):
                 skipped += 1  # not applied; its metrics would poison the step's means
                 continue
@@ -226,8 +227,8 @@ class ActorRolloutRefWorker(Worker):
     # ----------------------------------------------------------------------------- update
     def update_actor(self, batch: Batch) -> Batch:
         """PPO epochs over mini-batches of this DP rank's share; metrics averaged."""
-        from hybridflow.algorithms import (aggregate_loss, kl_penalty, policy_loss,
-                                           rollout_correction)
+        from hybridflow.algorithms import (aggregate_loss, entropy_loss, kl_penalty, masked_mean,
+                                           policy_loss, rollout_correction)
         a, rc = self.actor_cfg, self.actor_cfg.rollout_correction
         keys = ["old_logprobs", "advantages", "response_mask"]
         if a.kl_loss_coef:
@@ -259,10 +260,14 @@ class ActorRolloutRefWorker(Worker):
                                         mask, a.loss_agg_mode, denom)
                     loss = loss + a.kl_loss_coef * kl
                     metrics["actor/kl_loss"] = kl
+                if a.entropy_coef:
+                    loss = loss + a.entropy_coef * entropy_loss(mb["entropy"], mask,
+                                                                a.loss_agg_mode, denom)
+                    metrics["actor/entropy"] = masked_mean(mb["entropy"], mask)
                 return loss, metrics
             return loss_fn
         out = _ppo_updates(self.actor, data, a, a.loss_agg_mode, self.dp_group, loss_for,
-                           "actor", loss_key="actor/loss")
+                           "actor", loss_key="actor/loss", with_entropy=a.entropy_coef > 0)
         out.meta.update(correction)
         return out
 
@@ -343,7 +348,8 @@ class CriticWorker(Worker):
     def _state_values(raw: torch.Tensor) -> torch.Tensor:
         # The head at position i has read token i; the value of the state *before* token i
         # (what GAE pairs with token i's reward) is the head's output at i - 1.
-        return torch.cat([torch.zeros_like(raw[:, :1]), raw[:, :-1]], dim=1)
+        from hybridflow.training.engine import shift_right
+        return shift_right(raw)
 
     def compute_values(self, batch: Batch) -> Batch:
         raw = self.engine.compute_values(_engine_batch(batch))

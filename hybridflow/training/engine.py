@@ -19,6 +19,7 @@ from typing import Callable, Iterator
 import torch
 import torch.distributed as dist
 
+from hybridflow.algorithms.losses import vocab_parallel_entropy
 from hybridflow.errors import ArgumentError, ConfigError, check_choice, check_float, check_int
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import DTYPES, ParamMeta, llama_param_metas, shard
@@ -208,6 +209,24 @@ def global_name(chunk, local_name: str) -> str:
     return f"decoder.layers.{layer.layer_number - 1}." + local_name[m.end():]
 
 
+def shift_right(x: torch.Tensor) -> torch.Tensor:
+    """[b, s] -> [b, s]: position i gets ``x[:, i - 1]`` (0 at i = 0), what the model computed
+    having read the tokens before token i: its log-prob, the entropy of its prediction, the value
+    of the state it was chosen in."""
+    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
+
+
+def _cross_entropy_and_entropy(vocab_shard: torch.Tensor, labels: torch.Tensor, tp_group
+                               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token cross entropy of ``labels`` (as GPTModel computes it when given them) and the
+    entropy, both [b, s], from this rank's vocabulary slice of the logits [b, s, V/tp]."""
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    # Megatron's cross entropy overwrites fp32 logits in place, and the entropy reads them too;
+    # it reduces over parallel_state's TP group, which is ``tp_group``.
+    cross_entropy = vocab_parallel_cross_entropy(vocab_shard.to(torch.float32, copy=True), labels)
+    return cross_entropy, vocab_parallel_entropy(vocab_shard, tp_group)
+
+
 def batch_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     """Positions counting only real tokens, so left padding does not shift RoPE. [B,S] -> [B,S]."""
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
@@ -381,32 +400,42 @@ class TrainEngine:
             out.append(mb)
         return out
 
-    def _forward_step(self, loss_fn: LossFn | None, outputs: list, logits: bool = False):
+    def _forward_step(self, loss_fn: LossFn | None, outputs: list, logits: bool = False,
+                      entropy: bool = False):
         """Megatron's forward_step_func. With ``loss_fn`` it feeds per-token log-probs to it (a
-        training step); without, it collects log-probs, or full logits when ``logits``."""
+        training step), and with ``entropy`` the policy's per-token entropy as ``mb["entropy"]``;
+        without, it collects log-probs, or full logits when ``logits``."""
         def step(data_iterator, model):
             mb = next(data_iterator)
             ids, mask, seq = mb["_ids"], mb["_mask"], mb["_seq"]
             args = (ids, batch_position_ids(mask), batch_attention_mask(mask))
             if logits:
                 return model(*args), lambda out: self._collect_logits(out[:, :seq], outputs)
-            if self.head == "value":
-                out = model(*args)  # [b, s, 1] from the ValueHead
+            # Label at position i is token i+1; the last label is a dummy, dropped below.
+            labels = torch.roll(ids, -1, dims=1)
+            if self.head == "value" or entropy:
+                # [b, s, 1] from the ValueHead, or this rank's vocab slice of the logits
+                # [b, s, V/tp] (hidden states on the other pipeline stages).
+                out = model(*args)
             else:
-                # Label at position i is token i+1; the last label is a dummy, dropped below.
-                out = model(*args, labels=torch.roll(ids, -1, dims=1))
+                out = model(*args, labels=labels)
 
             def loss(output):
+                inputs = mb
                 if self.head == "value":
                     per_token = output[:, :seq, 0]
                 else:
-                    # GPTModel returns the per-token cross entropy [b, s] for the labels.
-                    per_token = torch.cat([torch.zeros_like(output[:, :1]), -output[:, :-1]],
-                                          dim=1)[:, :seq]
+                    if entropy:
+                        output, token_entropy = _cross_entropy_and_entropy(output, labels,
+                                                                           self.pg.tp)
+                        inputs = mb | {"entropy": shift_right(token_entropy)[:, :seq]}
+                    # The per-token cross entropy [b, s] for the labels (GPTModel's output when
+                    # given them).
+                    per_token = shift_right(-output)[:, :seq]
                 if loss_fn is None:
                     outputs.append(per_token.detach())
                     return per_token.sum() * 0, torch.tensor(1, dtype=torch.int), {}
-                value, metrics = loss_fn(per_token, mb)
+                value, metrics = loss_fn(per_token, inputs)
                 # Kept on the device: a host sync per micro-batch would idle the GPU while the
                 # host launches the next one; train_step reads them all at once.
                 row = {k: torch.as_tensor(v, device=value.device).detach().float().reshape(())
@@ -422,14 +451,15 @@ class TrainEngine:
         return vocab_shard.sum() * 0, torch.tensor(1, dtype=torch.int), {}
 
     def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn | None, forward_only: bool,
-             logits: bool = False):
+             logits: bool = False, entropy: bool = False):
         from megatron.core.pipeline_parallel import get_forward_backward_func
 
         mbs = self._micro_batches(batch, forward_only)
         outputs: list = []
         fb = get_forward_backward_func()
         iters = [iter(mbs) for _ in self.chunks] if len(self.chunks) > 1 else iter(mbs)
-        fb(forward_step_func=self._forward_step(loss_fn, outputs, logits), data_iterator=iters,
+        fb(forward_step_func=self._forward_step(loss_fn, outputs, logits, entropy),
+           data_iterator=iters,
            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
            num_microbatches=len(mbs), seq_length=mbs[0]["_ids"].shape[1],
            micro_batch_size=mbs[0]["_ids"].shape[0], forward_only=forward_only)
@@ -473,15 +503,22 @@ class TrainEngine:
         outputs = self._run(batch, None, forward_only=True, logits=True)
         return self._from_last_stage(torch.cat(outputs).cpu() if outputs else None)
 
-    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn) -> dict[str, float]:
+    def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn,
+                   with_entropy: bool = False) -> dict[str, float]:
         """One optimizer step over ``batch`` (this DP rank's share), split into micro-batches.
-        Returns summed loss and averaged metrics over this rank's micro-batches, grad_norm, and
-        ``nonfinite`` (1.0 when the gradients were not finite and the step was not applied)."""
+        ``with_entropy``: ``loss_fn`` also finds the policy's per-token entropy [b, s] in
+        ``mb["entropy"]``, aligned with the log-probs (at i, the entropy of the distribution that
+        predicted token i; 0 at i = 0) and differentiable; it costs a softmax over this rank's
+        vocabulary slice. Returns summed loss and averaged metrics over this rank's micro-batches,
+        grad_norm, and ``nonfinite`` (1.0 when the gradients were not finite and the step was not
+        applied)."""
+        if with_entropy and self.head != "lm":
+            raise ValueError("with_entropy needs an engine built with head='lm'")
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(batch, loss_fn, forward_only=False)
+        outputs = self._run(batch, loss_fn, forward_only=False, entropy=with_entropy)
         grad_norm, applied = self._step_if_finite()
         metrics: dict[str, float] = {}
         if outputs:  # the last stage: one device -> host copy for all micro-batches

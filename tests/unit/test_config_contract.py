@@ -121,6 +121,7 @@ PROBES = [  # (overrides, the key the error must name, a piece of its message)
     (["actor.clip_ratio_low=5"], "actor.clip_ratio_low", "(0, 1)"),
     (["algorithm.kl_in_reward=true", "algorithm.kl_type=k9"], "algorithm.kl_type", "k9"),
     (["actor.loss_agg_mode=foo"], "actor.loss_agg_mode", "foo"),
+    (["actor.entropy_coef=-0.01"], "actor.entropy_coef", "[0, inf)"),
     (["rollout.sampling.n=0"], "rollout.sampling.n", "positive integer"),
     (["rollout.sampling.top_p=0"], "rollout.sampling.top_p", "(0, 1]"),
     (["actor.layout.tp=8"], "actor.layout.tp", "num_heads=4"),
