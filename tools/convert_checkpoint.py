@@ -7,7 +7,8 @@
 A Megatron checkpoint saved at one (tp, pp) loads at any other. megatron-to-hf also exports the
 actor of an RL run's checkpoint: --ckpt a run directory (its newest complete checkpoint), a
 <run>/checkpoints/step_N directory, or its actor/ folder. An RL checkpoint holds no tokenizer:
---hf-config-from the model the run started from adds one (without it, none is copied). The logic
+--hf-config-from the model the run started from adds one (without it, none is copied). The actor
+of a LoRA run exports merged, with its adapters alone in PEFT's format in <out>/lora. The logic
 lives in hybridflow.training.megatron_ckpt; this file only parses arguments. Exit status 2 on bad
 input.
 """

@@ -33,6 +33,9 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   first pipeline stage holds min(p, m) micro-batches in flight (m: micro-batches per optimizer
   step and data-parallel rank) of its L/p layers; the last stage one, plus the logits
   ``b*s*V/t`` in the model's dtype and their fp32 log-softmax. The estimate takes the larger;
+* with ``actor.lora``: the actor's grads and optimizer state are its adapters' (A parameters)
+  alone, its weights ``(P + A)*b/(t*p)``; the reference holds nothing (it is the actor's base);
+  in generation the adapted weights' base shards stay beside their merged copies;
 * forward-only passes keep no activations: one layer's worth and the logits, transiently;
 * generation: weights ``P*b/tg`` (the training shard is a slice of them under the 3D engine; the
   naive mode keeps it besides), the KV cache ``2*L*(kv_heads/tg)*head_dim*b`` bytes per token of
@@ -245,6 +248,18 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
     gen_weights = {"generation weights": int(n * b / (gen.tp * gen.pp))}
     if cfg.hybrid_engine.mode == "3d":  # the training shard is a slice of the generation one
         gen_weights["weights"] = 0
+    if actor.lora.enabled:
+        # The frozen base holds no grads or optimizer state, the adapters do; the reference is
+        # the base itself. Generation takes merged copies of the adapted weights' shards, so
+        # those base shards stay beside the generation storage.
+        from hybridflow.training.lora import lora_param_counts
+        adapted, a = lora_param_counts(shape, actor.lora)
+        mp = actor.layout.tp * actor.layout.pp
+        adapters = _train_state(a, actor.layout, actor.engine)
+        resident["actor"] = dict(adapters, weights=int(n * b / mp) + adapters["weights"])
+        resident["ref"] = {}
+        if cfg.hybrid_engine.mode == "3d":
+            gen_weights["weights"] = int(adapted * b / mp) + adapters["weights"]
     generation["actor"] = gen_weights
     share = math.ceil(samples / gen.replicas)
     per_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // gen.tp) * shape.head_dim * b

@@ -24,6 +24,7 @@ from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.rollout.base import SamplingConfig
 from hybridflow.tracking import TrackingConfig
 from hybridflow.training.engine import EngineConfig, OptimConfig
+from hybridflow.training.lora import LoraConfig
 from hybridflow.validation import ValidationConfig
 
 ALGORITHMS = ("grpo", "ppo", "remax", "rloo", "reinforce_plus_plus", "safe_rlhf")
@@ -76,6 +77,10 @@ class ActorConfig(UpdateConfig):
     both, and the extra softmax over the vocabulary they cost."""
     rollout_correction: RolloutCorrectionConfig = field(default_factory=RolloutCorrectionConfig)
     """Correction for the rollout engine's log-probs differing from the training engine's."""
+    lora: LoraConfig = field(default_factory=LoraConfig)
+    """LoRA: with lora.rank > 0 only adapters on the linear layers train (the base is frozen and
+    holds no gradients or optimizer state), the reference is the base without them (no second
+    copy), generation gets the merged weights."""
 
     def __post_init__(self) -> None:
         super().__post_init__()
@@ -323,6 +328,9 @@ class RLConfig:
         if a.overlong_buffer >= self.rollout.sampling.max_tokens:
             raise ConfigError("algorithm.overlong_buffer", f"{a.overlong_buffer} must be below "
                               f"rollout.sampling.max_tokens={self.rollout.sampling.max_tokens}")
+        if self.actor.lora.enabled and self.actor.engine.sequence_parallel:
+            raise ConfigError("actor.lora", "LoRA adapters need the full sequence on every TP "
+                                            "rank; set actor.engine.sequence_parallel=false")
         self._check_no_inert_options()
 
     def _check_no_inert_options(self) -> None:
@@ -343,6 +351,10 @@ class RLConfig:
             *((f"algorithm.{k}", a.name != "safe_rlhf", "algorithm.name=safe_rlhf")
               for k in ("cost_limit", "lagrange_init", "lagrange_lr")),
             ("actor.kl_loss_type", self.actor.kl_loss_coef == 0, "set actor.kl_loss_coef > 0"),
+            *((f"actor.lora.{k}", not self.actor.lora.enabled, "set actor.lora.rank > 0")
+              for k in ("alpha", "dropout", "target_modules")),
+            ("ref.offload", self.actor.lora.enabled, "set actor.lora.rank=0 (with LoRA the "
+                                                     "reference is the actor's own frozen base)"),
             *((f"actor.rollout_correction.{k}", self.actor.rollout_correction.mode == "none",
                "set actor.rollout_correction.mode=tis or mis") for k in ("level", "cap")),
             *((f"critic.{k}", not ppo, "algorithm.name=ppo (reward and cost models only read "

@@ -119,14 +119,17 @@ class ActorRolloutRefWorker(Worker):
         self.model_dir, self.seed, self.pad_token_id = model_dir, seed, pad_token_id
         self.max_prompt_tokens = max_prompt_tokens
         self.model_config = load_hf_config(model_dir)
-        self.actor = TrainEngine(self.model_config, actor.layout, actor.engine)
+        self.actor = TrainEngine(self.model_config, actor.layout, actor.engine, lora=actor.lora)
         load_hf_into_engine(self.actor, model_dir)
-        # The reference is always there: its KL to the actor is logged every step.
-        self.ref = TrainEngine(self.model_config, actor.layout, actor.engine,
-                               build_optimizer=False)
-        load_hf_into_engine(self.ref, model_dir)
-        if ref.offload:
-            self.ref.offload_weights()
+        # The reference is always there: its KL to the actor is logged every step. With LoRA it
+        # is the actor's frozen base with the adapters off.
+        self.ref = None
+        if self.actor.adapters is None:
+            self.ref = TrainEngine(self.model_config, actor.layout, actor.engine,
+                                   build_optimizer=False)
+            load_hf_into_engine(self.ref, model_dir)
+            if ref.offload:
+                self.ref.offload_weights()
         self.hybrid = HybridEngine(self.actor, gen_tp=rollout.tp, bucket_mb=rollout.bucket_mb,
                                    mode=hybrid_engine.mode,
                                    offload_optimizer=hybrid_engine.offload_optimizer)
@@ -217,6 +220,9 @@ class ActorRolloutRefWorker(Worker):
         return Batch({"old_logprobs": self.actor.compute_logprobs(_engine_batch(batch))})
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
+        if self.ref is None:
+            with self.actor.adapters.disabled():
+                return Batch({"ref_logprobs": self.actor.compute_logprobs(_engine_batch(batch))})
         if self.ref_cfg.offload:
             self.ref.reload_weights()
         logprobs = self.ref.compute_logprobs(_engine_batch(batch))
@@ -272,8 +278,9 @@ class ActorRolloutRefWorker(Worker):
         return out
 
     def full_weights(self) -> dict[str, torch.Tensor]:
-        """The actor's full (unsharded) weights by Megatron name, on every rank."""
-        return self.actor.full_weights()
+        """The actor's full (unsharded) weights by Megatron name, on every rank (LoRA adapters
+        merged in)."""
+        return self.actor.full_weights(merged=True)
 
     # ----------------------------------------------------------------------------- checkpoints
     def save_state(self, ckpt_dir: str) -> None:

@@ -23,6 +23,11 @@ part of it idle. Megatron's distributed optimizer keeps the parameters in its ow
 buffer, which they cannot leave: resident needs it off. Without it, Megatron reads ``param.data``
 afresh at every step (the fp16 optimizer copies its fp32 main weights into it), so the move is safe.
 
+LoRA. With adapters (``engine.adapters``) generation computes with ``W + BA``: each rank merges
+its own shards (``Adapters.merged``, no communication) and the merged tensors are what the switch
+gathers; the frozen base is left as it is, so the merged shards are a second copy of the adapted
+weights while generating (``redundant_bytes`` counts them) and resident parameters are refused.
+
 Tied embeddings. With ``tie_embeddings`` the vLLM model ties ``lm_head`` to ``embed_tokens``, so a
 generation pipeline of one stage needs only the embedding. With a generation pipeline of several
 stages the last one needs the embedding as its output layer too: the last *training* stage holds
@@ -77,7 +82,8 @@ class GenerationWeights:
     same switch, from the layouts: the A/B figure."""
     redundant_bytes: int
     """Bytes of the generation tensors that duplicate this rank's own training shards (its own
-    pieces copied into the gathered buffers); tensors that alias the training shards count 0."""
+    pieces copied into the gathered buffers); tensors that alias the training shards count 0.
+    With LoRA every adapted weight's merged shard counts: it is a second copy beside the base."""
     seconds: float
     """Wall time of the switch, release of grads/optimizer state included."""
 
@@ -155,6 +161,10 @@ class HybridEngine:
         if resident and mode != "3d":
             raise ValueError("hybrid_engine.resident: needs mode '3d' (the naive path gathers "
                              "every tensor anew); set resident to false or mode to '3d'")
+        if resident and engine.adapters is not None:
+            raise ValueError("hybrid_engine.resident: generation computes with the merged LoRA "
+                             "weights, which cannot live where the frozen base does; set resident "
+                             "to false")
         if not bucket_mb > 0:
             raise ValueError(f"hybrid_engine.bucket_mb: must be > 0, got {bucket_mb}")
         self.engine, self.mode, self.offload_optimizer = engine, mode, offload_optimizer
@@ -201,13 +211,16 @@ class HybridEngine:
         if self.offload_optimizer:
             self._move_optimizer_state(torch.device("cpu"))
         shards = self._train_shards()
+        # With LoRA, generation gets W + BA: each adapted weight's shard is merged on its rank
+        # (a new tensor, freed with the generation weights), the base stays as it is.
+        source = shards if self.engine.adapters is None else self.engine.adapters.merged(shards)
         try:
             if self.mode == "3d":
-                tensors = gather_generation_weights(self.plan, self.rank, shards, self.groups,
+                tensors = gather_generation_weights(self.plan, self.rank, source, self.groups,
                                                     storage=self._storage)
                 received = self.plan.ranks[self.rank].recv_bytes
             else:
-                tensors = naive_gather(self.gen, self.metas, self.rank, shards, self._train_group)
+                tensors = naive_gather(self.gen, self.metas, self.rank, source, self._train_group)
                 received = self.naive_bytes
         except BaseException:
             self._restore_training_memory()  # stay a consistent training engine
@@ -303,7 +316,7 @@ class HybridEngine:
         opt = self.engine.optimizer
         if opt is None:
             return 0
-        model = {id(p) for _, p in self.engine.named_local_params()}
+        model = {id(p) for chunk in self.engine.chunks for p in chunk.parameters()}
         moved = 0
 
         def move(key: tuple, t: torch.Tensor) -> torch.Tensor:

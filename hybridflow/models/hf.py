@@ -35,7 +35,7 @@ import shutil
 import struct
 import tempfile
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -429,10 +429,12 @@ def replace_dir_atomically(tmp: Path, dest: Path) -> None:
 
 def save_hf_checkpoint(ckpt_dir: str | os.PathLike, hf_sd: dict[str, torch.Tensor], cfg: ModelConfig,
                        tokenizer: Any = None, max_shard_bytes: int = 4 << 30,
-                       extra_files: dict[str, str] | None = None) -> Path:
+                       extra_files: dict[str, str] | None = None,
+                       write_extra: Callable[[Path], None] | None = None) -> Path:
     """Write an HF checkpoint (safetensors, config.json, the tokenizer if given, ``extra_files``
-    name -> text) that ``transformers.AutoModelForCausalLM.from_pretrained`` loads. Written into a
-    temporary directory beside ``ckpt_dir`` and renamed into place."""
+    name -> text, whatever ``write_extra(directory)`` adds) that
+    ``transformers.AutoModelForCausalLM.from_pretrained`` loads. Written into a temporary
+    directory beside ``ckpt_dir`` and renamed into place."""
     from safetensors.torch import save_file
 
     dest = Path(ckpt_dir)
@@ -475,6 +477,8 @@ def save_hf_checkpoint(ckpt_dir: str | os.PathLike, hf_sd: dict[str, torch.Tenso
             tokenizer.save_pretrained(str(tmp))
         for file, text in (extra_files or {}).items():
             (tmp / file).write_text(text)
+        if write_extra is not None:
+            write_extra(tmp)
         replace_dir_atomically(tmp, dest)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)

@@ -25,6 +25,7 @@ from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import DTYPES, ParamMeta, llama_param_metas, shard
 from hybridflow.parallel.groups import init_megatron_parallel
 from hybridflow.parallel.layout import TrainLayout
+from hybridflow.training.lora import LoraConfig
 
 
 # A loss function sees this micro-batch's per-token outputs [b, s] -- log-probs for an LM head,
@@ -254,6 +255,9 @@ class ValueHead(torch.nn.Module):
         return hidden @ self.weight.t(), None
 
 
+ADAPTER_SUFFIXES = ("lora_A", "lora_B")
+"""Names of LoRA adapter parameters end so (``training/lora.py``)."""
+
 VALUE_HEAD = "value_head.weight"
 """Name of a value head's weight in full state dicts (its Megatron module is output_layer)."""
 
@@ -262,10 +266,13 @@ class TrainEngine:
     """The actor (or reference, critic, reward model) on one rank of a training layout.
 
     ``head="lm"`` keeps the language-model output layer (per-token log-probs); ``head="value"``
-    replaces it with a scalar ValueHead (per-token values) for critics and reward models."""
+    replaces it with a scalar ValueHead (per-token values) for critics and reward models.
+    ``lora`` (with rank > 0) freezes the model and trains LoRA
+    adapters on its linears instead (``self.adapters``)."""
 
     def __init__(self, model: ModelConfig, layout: TrainLayout, engine: EngineConfig,
-                 *, build_optimizer: bool = True, head: str = "lm"):
+                 *, build_optimizer: bool = True, head: str = "lm",
+                 lora: LoraConfig | None = None):
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
@@ -303,6 +310,9 @@ class TrainEngine:
                     with torch.no_grad():
                         chunk.output_layer.weight.copy_(
                             torch.randn(1, model.hidden_size, generator=g) / model.hidden_size)
+        self.adapters = None
+        if lora is not None and lora.enabled:
+            self.adapters = self._attach_adapters(chunks, lora)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=engine.optim.distributed,
@@ -326,12 +336,34 @@ class TrainEngine:
                 ),
                 self.chunks, use_gloo_process_groups=False, pg_collection=self.pg)
 
+    def _attach_adapters(self, chunks, lora):
+        """Freeze every parameter and give the targeted linears LoRA adapters (before DDP wraps
+        the chunks, so that only the adapters get grad buffers and optimizer state)."""
+        from hybridflow.training.lora import Adapters, initial_adapters, lora_metas
+        if self.head != "lm":
+            raise ArgumentError("lora", "adapters are for the actor (head='lm')")
+        if self.config.sequence_parallel:  # RLConfig refuses it as actor.lora
+            raise ArgumentError("lora", "adapters need the full sequence on every TP rank; "
+                                "build the engine with sequence_parallel=False")
+        metas = lora_metas(self.model_config, lora)
+        adapters, init = Adapters(lora, metas), initial_adapters(metas, self.config.seed)
+        for chunk in chunks:
+            chunk.requires_grad_(False)
+            for local, module in chunk.named_modules():
+                name = global_name(chunk, f"{local}.weight")
+                if name.removesuffix("weight") + "lora_A" in adapters.metas:
+                    adapters.attach(module, name, init, self.layout.tp, self.tp_rank)
+        return adapters
+
     # ----------------------------------------------------------------------------- weights
     def named_local_params(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
-        """(global Megatron name, local shard) of every parameter this rank holds."""
+        """(global Megatron name, local shard) of every model weight this rank holds (LoRA
+        adapters are ``self.adapters.named_parameters()``)."""
         for chunk in self.chunks:
             module = chunk.module
             for name, param in module.named_parameters():
+                if name.endswith(ADAPTER_SUFFIXES):
+                    continue
                 if self.head == "value" and name == "output_layer.weight":
                     name = VALUE_HEAD
                 yield global_name(module, name), param
@@ -554,13 +586,26 @@ class TrainEngine:
         opt.step_with_ready_grads()
         return grad_norm, True
 
-    def full_weights(self) -> dict[str, torch.Tensor]:
-        """Gather every parameter to its full shape on every rank (for tests and export; the
-        generation path uses the 3D-HybridEngine instead)."""
+    def full_weights(self, merged: bool = False) -> dict[str, torch.Tensor]:
+        """Gather every model weight to its full shape on every rank (for tests and export; the
+        generation path uses the 3D-HybridEngine instead). ``merged``: with the LoRA adapters
+        merged in (the weights the policy computes with)."""
+        full = self._gather({n: p.detach() for n, p in self.named_local_params()}, self.metas)
+        if merged and self.adapters is not None:
+            from hybridflow.training.lora import merge_adapters
+            full = merge_adapters(full, self.full_adapters(), self.adapters.config.scaling)
+        return full
+
+    def full_adapters(self) -> dict[str, torch.Tensor]:
+        """The LoRA adapters, full (unsharded), on every rank."""
+        local = {n: p.detach() for n, p in self.adapters.named_parameters()}
+        return self._gather(local, self.adapters.metas)
+
+    def _gather(self, local: dict[str, torch.Tensor], metas: dict[str, ParamMeta]
+                ) -> dict[str, torch.Tensor]:
         from hybridflow.models.params import unshard
-        local = {name: p.detach() for name, p in self.named_local_params()}
         out = {}
-        for name, meta in self.metas.items():
+        for name, meta in metas.items():
             box = [None] * self.layout.pp
             mine = local.get(name)
             # Each TP group gathers its shards; then stages exchange what they own.

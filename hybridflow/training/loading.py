@@ -208,11 +208,20 @@ def export_engine_to_hf(engine, out_dir: str | os.PathLike,
                         tokenizer_dir: str | os.PathLike | None = None) -> Path:
     """Write the engine's weights as an HF checkpoint (with the tokenizer of ``tokenizer_dir``
     when given). Collective over all ranks; global rank 0 writes, atomically (a temporary
-    directory renamed into place), in the engine's dtype."""
+    directory renamed into place), in the engine's dtype. With LoRA adapters the weights are
+    merged, and the adapters alone are in its ``lora/`` in PEFT's format."""
     if getattr(engine, "head", "lm") != "lm":
         raise ArgumentError("head", f"an engine with head={engine.head!r} has no HF causal-LM "
                                     "form; export the actor (head='lm')")
-    full = engine.full_weights()
+    full = engine.full_weights(merged=True)
+    write_extra = None
+    if engine.adapters is not None:
+        from hybridflow.training.lora import PEFT_DIR, write_peft_adapter
+        adapters = engine.full_adapters()
+
+        def write_extra(tmp: Path) -> None:
+            write_peft_adapter(tmp / PEFT_DIR, adapters, engine.model_config,
+                               engine.adapters.config)
     error = None
     if dist.get_rank() == 0:
         try:
@@ -221,7 +230,7 @@ def export_engine_to_hf(engine, out_dir: str | os.PathLike,
                 import transformers
                 tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
             save_hf_checkpoint(out_dir, megatron_to_hf(full, engine.model_config),
-                               engine.model_config, tokenizer=tokenizer)
+                               engine.model_config, tokenizer=tokenizer, write_extra=write_extra)
         except Exception as e:  # noqa: BLE001 - re-raised on every rank below
             error = e
     _raise_everywhere(error)  # also the barrier: nobody reads out_dir before it is there

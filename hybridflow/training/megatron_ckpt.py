@@ -97,6 +97,8 @@ def _write_model_file(engine, ckpt_dir: Path) -> None:
     layout = engine.layout
     info = {"format": _FORMAT, "model": dataclasses.asdict(engine.model_config),
             "saved_at": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp}}
+    if engine.adapters is not None:
+        info["lora"] = dataclasses.asdict(engine.adapters.config)
     (ckpt_dir / MODEL_FILE).write_text(json.dumps(info, indent=2) + "\n")
 
 
@@ -180,11 +182,20 @@ def _log(msg: str) -> None:
     print(f"[convert] {msg}", flush=True)
 
 
-def _build_engine(cfg: ModelConfig, tp: int, pp: int, dtype: str):
+def read_checkpoint_lora(ckpt_dir: str | os.PathLike):
+    """The LoRA config a checkpoint's adapters were trained with (``training.lora.LoraConfig``),
+    or None when it has none."""
+    from hybridflow.training.lora import LoraConfig
+    path = Path(ckpt_dir) / MODEL_FILE
+    lora = json.loads(path.read_text()).get("lora") if path.exists() else None
+    return None if lora is None else LoraConfig(**lora)
+
+
+def _build_engine(cfg: ModelConfig, tp: int, pp: int, dtype: str, lora=None):
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training.engine import EngineConfig, TrainEngine
     return TrainEngine(cfg, TrainLayout(tp=tp, pp=pp, dp=1), EngineConfig(dtype=dtype),
-                       build_optimizer=False)
+                       build_optimizer=False, lora=lora)
 
 
 def _hf_to_megatron_worker(rank: int, world: int, hf_dir: str, out_dir: str, cfg: ModelConfig,
@@ -203,7 +214,7 @@ def _megatron_to_hf_worker(rank: int, world: int, ckpt_dir: str, out_dir: str, c
                            tp: int, pp: int, dtype: str, tokenizer_dir: str | None,
                            verbose: bool) -> None:
     log = _log if verbose and rank == 0 else (lambda msg: None)
-    engine = _build_engine(cfg, tp, pp, dtype)
+    engine = _build_engine(cfg, tp, pp, dtype, read_checkpoint_lora(ckpt_dir))
     start = time.monotonic()
     load_megatron_checkpoint(engine, ckpt_dir)
     log(f"loaded the distributed checkpoint in {time.monotonic() - start:.1f}s")

@@ -69,6 +69,25 @@ def test_ppo_megatron_backend_reward_model(tmp_path):
     assert history[0]["reward/std"] > 0  # model scores, not the constant of a missing head
 
 
+def test_grpo_lora_and_its_export(tmp_path):
+    # LoRA adapters alone train; the reference is the base (the adapters off), so the KL to it is
+    # 0 before the first update (B starts at zero) and not after; the merged policy moves.
+    from hybridflow.models.hf import hf_to_megatron, load_hf_config, load_hf_state_dict
+    from hybridflow.training.megatron_ckpt import megatron_to_hf_checkpoint
+    history, before, after = run(config(tmp_path, "algorithm.name=grpo", "name=grpo-lora",
+                                        "rollout.backend=megatron", "actor.lora.rank=4",
+                                        "actor.kl_loss_coef=0.1", "checkpoint.every=2"))
+    check_run(history, before, after, ["reward/mean", "actor/kl_loss", "actor/grad_norm"])
+    assert history[0]["actor/kl_loss"] == pytest.approx(0, abs=1e-6)
+    assert history[1]["actor/kl_loss"] > 1e-8
+    # The run's checkpoint exports as the merged policy, with its adapters in PEFT's format.
+    out = megatron_to_hf_checkpoint(tmp_path / "grpo-lora", tmp_path / "hf", verbose=False)
+    exported = hf_to_megatron(load_hf_state_dict(out), load_hf_config(out))
+    for name, w in after.items():
+        torch.testing.assert_close(exported[name], w, atol=1e-6, rtol=0, msg=name)
+    assert (out / "lora" / "adapter_model.safetensors").is_file()
+
+
 @pytest.mark.parametrize("use_3d_hybrid", [True, False], ids=["3d", "naive"])
 def test_python_api_and_stepwise(tmp_path, capsys, use_3d_hybrid):
     from hybridflow.hybrid_engine.switch import generation_metas, naive_recv_bytes

@@ -17,13 +17,26 @@ def _run(*args: str, timeout: int = 600) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def test_bench_engine_times_each_micro_batch():
+def test_bench_engine_times_each_micro_batch_and_counts_lora_memory():
+    from hybridflow.models.params import llama_param_metas
+    from hybridflow.models.tiny import tiny_llama_config
+    from hybridflow.training.lora import LoraConfig, lora_metas
     r = _run("tools/bench_engine.py", "--model", "tiny", "--batch", "8", "--seq", "16",
-             "--micro-batch", "2", "8", "--repeats", "1")
-    assert [s["micro_batch"] for s in r["sizes"]] == [2, 8]
-    for s in r["sizes"]:
-        assert s["forward_s"] > 0 and s["train_s"] > 0 and 0 < s["train_mfu"] < 1
-    assert r["matmul_tflops"] > 0 and r["optimizer_s"] > 0
+             "--micro-batch", "2", "8", "--repeats", "1", "--lora-rank", "0", "4")
+    assert r["matmul_tflops"] > 0
+    full, lora = r["engines"]
+    for run in (full, lora):
+        assert [s["micro_batch"] for s in run["sizes"]] == [2, 8] and run["optimizer_s"] > 0
+        for s in run["sizes"]:
+            assert s["forward_s"] > 0 and s["train_s"] > 0 and 0 < s["train_mfu"] < 1
+    cfg = tiny_llama_config()  # fp32 on CPU: grads fp32, Adam's two fp32 moments
+    params = sum(m.numel for m in llama_param_metas(cfg)) + (
+        cfg.vocab_size * cfg.hidden_size if cfg.tie_embeddings else 0)  # the last stage's copy
+    adapters = sum(m.numel for m in lora_metas(cfg, LoraConfig(rank=4)))
+    assert full["memory"] == {"weights": 4 * params, "trainable": params, "grads": 4 * params,
+                              "optimizer": 8 * params}
+    assert lora["memory"] == {"weights": 4 * (params + adapters), "trainable": adapters,
+                              "grads": 4 * adapters, "optimizer": 8 * adapters}
 
 
 def test_bench_rl_step_ppo_reports_every_phase(tmp_path):

@@ -288,12 +288,12 @@ def test_memory_estimate_by_hand():
     # embedding + output 2*1000*64, per layer qkv 128*64 + proj 64*64 + fc1 256*64 + fc2 64*128
     # + 2 norms 64, final norm 64
     assert param_count(shape) == 2 * 64000 + 2 * (8192 + 4096 + 16384 + 8192 + 128) + 64 == 202048
-    cfg = load_config(RLConfig, None, [
+    cfg_args = [
         "algorithm.name=grpo", "actor.layout.tp=2", "actor.layout.dp=2", "rollout.backend=megatron",
         "actor.engine.dtype=bf16", "actor.engine.optim.distributed=true",
         "actor.engine.micro_batch_size=1", "train_batch_size=4", "rollout.sampling.n=2",
-        "data.max_prompt_tokens=16", "rollout.sampling.max_tokens=16"])
-    (pool,) = estimate_memory(cfg, {"model": shape}).pools
+        "data.max_prompt_tokens=16", "rollout.sampling.max_tokens=16"]
+    (pool,) = estimate_memory(load_config(RLConfig, None, cfg_args), {"model": shape}).pools
     assert pool.groups == ("actor",) and pool.ranks == 4
     p = 202048
     weights, grads, adam = p * 2 // 2, p * 4 // 2, p * 12 // 2 // 2  # bf16 / tp; fp32; / tp / dp
@@ -315,6 +315,19 @@ def test_memory_estimate_by_hand():
     assert pool.peak == ("actor update", sum(sum(r.values()) for r in update.values()))
     # With sequence parallelism: s*b*h*(34 + 5*a*s/h)/t.
     assert layer_activation_bytes(shape, 32, 1, 2, True, "bf16") == 2048 * (34 + 10) / 2
+
+    # LoRA of rank 4 on qkv and fc2: adapters A = per layer 4*(64 + 128) + 4*(128 + 64); their
+    # grads and Adam state alone; no reference copy; the adapted base shards stay in generation.
+    (pool,) = estimate_memory(load_config(RLConfig, None, [
+        *cfg_args, "actor.lora.rank=4", "actor.lora.target_modules=[linear_qkv,linear_fc2]"]),
+        {"model": shape}).pools
+    a, adapted = 2 * (4 * (64 + 128) + 4 * (128 + 64)), 2 * (8192 + 8192)
+    lora = {"weights": weights + a * 2 // 2, "grads": a * 4 // 2, "optimizer": a * 12 // 2 // 2}
+    assert pool.phases["actor update"]["actor"] == lora | {"activations": 2 * layer + logits}
+    assert pool.phases["actor update"]["ref"] == {}
+    assert pool.phases["generation"]["actor"] == {
+        "weights": adapted * 2 // 2 + a * 2 // 2, "optimizer": lora["optimizer"],
+        "generation weights": p * 2}
 
 
 def paper(name, *overrides):
