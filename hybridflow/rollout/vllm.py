@@ -150,6 +150,7 @@ class VLLMRollout(RolloutBackend):
             logprobs_mode="raw_logprobs", worker_extension_cls=_EXTENSION,
             enable_sleep_mode=self.sleep_supported,
             gpu_memory_utilization=gpu_memory_utilization,
+            use_tqdm_on_load=False,  # a bar per replica for a sub-second load: output noise
         )
         if kv_cache_bytes is not None:
             self._engine_kwargs["kv_cache_memory_bytes"] = kv_cache_bytes
