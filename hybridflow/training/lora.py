@@ -26,6 +26,7 @@ training shard, which is what the 3D-HybridEngine sends to generation.
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -35,7 +36,7 @@ import torch.nn.functional as F
 
 from hybridflow.errors import ConfigError, check_float, check_int
 from hybridflow.models.config import ModelConfig
-from hybridflow.models.params import ParamMeta, llama_param_metas
+from hybridflow.models.params import ParamMeta, llama_param_metas, shard
 
 TARGETS = {"linear_qkv": "column", "linear_proj": "row", "linear_fc1": "column",
            "linear_fc2": "row"}
@@ -145,7 +146,8 @@ class Adapters:
                tp: int, tp_rank: int) -> None:
         """Give ``module`` (a Megatron linear whose weight is ``weight_name``, global) its
         adapters, this rank's shards of ``init``."""
-        from hybridflow.models.params import shard
+        from megatron.core.tensor_parallel import (copy_to_tensor_model_parallel_region,
+                                                   reduce_from_tensor_model_parallel_region)
         prefix = weight_name.removesuffix("weight")
         weight = module.weight
         for part in ("lora_A", "lora_B"):
@@ -153,7 +155,10 @@ class Adapters:
             module.register_parameter(part, torch.nn.Parameter(
                 shard(full, self.metas[prefix + part], tp, tp_rank).to(weight.device)))
         column = TARGETS[_adapted(weight_name, self.config)] == "column"
-        module.register_forward_hook(self._column_hook if column else self._row_hook)
+        # See the module docstring: A x is whole on every rank (column) or a partial sum (row).
+        region = (copy_to_tensor_model_parallel_region if column
+                  else reduce_from_tensor_model_parallel_region)
+        module.register_forward_hook(functools.partial(self._hook, region=region))
         _checkpoint_adapters(module, column, fc1=weight_name.endswith("linear_fc1.weight"))
         self.modules[weight_name] = module
 
@@ -162,22 +167,12 @@ class Adapters:
             x = F.dropout(x, self.config.dropout)
         return F.linear(x, module.lora_A)
 
-    def _column_hook(self, module, args, output):
-        from megatron.core.tensor_parallel import copy_to_tensor_model_parallel_region
+    def _hook(self, module, args, output, region):
+        """Megatron linear's (output, bias) plus the adapter's ``scaling * B region(A x)``."""
         if not self.enabled:
             return output
         out, bias = output
-        h = copy_to_tensor_model_parallel_region(self._branch(module, args[0]),
-                                                 group=module.tp_group)
-        return out + self.config.scaling * F.linear(h, module.lora_B), bias
-
-    def _row_hook(self, module, args, output):
-        from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
-        if not self.enabled:
-            return output
-        out, bias = output
-        h = reduce_from_tensor_model_parallel_region(self._branch(module, args[0]),
-                                                     group=module.tp_group)
+        h = region(self._branch(module, args[0]), group=module.tp_group)
         return out + self.config.scaling * F.linear(h, module.lora_B), bias
 
     @contextlib.contextmanager
