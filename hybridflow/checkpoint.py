@@ -34,9 +34,9 @@ CHECKPOINTS = "checkpoints"
 """The folder of a run's checkpoints, inside the run directory."""
 STATE_FILE = "trainer.json"
 """The driver's state in a checkpoint; written last, so its presence marks a complete write."""
-RESUMABLE_KEYS = ("steps", "resume", "checkpoint", "ray", "on_nonfinite")
-"""Config keys a resumed run may change: they decide how long and where it runs, not what it
-computes. Any other difference means another run."""
+RESUMABLE_KEYS = ("steps", "resume", "checkpoint", "ray", "on_nonfinite", "cluster.calibration")
+"""Config keys (or sections) a resumed run may change: they decide how long and where it runs,
+or what it predicts, not what it computes. Any other difference means another run."""
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 
@@ -203,7 +203,8 @@ def _check_same_run(run_dir: Path, config: dict[str, Any], defaults: dict[str, A
         raise ConfigError("name", f"{run_dir} holds files of a run without a readable "
                                   "config.yaml; choose another name (or tracking.out_dir), or "
                                   "move that folder away")
-    diffs = [k for k in _differences(stored, config) if k.split(".")[0] not in RESUMABLE_KEYS
+    diffs = [k for k in _differences(stored, config)
+             if k.split(".")[0] not in RESUMABLE_KEYS and k not in RESUMABLE_KEYS
              and not (_at(stored, k) is _ABSENT and _at(config, k) == _at(defaults, k))]
     if diffs:
         shown = ", ".join(f"{k} ({_shown(_at(stored, k))} there, {_shown(_at(config, k))} here)"

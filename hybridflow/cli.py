@@ -11,10 +11,12 @@ import sys
 
 from hybridflow.errors import ConfigError, RunError
 
-JOBS = ("train", "check", "lm-demo")
+JOBS = ("train", "check", "plan", "lm-demo")
 HELP = {"train": "RL post-training (PPO, GRPO, ReMax, RLOO, REINFORCE++, Safe-RLHF)",
         "check": "validate an RL config without starting anything: layouts, world sizes, the "
                  "reshard's bytes per rank",
+        "plan": "rank the mappings of an RL config onto its devices (layouts, generation tp, "
+                "micro-batch) by the cost model's step time, with cluster.calibration's rates",
         "lm-demo": "Megatron-Core copy-task training demo at a TP/PP/DP layout"}
 
 
@@ -22,7 +24,7 @@ def _jobs():
     # Imported lazily: `hybridflow --help` should not pay for torch and megatron.
     from hybridflow import lm_demo
     from hybridflow.config import RLConfig
-    return {"train": (RLConfig, _train), "check": (RLConfig, _check),
+    return {"train": (RLConfig, _train), "check": (RLConfig, _check), "plan": (RLConfig, _plan),
             "lm-demo": (lm_demo.LMDemoConfig, lm_demo.run)}
 
 
@@ -37,8 +39,34 @@ def _train(cfg) -> None:
 
 def _check(cfg) -> None:
     from hybridflow.config.check import check_run
-    print(check_run(cfg).summary(cfg))
+    from hybridflow.mapping.search import run_prediction
+    checked = check_run(cfg)
+    print(checked.summary(cfg))
+    prediction = run_prediction(cfg, checked.shapes)
+    if prediction is not None:
+        print(prediction.describe(cfg.cluster.calibration))
     print("config OK")
+
+
+def _plan(cfg) -> None:
+    from hybridflow.mapping.search import plan_lines
+    print("\n".join(plan_lines(cfg)))
+
+
+def _calibrate(out: str, quick: bool) -> None:
+    from pathlib import Path
+    from hybridflow.mapping.calibrate import calibrate
+    directory = Path(out).parent
+    if not directory.is_dir():  # checked first: the measurement takes minutes
+        raise ConfigError("--out", f"{out}: directory {directory} does not exist; create it or "
+                                   "choose another FILE")
+    calibration = calibrate(quick=quick)
+    try:
+        calibration.to_json(out)
+    except OSError as e:
+        raise ConfigError("--out", f"{out}: cannot write it ({e.strerror}); choose another "
+                                   "FILE") from None
+    print(f"wrote {out}")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -51,6 +79,12 @@ def main(argv: list[str] | None = None) -> int:
                            help="key=value, e.g. steps=20 actor.layout.pp=2")
     defaults_p = sub.add_parser("defaults", help="print a command's default config as YAML")
     defaults_p.add_argument("job", choices=("train", "lm-demo"))
+    calibrate_p = sub.add_parser("calibrate", help="measure this machine's matmul, memory and "
+                                                   "collective rates for the planner")
+    calibrate_p.add_argument("--out", default="calibration.json", metavar="FILE",
+                             help="JSON file to write (default: calibration.json)")
+    calibrate_p.add_argument("--quick", action="store_true",
+                             help="small sizes, few repeats: seconds, rough rates")
     args = parser.parse_args(argv)
 
     from hybridflow.config import load_config, to_yaml
@@ -58,6 +92,9 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "defaults":
             cls, _ = _jobs()[args.job]
             print(to_yaml(cls()), end="")
+            return 0
+        if args.command == "calibrate":
+            _calibrate(args.out, args.quick)
             return 0
         cls, run = _jobs()[args.command]
         config, overrides = args.config, list(args.overrides)

@@ -23,6 +23,7 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.config import RLConfig, make_config
 from hybridflow.config.check import SCORERS, check_run
+from hybridflow.mapping.search import run_prediction
 from hybridflow.data.prompts import PromptItem
 from hybridflow.errors import ConfigError, RunError, check_int
 from hybridflow.rollout.base import SamplingConfig
@@ -84,6 +85,7 @@ class RLTrainer:
         self.checked = check_run(cfg, *(fn if callable(fn) else None
                                         for fn in (reward_fn, cost_fn)))
         self.reward_fn, self.cost_fn = self.checked.reward_fn, self.checked.cost_fn
+        self.prediction = run_prediction(cfg, self.checked.shapes)
         self.model_dir = self.checked.model_dir  # refuses a shape preset (check only, no weights)
         from transformers import AutoTokenizer
         self.tokenizer = AutoTokenizer.from_pretrained(str(self.model_dir))
@@ -134,6 +136,8 @@ class RLTrainer:
                          if a.name == "safe_rlhf" else None)
         self.hybrid_summary = self.actor.run("describe")[0]
         print(self.hybrid_summary, flush=True)
+        if self.prediction is not None:
+            print(self.prediction.describe(cfg.cluster.calibration), flush=True)
         print(f"workers ready in {time.perf_counter() - start:.1f}s", flush=True)
         self._workers_started = True
 
@@ -357,6 +361,9 @@ class RLTrainer:
         metrics.update(self._step_metrics(batch))
         metrics.update(collected)
         metrics["timing/step_s"] = time.perf_counter() - start
+        if self.prediction is not None:  # beside each measured phase, the cost model's
+            metrics.update({f"predicted/{k}_s": v for k, v in self.prediction.phases.items()})
+            metrics["predicted/step_s"] = self.prediction.step
         self._after_step(batch, metrics)
         return metrics
 
@@ -433,6 +440,13 @@ class RLTrainer:
             print(f"val/reward (greedy, {self.config.validation.size} held-out prompts): "
                   f"{val[0]['val/reward']:.3f} at step {val[0]['step']} -> "
                   f"{val[-1]['val/reward']:.3f} at step {val[-1]['step']}", flush=True)
+        timed = [r for r in rows if "predicted/step_s" in r][1:]  # the first step warms up
+        if timed:
+            names = [k.removeprefix("predicted/") for k in timed[0]
+                     if k.startswith("predicted/") and "timing/" + k[10:] in timed[0]]
+            print("measured / predicted seconds (mean over steps 2 on): " + ", ".join(
+                f"{n.removesuffix('_s')} {_mean(timed, 'timing/' + n):.3g} / "
+                f"{timed[0]['predicted/' + n]:.3g}" for n in names), flush=True)
         print(f"wrote {metrics_path} and {plot}", flush=True)
 
     # ----------------------------------------------------------------------------- checkpoints
@@ -602,3 +616,7 @@ def _with_accumulation(cfg: RLConfig, accumulation: int) -> RLConfig:
                           f"{per_step} (per_device_train_batch_size x "
                           f"gradient_accumulation_steps x actor.layout.dp)")
     return make_config(RLConfig, cfg, {"actor.mini_batches": samples // per_step})
+
+
+def _mean(rows: list[dict[str, float]], key: str) -> float:
+    return sum(r[key] for r in rows) / len(rows)

@@ -61,6 +61,8 @@ class RunCheck:
     """Per-GPU memory per pool and phase, where ``cluster.nodes`` is set."""
     notes: list[str]
     """What was not checked, and why (``hybridflow check`` prints them)."""
+    shapes: dict[str, ModelConfig]
+    """Config key (model, reward_model, cost_model) -> that model's shape."""
 
     @property
     def model_dir(self) -> Path:
@@ -129,13 +131,8 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
     (the Python API's); the config's are imported here otherwise, once."""
     from hybridflow.config.memory import check_memory_fits, estimate_memory
 
-    checkpoints, shapes, presets = {}, {}, {}
-    for field in ("model", *SCORERS.values()):
-        name = getattr(cfg, field)
-        if name is not None:
-            checkpoints[field], shapes[field] = _resolve(name, field)
-            if checkpoints[field] is None:
-                presets[field] = name
+    checkpoints, shapes = model_sources(cfg)
+    presets = {field: getattr(cfg, field) for field, path in checkpoints.items() if path is None}
     model = shapes["model"]
     _fits(model, cfg, "actor")
     for field in SCORERS.values():
@@ -160,7 +157,7 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
     return RunCheck(checkpoints=checkpoints, model=model, gen=gen, reshard_recv_bytes=recv,
                     naive_recv_bytes=naive, prompts=prompts, reward_fn=functions["reward"],
                     cost_fn=functions["cost"], resume=resume, presets=presets, memory=memory,
-                    notes=notes)
+                    notes=notes, shapes=shapes)
 
 
 def resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
@@ -172,6 +169,16 @@ def resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
     return plan_resume(cfg.resume, Path(cfg.tracking.out_dir) / cfg.name,
                        yaml.safe_load(to_yaml(cfg)), run_identity(cfg, model),
                        defaults=yaml.safe_load(to_yaml(RLConfig())))
+
+
+def model_sources(cfg: RLConfig) -> tuple[dict[str, Path | None], dict[str, ModelConfig]]:
+    """({field: checkpoint directory, None for a shape preset}, {field: shape}) of every model
+    the run names (model, reward_model, cost_model)."""
+    checkpoints, shapes = {}, {}
+    for field in ("model", *SCORERS.values()):
+        if getattr(cfg, field) is not None:
+            checkpoints[field], shapes[field] = _resolve(getattr(cfg, field), field)
+    return checkpoints, shapes
 
 
 def _resolve(name: str, field: str) -> tuple[Path | None, ModelConfig]:

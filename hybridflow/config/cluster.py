@@ -33,6 +33,10 @@ class ClusterConfig:
     """GPUs per node; a tensor-parallel group must fit in one node."""
     gpu_memory_gb: float = 80.0
     """Memory of one GPU in GiB (A100-80GB: 80); the per-GPU memory estimate must fit in it."""
+    calibration: str | None = None
+    """The rates ``hybridflow calibrate --out FILE`` measured on a node of this cluster: with it
+    ``hybridflow plan`` ranks mappings, and the trainer logs the cost model's time per phase
+    beside the measured one (``predicted/<phase>_s``)."""
 
     def __post_init__(self) -> None:
         check_int("nodes", self.nodes, none_ok=True)

@@ -61,12 +61,23 @@ def test_grpo_vllm(tmp_path):
 
 def test_ppo_megatron_backend_reward_model(tmp_path):
     # The reward comes from a (random, tiny, Qwen2-shaped) reward model scoring the last token.
+    # With cluster.calibration every step also logs the cost model's seconds per phase.
+    from tests.unit.test_planner import CALIB
+    CALIB.to_json(tmp_path / "calibration.json")
     history, before, after = run(config(tmp_path, "algorithm.name=ppo", "rollout.backend=megatron",
                                         "algorithm.kl_in_reward=true", "name=ppo",
-                                        "reward_model=tiny-qwen2", *CRITIC), reward_fn=None)
+                                        "reward_model=tiny-qwen2", *CRITIC,
+                                        f"cluster.calibration={tmp_path / 'calibration.json'}"),
+                                 reward_fn=None)
     check_run(history, before, after, ["reward/mean", "critic/vf_loss", "critic/grad_norm",
                                        "actor/pg_loss", "timing/values_s", "timing/reshard_s"])
     assert history[0]["reward/std"] > 0  # model scores, not the constant of a missing head
+    phases = ("reshard", "generate", "old_logprobs", "ref_logprobs", "values", "reward",
+              "update_critic", "update_actor")
+    for row in history:  # beside each measured phase, its prediction
+        assert all(row[f"predicted/{p}_s"] > 0 and f"timing/{p}_s" in row for p in phases)
+        assert row["predicted/step_s"] == pytest.approx(sum(row[f"predicted/{p}_s"]
+                                                            for p in phases))
 
 
 def test_grpo_lora_and_its_export(tmp_path):

@@ -1,0 +1,213 @@
+"""The cost model: seconds of each phase of one RL iteration, from a config, its models' shapes and
+the rates ``hybridflow calibrate`` measured. Pure arithmetic, no process, no tensor; the memory
+side is ``hybridflow.config.memory``'s estimate.
+
+Every phase runs after the previous one (the single controller drives them in turn), so the step
+is their sum. Per phase, with N a model's parameters in matmuls (all but an untied input
+embedding), T = samples x (prompt + response) tokens (the engines compute every position of the
+padded batch), L layers, h hidden, s = prompt + response, b the dtype's bytes, R the matmul rate
+of that dtype, B the device copy bandwidth, G(n) the all-gather rate in a group of n:
+
+* ``reshard``: the bytes the 3D-HybridEngine's plan makes the busiest rank receive (its own
+  ``plan_reshard``, the paper's Table 2 volume for evenly split models) / G(micro-DP group size);
+* ``generate``: per replica (the samples split over ``GenLayout.replicas``), the prefill
+  ``2 N prompt share / tg`` FLOPs at R, then ``response`` decode steps, each the slower of its
+  FLOPs (``2 N share / tg``) at R and its bytes at B: the weight shard ``N b / tg`` and the KV cache
+  so far, ``2 L (kv_heads / tg) head_dim b`` per token. No sampling, host or graph-capture time;
+* forward-only passes (old and reference log-probs, values, reward and cost scores): ``2 N T`` plus
+  attention's ``4 L h s^2`` per sequence, over the group's ranks at R, times the pipeline bubble
+  ``1 + (p - 1) / m`` (m micro-batches per data-parallel rank), plus the TP all-reduces of the
+  activations, ``2 L`` of ``tokens h b`` per pass and rank at G(t);
+* updates (actor, PPO's critic): three times the forward's FLOPs per epoch (the backward is
+  twice the forward) with the bubble of the training micro-batches, the TP all-reduces twice
+  (forward and backward), the data-parallel gradient all-reduce (``2 (d-1)/d`` of the fp32 grads
+  per optimizer step, at G(d) / 2, an all-reduce moving twice an all-gather's bytes) and Adam's
+  step (28 bytes read and written per trained parameter at B).
+
+These are floors: no kernel reaches R or B, and host-side overheads (Python per micro-batch, kernel
+launches) are not in it. ``Prediction`` keeps each phase apart so that the trainer can log them
+beside what it measures.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from hybridflow.config.memory import MemoryEstimate, estimate_memory
+from hybridflow.errors import ConfigError
+from hybridflow.mapping.calibrate import Calibration
+from hybridflow.models.config import ModelConfig
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+ADAM_BYTES = 28
+"""Bytes Adam reads and writes per parameter in a step: fp32 param, grad, two moments read; param
+and moments written."""
+
+
+@dataclass
+class Prediction:
+    """What the cost model predicts for one iteration of a config."""
+
+    phases: dict[str, float]
+    """Phase -> seconds (the trainer's ``timing/<phase>_s`` names)."""
+    memory: MemoryEstimate
+    """Bytes per GPU, per pool, phase and role (``hybridflow.config.memory``)."""
+    terms: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Phase -> the terms its seconds add up from (flops, bubble, tp_comm, ...), for ``plan``."""
+
+    @property
+    def step(self) -> float:
+        return sum(self.phases.values())
+
+    def describe(self, source: str) -> str:
+        """One line: the predicted step and its phases (``source``: where the rates came from)."""
+        phases = ", ".join(f"{k} {v:.3g}" for k, v in self.phases.items())
+        return (f"predicted (cost model, rates of {source}; floors): step {self.step:.3g} s = "
+                f"{phases}")
+
+    @property
+    def peak_bytes(self) -> int:
+        """The largest per-GPU memory of any pool and phase."""
+        return max(pool.peak[1] for pool in self.memory.pools)
+
+
+def matmul_params(shape: ModelConfig, head: str = "lm") -> int:
+    """Parameters that take part in matmuls: all but an untied input embedding (only indexed);
+    a value head replaces the output layer with a [1, h] one."""
+    from hybridflow.models.params import llama_param_metas
+    n = sum(m.numel for m in llama_param_metas(shape))
+    if not shape.tie_embeddings:
+        n -= shape.vocab_size * shape.hidden_size
+    if head == "value":
+        n += shape.hidden_size - shape.vocab_size * shape.hidden_size
+    return n
+
+
+def _rate(calib: Calibration, dtype: str) -> float:
+    if dtype not in calib.matmul_flops:
+        raise ConfigError("cluster.calibration", f"has no {dtype} matmul rate (measured on "
+                          f"{calib.device}); calibrate on the cluster's devices")
+    return calib.matmul_flops[dtype]
+
+
+def _gather_rate(calib: Calibration, n: int) -> float:
+    """All-gather bytes received per rank per second in a group of n (> 1): the measured size
+    nearest below n (the rate falls as groups grow), or the smallest measured."""
+    sizes = sorted(calib.all_gather)
+    if not sizes:
+        raise ConfigError("cluster.calibration", f"has no all-gather rate (measured on one "
+                          f"{calib.device}), and this mapping has groups of {n}; calibrate on a "
+                          "node with several devices")
+    below = [k for k in sizes if k <= n]
+    return calib.all_gather[below[-1] if below else sizes[0]]
+
+
+def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration,
+             head: str, micro_batch: int) -> dict[str, float]:
+    """Seconds of one forward pass of a model over the step's samples, by term."""
+    lay, eng = part.layout, part.engine
+    b, rate = DTYPE_BYTES[eng.dtype], _rate(calib, eng.dtype)
+    ranks = lay.world_size
+    flops = (2 * matmul_params(shape, head) * seq + 4 * shape.num_layers * shape.hidden_size
+             * seq * seq) * samples
+    per_rank_samples = samples / lay.dp
+    m = max(1, math.ceil(per_rank_samples / micro_batch))
+    tp_bytes = 2 * shape.num_layers * per_rank_samples * seq * shape.hidden_size * b / lay.pp
+    return {"compute": flops / (ranks * rate), "bubble": (lay.pp - 1) / m * flops / (ranks * rate),
+            "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / _gather_rate(calib, lay.tp)
+                        if lay.tp > 1 else 0.0)}
+
+
+def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration, head: str,
+            trained: int) -> dict[str, float]:
+    """Seconds of a model's update (``part.ppo_epochs`` passes of ``part.mini_batches`` optimizer
+    steps), by term. ``trained``: its trained parameters (all of them, or LoRA's adapters)."""
+    lay, eng = part.layout, part.engine
+    per_step = samples / part.mini_batches
+    fwd = _forward(shape, part, per_step, seq, calib, head, eng.micro_batch_size)
+    steps = part.ppo_epochs * part.mini_batches
+    grads = 4 * trained / (lay.tp * lay.pp)
+    dp = (2 * (lay.dp - 1) / lay.dp * grads / (_gather_rate(calib, lay.dp) / 2)
+          if lay.dp > 1 else 0.0)
+    return {"compute": 3 * steps * fwd["compute"], "bubble": 3 * steps * fwd["bubble"],
+            "tp_comm": 2 * steps * fwd["tp_comm"], "dp_allreduce": steps * dp,
+            "optimizer": steps * ADAM_BYTES * trained / (lay.tp * lay.pp) / calib.memory_bandwidth}
+
+
+def _generate(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, float]:
+    from hybridflow.parallel.layout import GenLayout
+    gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
+    b, rate = DTYPE_BYTES[cfg.actor.engine.dtype], _rate(calib, cfg.actor.engine.dtype)
+    share = math.ceil(cfg.train_batch_size * cfg.rollout.sampling.n / gen.replicas)
+    prompt, response, tg = cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_tokens, gen.tp
+    n = matmul_params(shape)
+    kv_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // tg) * shape.head_dim * b
+    decode = 0.0
+    for step in range(1, response):
+        flops = 2 * n * share / tg
+        bytes_read = n * b / tg + share * (prompt + step) * kv_token
+        decode += max(flops / rate, bytes_read / calib.memory_bandwidth)
+    return {"prefill": 2 * n * share * prompt / tg / rate, "decode": decode}
+
+
+def switch_bytes(gen, metas: list, dtype_bytes: int, mode: str = "3d",
+                 bucket_bytes: int = 256 * 2**20) -> tuple[int, int]:
+    """(bytes the busiest rank receives in one switch, bytes of the largest generation shard):
+    the paper's Table 2 "communication volume" and "peak memory" of the generation weights, from
+    our own reshard plan (``mode`` "3d") or verl's per-tensor path ("naive")."""
+    from hybridflow.hybrid_engine.plan import plan_reshard
+    from hybridflow.hybrid_engine.switch import naive_recv_bytes
+    from hybridflow.models.params import num_layers_of, owner_stage
+    plan = plan_reshard(gen, metas, dtype_bytes, bucket_bytes)
+    layers = num_layers_of(metas)
+    storage = max(sum(math.prod(m.shard_shape(gen.tp)) for m in metas
+                      if owner_stage(m, gen.pp, layers) == stage)
+                  for stage in range(gen.pp)) * dtype_bytes
+    ranks = range(gen.train.world_size)
+    if mode == "naive":
+        return max(naive_recv_bytes(gen, metas, r, dtype_bytes) for r in ranks), storage
+    return max(plan.ranks[r].recv_bytes for r in ranks), storage
+
+
+def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, float]:
+    from hybridflow.hybrid_engine.switch import generation_metas
+    from hybridflow.models.params import llama_param_metas
+    from hybridflow.parallel.layout import GenLayout
+    gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
+    metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings, gen)
+    recv, _ = switch_bytes(gen, metas, DTYPE_BYTES[cfg.actor.engine.dtype],
+                           cfg.hybrid_engine.mode, int(cfg.rollout.bucket_mb * 2**20))
+    return {"all_gather": recv / _gather_rate(calib, gen.micro_dp) if gen.micro_dp > 1 else 0.0}
+
+
+def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Prediction:
+    """Seconds of every phase of one iteration of ``cfg`` (an RLConfig) and its memory per GPU.
+    ``shapes``: config key (model, reward_model, cost_model) -> the model's shape."""
+    if cfg.actor.lora.enabled:
+        raise ConfigError("actor.lora", "the cost model does not cover LoRA yet; plan without "
+                                        "it (set actor.lora.rank=0)")
+    model = shapes["model"]
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
+    samples = cfg.train_batch_size * cfg.rollout.sampling.n
+    fwd_mb = cfg.actor.engine.forward_micro_batch_size or cfg.actor.engine.micro_batch_size
+    terms = {"reshard": _reshard(cfg, model, calib), "generate": _generate(cfg, model, calib),
+             "old_logprobs": _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb)}
+    terms["ref_logprobs"] = terms["old_logprobs"]
+    critic_mb = cfg.critic.engine.forward_micro_batch_size or cfg.critic.engine.micro_batch_size
+    if cfg.algorithm.name == "ppo":
+        terms["values"] = _forward(model, cfg.critic, samples, seq, calib, "value", critic_mb)
+    for key in ("reward_model", "cost_model"):  # both inside the trainer's reward phase
+        if key in shapes:
+            scores = _forward(shapes[key], cfg.critic, samples, seq, calib, "value", critic_mb)
+            terms["reward"] = {k: terms.get("reward", {}).get(k, 0.0) + v
+                               for k, v in scores.items()}
+    if cfg.algorithm.name == "ppo":
+        terms["update_critic"] = _update(model, cfg.critic, samples, seq, calib, "value",
+                                         matmul_params(model, "value"))
+    from hybridflow.models.params import llama_param_metas
+    terms["update_actor"] = _update(model, cfg.actor, samples, seq, calib, "lm",
+                                    sum(m.numel for m in llama_param_metas(model)))
+    return Prediction(phases={k: sum(v.values()) for k, v in terms.items()},
+                      memory=estimate_memory(cfg, shapes), terms=terms)

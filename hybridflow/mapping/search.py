@@ -1,0 +1,182 @@
+"""The search: every mapping of a run onto its devices that the config contract accepts and the
+memory estimate fits, ranked by the cost model's step time.
+
+A mapping is the actor's training layout (tp, pp, dp over the run's devices), its generation
+tensor parallelism ``rollout.tp`` and the training micro-batch size; PPO's critic and the reward
+and cost models take the actor's layout (HybridFlow's default placement: every model colocated on
+every device). The devices are ``cluster.nodes x cluster.gpus_per_node`` when the cluster is
+declared, else the actor's world size as configured (on CPU: its processes). A tensor-parallel
+group stays inside a node.
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass
+from typing import Any
+
+from hybridflow.errors import ConfigError
+from hybridflow.mapping.calibrate import Calibration
+from hybridflow.mapping.cost import Prediction, predict
+from hybridflow.models.config import ModelConfig
+
+MICRO_BATCHES = (1, 2, 4, 8, 16)
+
+
+@dataclass
+class Mapping:
+    """One candidate and what the cost model says of it."""
+
+    overrides: dict[str, Any]
+    """Config keys -> values that make the run take this mapping (``key=value`` for the CLI)."""
+    prediction: Prediction
+
+    def describe(self) -> str:
+        o = self.overrides
+        return (f"actor tp={o['actor.layout.tp']} pp={o['actor.layout.pp']} "
+                f"dp={o['actor.layout.dp']}, generation tp={o['rollout.tp']}, "
+                f"micro-batch {o['actor.engine.micro_batch_size']}")
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def devices(cfg: Any) -> int:
+    """The devices the run is mapped onto (see the module docstring)."""
+    return cfg.cluster.gpus if cfg.cluster.nodes is not None else cfg.actor.layout.world_size
+
+
+def candidates(cfg: Any, shape: ModelConfig) -> list[dict[str, Any]]:
+    """Every (layout, generation tp, micro-batch) override set over ``devices(cfg)`` whose tp,
+    pp and vocabulary split fit the model; the config contract and memory decide the rest."""
+    world = devices(cfg)
+    per_node = cfg.cluster.gpus_per_node if cfg.cluster.nodes is not None else world
+    out = []
+    for tp in _divisors(world):
+        if per_node % tp or shape.num_kv_heads % tp or shape.num_heads % tp \
+                or shape.ffn_hidden_size % tp or shape.vocab_size % tp:
+            continue
+        for pp in _divisors(world // tp):
+            if shape.num_layers % pp:
+                continue
+            for tg in _divisors(tp):
+                for mb in MICRO_BATCHES:
+                    o = {"actor.layout.tp": tp, "actor.layout.pp": pp,
+                         "actor.layout.dp": world // (tp * pp), "rollout.tp": tg,
+                         "actor.engine.micro_batch_size": mb}
+                    if _has_critic_side(cfg):
+                        o |= {"critic.layout.tp": tp, "critic.layout.pp": pp,
+                              "critic.layout.dp": world // (tp * pp),
+                              "critic.engine.micro_batch_size": mb}
+                    out.append(o)
+    return out
+
+
+def _has_critic_side(cfg: Any) -> bool:
+    return (cfg.algorithm.name == "ppo" or cfg.reward_model is not None
+            or cfg.cost_model is not None)
+
+
+def apply(cfg: Any, overrides: dict[str, Any]) -> Any:
+    """A copy of ``cfg`` with ``overrides`` set and checked by the config contract (raises its
+    ConfigError when the combination is refused)."""
+    from hybridflow.parallel.layout import TrainLayout
+    c = copy.deepcopy(cfg)
+    for role in ("actor", "critic"):
+        if f"{role}.layout.tp" in overrides:
+            getattr(c, role).layout = TrainLayout(**{k: overrides[f"{role}.layout.{k}"]
+                                                     for k in ("tp", "pp", "dp")})
+        if f"{role}.engine.micro_batch_size" in overrides:
+            getattr(c, role).engine.micro_batch_size = overrides[f"{role}.engine.micro_batch_size"]
+    if "rollout.tp" in overrides:
+        c.rollout.tp = overrides["rollout.tp"]
+    c.__post_init__()
+    return c
+
+
+def search(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> tuple[
+        list[Mapping], dict[str, int]]:
+    """The mappings that fit, fastest first, and how many candidates each check refused
+    ({"config": n, "memory": n})."""
+    from hybridflow.config.memory import check_memory_fits
+    from hybridflow.training.engine import check_model_fits_layout
+    fits, refused = [], {"config": 0, "memory": 0}
+    for overrides in candidates(cfg, shapes["model"]):
+        try:
+            c = apply(cfg, overrides)
+            check_model_fits_layout(shapes["model"], c.actor.layout, c.actor.engine)
+        except ConfigError:
+            refused["config"] += 1
+            continue
+        prediction = predict(c, shapes, calib)
+        if cfg.cluster.nodes is not None:
+            try:
+                check_memory_fits(c, prediction.memory)
+            except ConfigError:
+                refused["memory"] += 1
+                continue
+        fits.append(Mapping(overrides, prediction))
+    fits.sort(key=lambda m: m.prediction.step)
+    return fits, refused
+
+
+def load_calibration(cfg: Any) -> Calibration:
+    """The calibration ``cluster.calibration`` names; ConfigError when there is none."""
+    if cfg.cluster.calibration is None:
+        raise ConfigError("cluster.calibration", "the planner needs the rates of the devices: "
+                          "run `hybridflow calibrate --out calibration.json` on one of them and "
+                          "set cluster.calibration=calibration.json")
+    return Calibration.from_json(cfg.cluster.calibration)
+
+
+def run_prediction(cfg: Any, shapes: dict[str, ModelConfig]) -> Prediction | None:
+    """The cost model's prediction of one iteration of ``cfg`` where ``cluster.calibration`` is
+    set (``hybridflow check`` prints it, the trainer logs it beside each step's timings)."""
+    return None if cfg.cluster.calibration is None else predict(cfg, shapes,
+                                                                load_calibration(cfg))
+
+
+def plan_lines(cfg: Any, top: int = 5) -> list[str]:
+    """What ``hybridflow plan`` prints: the fastest mappings that fit, each phase's predicted
+    seconds and the peak memory per device, then where the configured mapping stands."""
+    from hybridflow.config.check import model_sources
+    calib = load_calibration(cfg)
+    _, shapes = model_sources(cfg)
+    fits, refused = search(cfg, shapes, calib)
+    world = devices(cfg)
+    where = (f"{cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node}, "
+             f"{cfg.cluster.gpu_memory_gb:g} GiB each" if cfg.cluster.nodes is not None
+             else "the configured actor world size; no memory limit without cluster.nodes")
+    lines = [f"{cfg.algorithm.name} on {world} device(s) ({where}); rates of "
+             f"{calib.device} from {cfg.cluster.calibration} ({calib.measured_at})",
+             f"{len(fits)} mapping(s) fit; refused: {refused['config']} by the config "
+             f"contract, {refused['memory']} over memory"]
+    configured = Mapping(_configured(cfg), predict(cfg, shapes, calib))
+    for rank, m in enumerate(fits[:top], 1):
+        lines.append(_row(f"{rank}.", m))
+    mine = next((k for k, m in enumerate(fits, 1) if m.overrides == configured.overrides), None)
+    lines.append(_row("configured" + (f" (rank {mine})" if mine else " (not among them)"),
+                      configured))
+    if fits:
+        lines.append("the fastest: " + " ".join(f"{k}={v}" for k, v in fits[0].overrides.items()))
+    lines.append("predicted seconds are floors at the calibrated rates (docs/planner.md)")
+    return lines
+
+
+def _configured(cfg: Any) -> dict[str, Any]:
+    o = {"actor.layout.tp": cfg.actor.layout.tp, "actor.layout.pp": cfg.actor.layout.pp,
+         "actor.layout.dp": cfg.actor.layout.dp, "rollout.tp": cfg.rollout.tp,
+         "actor.engine.micro_batch_size": cfg.actor.engine.micro_batch_size}
+    if _has_critic_side(cfg):
+        o |= {"critic.layout.tp": cfg.critic.layout.tp, "critic.layout.pp": cfg.critic.layout.pp,
+              "critic.layout.dp": cfg.critic.layout.dp,
+              "critic.engine.micro_batch_size": cfg.critic.engine.micro_batch_size}
+    return o
+
+
+def _row(label: str, m: Mapping) -> str:
+    p = m.prediction
+    phases = ", ".join(f"{k} {v:.3g}" for k, v in p.phases.items())
+    return (f"{label} {m.describe()}: step {p.step:.3g} s ({phases}); peak "
+            f"{p.peak_bytes / 2**30:.2f} GiB per device")

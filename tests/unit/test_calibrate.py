@@ -1,0 +1,97 @@
+"""`hybridflow calibrate`: the measured rates have the right shape, the file round-trips, and a
+missing or broken file or a bad --out ends with one message that says how to fix it. No test
+compares a rate with an absolute speed: those vary from machine to machine."""
+
+import json
+import math
+
+import pytest
+
+from hybridflow.cli import main
+from hybridflow.errors import ConfigError
+from hybridflow.mapping.calibrate import Calibration, calibrate
+
+
+LOG: list[str] = []  # the lines the one measurement below logged
+
+
+@pytest.fixture(scope="module")
+def measured() -> Calibration:
+    return calibrate(quick=True, log=LOG.append)
+
+
+def test_quick_calibration_on_cpu_has_every_rate(measured):
+    assert measured.device == "cpu" and measured.devices == 1
+    assert list(measured.matmul_flops) == ["fp32"]
+    assert list(measured.all_gather) == [2] and list(measured.broadcast) == [2]
+    assert measured.host_to_device is None
+    rates = [*measured.matmul_flops.values(), measured.memory_bandwidth,
+             *measured.all_gather.values(), *measured.broadcast.values()]
+    assert all(math.isfinite(r) and r > 0 for r in rates), rates
+
+
+def test_calibrate_logs_one_line_per_measurement(measured):
+    assert [line.split()[0] for line in LOG] == ["matmul", "copy", "all_gather", "broadcast"]
+    assert all(line.endswith(("FLOP/s", "(read + write)", "received per rank")) for line in LOG)
+
+
+def test_json_round_trip(measured, tmp_path):
+    path = tmp_path / "c.json"
+    measured.to_json(path)
+    assert Calibration.from_json(path) == measured
+    assert [p.name for p in tmp_path.iterdir()] == ["c.json"]  # no temp file left behind
+
+
+def _broken(tmp_path, text: str):
+    path = tmp_path / "c.json"
+    path.write_text(text)
+    return path
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda tmp: tmp / "missing.json", "file not found"),
+    (lambda tmp: _broken(tmp, "{not json"), "cannot read it"),
+    (lambda tmp: _broken(tmp, "[]"), "not a JSON object"),
+])
+def test_from_json_of_a_missing_or_unreadable_file_says_how_to_make_one(tmp_path, make, message):
+    path = make(tmp_path)
+    with pytest.raises(ConfigError) as e:
+        Calibration.from_json(path)
+    assert e.value.field == "cluster.calibration"
+    assert f"{path}: {message}" in e.value.message
+    assert f"run `hybridflow calibrate --out {path}`" in e.value.message
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda d: d.pop("broadcast"), "missing field(s) broadcast"),
+    (lambda d: d.update(extra=1), "unknown field(s) extra"),
+    (lambda d: d["matmul_flops"].update(fp32=-1.0), "matmul_flops.fp32: must be a finite number"),
+    (lambda d: d["all_gather"].update(two=1.0), "all_gather group size: must be an integer >= 2"),
+])
+def test_from_json_of_an_incomplete_file_names_the_field(measured, tmp_path, edit, message):
+    path = tmp_path / "c.json"
+    measured.to_json(path)
+    data = json.loads(path.read_text())
+    edit(data)
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as e:
+        Calibration.from_json(path)
+    assert e.value.field == "cluster.calibration" and message in e.value.message
+    assert f"run `hybridflow calibrate --out {path}`" in e.value.message
+
+
+def test_cli_writes_a_loadable_file(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "--quick", "--out", str(out)]) == 0
+    assert capsys.readouterr().out.strip().splitlines()[-1] == f"wrote {out}"
+    assert Calibration.from_json(out).device == "cpu"
+
+
+def test_cli_bad_out_directory_exits_2_and_writes_nothing(tmp_path, capsys):
+    out = tmp_path / "nowhere" / "c.json"
+    assert main(["calibrate", "--quick", "--out", str(out)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""  # stopped before measuring anything
+    assert captured.err.strip() == (f"hybridflow: error: --out: {out}: directory {out.parent} "
+                                    "does not exist; create it or choose another FILE")
+    assert list(tmp_path.iterdir()) == []
