@@ -46,6 +46,9 @@ the engine computes every position of the [B, max_prompt_tokens + max_tokens] ba
 ``mfu_padded_*`` counts those. On CPU the "matmul rate" is one thread's (the workers run one
 thread each) and there is no roofline.
 
+``--calibration FILE`` (from ``hybridflow calibrate``): the cost model's seconds for the same
+phases (``predicted_s``, floors; docs/planner.md), printed beside the measured ones.
+
 The last stdout line is one JSON object.
 """
 
@@ -119,6 +122,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--workdir", default=None)
     ap.add_argument("--json-out", default=None, help="also write the JSON object to this file")
+    ap.add_argument("--calibration", default=None, metavar="FILE",
+                    help="rates from `hybridflow calibrate`: report the cost model's seconds per "
+                         "phase beside the measured ones (predicted_s)")
     args = ap.parse_args(argv)
     gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if gpu and not torch.cuda.is_available():
@@ -314,7 +320,8 @@ def run_config(args, path: Path, prompts: Path):
               "data.source": str(prompts), "data.max_prompt_tokens": args.prompt_max,
               "train_batch_size": args.batch, "steps": args.warmup + args.iters,
               "seed": args.seed, "ray.num_cpus": None if args.device == "cuda" else 2,
-              "ray.gpus_per_worker": args.gpus_per_worker, "ray.colocate": not args.no_colocate}
+              "ray.gpus_per_worker": args.gpus_per_worker, "ray.colocate": not args.no_colocate,
+              "cluster.calibration": args.calibration}
     roles = ("actor", "critic") if args.algorithm == "ppo" else ("actor",)
     for role in roles:
         values.update({f"{role}.layout.tp": args.tp, f"{role}.engine.dtype": args.dtype,
@@ -388,6 +395,12 @@ def main(argv=None) -> dict:
 
     summarize(result, rows, cfg_model, args)
     print_table(result)
+    if trainer.prediction is not None:  # the cost model's floors for the same phases
+        result["predicted_s"] = {k: round(v, 4) for k, v in trainer.prediction.phases.items()}
+        result["predicted_s"]["step"] = round(trainer.prediction.step, 4)
+        print("measured / predicted s: " + ", ".join(
+            f"{k} {result['phases_s'].get(k, float('nan')):.3g} / {v:.3g}"
+            for k, v in result["predicted_s"].items()), flush=True)
     line = json.dumps(result)
     if args.json_out:
         Path(args.json_out).write_text(line + "\n")

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -40,10 +42,17 @@ def test_bench_engine_times_each_micro_batch_and_counts_lora_memory():
 
 
 def test_bench_rl_step_ppo_reports_every_phase(tmp_path):
+    from tests.unit.test_planner import CALIB
+    CALIB.to_json(tmp_path / "calibration.json")
     r = _run("tools/bench_rl_step.py", "--model", "tiny", "--device", "cpu", "--algorithm",
              "ppo", "--warmup", "0", "--iters", "1", "--batch", "2", "--n", "2",
              "--max-tokens", "4", "--micro-batch", "2", "--forward-micro-batch", "4",
-             "--workdir", str(tmp_path))
+             "--workdir", str(tmp_path), "--calibration", str(tmp_path / "calibration.json"))
+    # the cost model's floors for the measured phases, and their sum
+    assert set(r["predicted_s"]) == {"reshard", "generate", "old_logprobs", "ref_logprobs",
+                                     "values", "update_critic", "update_actor", "step"}
+    assert r["predicted_s"]["step"] == pytest.approx(sum(
+        v for k, v in r["predicted_s"].items() if k != "step"), abs=1e-3)
     for phase in ("reshard", "generate", "rollout_sleep", "old_logprobs", "ref_logprobs",
                   "values", "update_critic", "update_actor", "step"):
         assert r["phases_s"][phase] >= 0, phase
