@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from hybridflow.parallel.spawn import spawn
+from hybridflow.training.engine import shift_right
 
 MODEL = dict(vocab_size=128, hidden_size=32, ffn_hidden_size=64, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=8, max_position_embeddings=32)
@@ -25,10 +26,6 @@ LAYOUTS = [(dict(tp=1, pp=1, dp=4), False, 1),
            (dict(tp=2, pp=2, dp=1), False, 2),
            (dict(tp=2, pp=1, dp=2), True, 1)]
 COEF = 0.5
-
-
-def shift_right(x):
-    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
 
 
 def make_batch():
