@@ -351,6 +351,11 @@ class RLConfig:
             *((f"algorithm.{k}", a.name != "safe_rlhf", "algorithm.name=safe_rlhf")
               for k in ("cost_limit", "lagrange_init", "lagrange_lr")),
             ("actor.kl_loss_type", self.actor.kl_loss_coef == 0, "set actor.kl_loss_coef > 0"),
+            # One optimizer step per iteration: the policy is still the one that produced the old
+            # log-probs, the ratio is 1 and no clip is ever reached.
+            *((f"actor.{k}", self.actor.ppo_epochs * self.actor.mini_batches == 1,
+               "set actor.mini_batches or actor.ppo_epochs > 1 (with one update per step the "
+               "ratio is 1)") for k in ("clip_ratio_low", "clip_ratio_high", "dual_clip_c")),
             *((f"actor.lora.{k}", not self.actor.lora.enabled, "set actor.lora.rank > 0")
               for k in ("alpha", "dropout", "target_modules")),
             ("ref.offload", self.actor.lora.enabled, "set actor.lora.rank=0 (with LoRA the "

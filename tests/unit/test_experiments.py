@@ -108,7 +108,7 @@ train_batch_size: 4
 FLAT = {
     "quickstart_grpo.yaml": FLAT_SMOLLM2 + "name: quickstart-grpo\nalgorithm: {name: grpo}\n"
                                            "steps: 10\nvalidation: {every: 5, size: 32}\n",
-    "dapo_smollm2.yaml": FLAT_SMOLLM2.replace("  mini_batches: 1\n", """  mini_batches: 1
+    "dapo_smollm2.yaml": FLAT_SMOLLM2.replace("  mini_batches: 1\n", """  mini_batches: 2
   clip_ratio_low: 0.2
   clip_ratio_high: 0.28
   loss_agg_mode: token-mean
