@@ -75,6 +75,7 @@ from hybridflow.models.config import ModelConfig  # noqa: E402
 
 from bench_reshard import PRESETS  # noqa: E402
 from bench_rollout import LLAMA_09B, copy_bandwidth, decode_bytes  # noqa: E402
+from hybridflow.mapping.cost import matmul_params  # noqa: E402,F401 (bench_engine's too)
 from hybridflow.models.params import DTYPES  # noqa: E402
 
 # Llama-2-7B shapes (bench_reshard's), with the 0.9B model's rope and norm settings.
@@ -254,14 +255,6 @@ def device_rates(device: str, ranks: int) -> dict:
 
 
 # ------------------------------------------------------------------------------ accounting
-def matmul_params(cfg: ModelConfig) -> int:
-    from hybridflow.models.params import llama_param_metas
-    n = sum(m.numel for m in llama_param_metas(cfg))
-    if not cfg.tie_embeddings:  # the input table is only indexed
-        n -= cfg.vocab_size * cfg.hidden_size
-    return n
-
-
 def generation_roofline(batch, replicas: int, cfg: ModelConfig, dtype_bytes: int,
                         bandwidth: float) -> list[dict]:
     """Per replica (rows in dispatch order): rows, padded prompt width, decode steps, bytes and

@@ -35,7 +35,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.config.memory import MemoryEstimate, estimate_memory
+from hybridflow.config.memory import MemoryEstimate, estimate_memory, param_count
 from hybridflow.errors import ConfigError
 from hybridflow.mapping.calibrate import Calibration
 from hybridflow.models.config import ModelConfig
@@ -205,9 +205,8 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
                                for k, v in scores.items()}
     if cfg.algorithm.name == "ppo":
         terms["update_critic"] = _update(model, cfg.critic, samples, seq, calib, "value",
-                                         matmul_params(model, "value"))
-    from hybridflow.models.params import llama_param_metas
+                                         param_count(model, "value"))
     terms["update_actor"] = _update(model, cfg.actor, samples, seq, calib, "lm",
-                                    sum(m.numel for m in llama_param_metas(model)))
+                                    param_count(model))
     return Prediction(phases={k: sum(v.values()) for k, v in terms.items()},
                       memory=estimate_memory(cfg, shapes), terms=terms)

@@ -60,22 +60,19 @@ def candidates(cfg: Any, shape: ModelConfig) -> list[dict[str, Any]]:
         for pp in _divisors(world // tp):
             if shape.num_layers % pp:
                 continue
-            for tg in _divisors(tp):
-                for mb in MICRO_BATCHES:
-                    o = {"actor.layout.tp": tp, "actor.layout.pp": pp,
-                         "actor.layout.dp": world // (tp * pp), "rollout.tp": tg,
-                         "actor.engine.micro_batch_size": mb}
-                    if _has_critic_side(cfg):
-                        o |= {"critic.layout.tp": tp, "critic.layout.pp": pp,
-                              "critic.layout.dp": world // (tp * pp),
-                              "critic.engine.micro_batch_size": mb}
-                    out.append(o)
+            out += [_overrides(cfg, tp, pp, world // (tp * pp), tg, mb)
+                    for tg in _divisors(tp) for mb in MICRO_BATCHES]
     return out
 
 
-def _has_critic_side(cfg: Any) -> bool:
-    return (cfg.algorithm.name == "ppo" or cfg.reward_model is not None
-            or cfg.cost_model is not None)
+def _overrides(cfg: Any, tp: int, pp: int, dp: int, tg: int, mb: int) -> dict[str, Any]:
+    """The keys of one mapping; PPO's critic and the reward and cost models take the actor's."""
+    o = {"actor.layout.tp": tp, "actor.layout.pp": pp, "actor.layout.dp": dp, "rollout.tp": tg,
+         "actor.engine.micro_batch_size": mb}
+    if cfg.algorithm.name == "ppo" or cfg.reward_model is not None or cfg.cost_model is not None:
+        o |= {"critic.layout.tp": tp, "critic.layout.pp": pp, "critic.layout.dp": dp,
+              "critic.engine.micro_batch_size": mb}
+    return o
 
 
 def apply(cfg: Any, overrides: dict[str, Any]) -> Any:
@@ -165,13 +162,14 @@ def plan_lines(cfg: Any, top: int = 5) -> list[str]:
 
 
 def _configured(cfg: Any) -> dict[str, Any]:
-    o = {"actor.layout.tp": cfg.actor.layout.tp, "actor.layout.pp": cfg.actor.layout.pp,
-         "actor.layout.dp": cfg.actor.layout.dp, "rollout.tp": cfg.rollout.tp,
-         "actor.engine.micro_batch_size": cfg.actor.engine.micro_batch_size}
-    if _has_critic_side(cfg):
-        o |= {"critic.layout.tp": cfg.critic.layout.tp, "critic.layout.pp": cfg.critic.layout.pp,
-              "critic.layout.dp": cfg.critic.layout.dp,
-              "critic.engine.micro_batch_size": cfg.critic.engine.micro_batch_size}
+    """The configured mapping's keys."""
+    a, c = cfg.actor, cfg.critic
+    o = _overrides(cfg, a.layout.tp, a.layout.pp, a.layout.dp, cfg.rollout.tp,
+                   a.engine.micro_batch_size)
+    if "critic.layout.tp" in o:  # the critic as configured, which may differ from the actor
+        o |= {"critic.layout.tp": c.layout.tp, "critic.layout.pp": c.layout.pp,
+              "critic.layout.dp": c.layout.dp,
+              "critic.engine.micro_batch_size": c.engine.micro_batch_size}
     return o
 
 
