@@ -35,12 +35,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.config.memory import MemoryEstimate, estimate_memory, param_count
+from hybridflow.config.memory import DTYPE_BYTES, MemoryEstimate, estimate_memory, param_count
 from hybridflow.errors import ConfigError
 from hybridflow.mapping.calibrate import Calibration
 from hybridflow.models.config import ModelConfig
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 ADAM_BYTES = 28
 """Bytes Adam reads and writes per parameter in a step: fp32 param, grad, two moments read; param
 and moments written."""
