@@ -39,7 +39,8 @@ def _train(cfg) -> None:
 
 def _check(cfg) -> None:
     from hybridflow.config.check import check_run
-    from hybridflow.mapping.search import run_prediction
+    from hybridflow.mapping.search import plan_layout, run_prediction
+    cfg = plan_layout(cfg)
     checked = check_run(cfg)
     print(checked.summary(cfg))
     prediction = run_prediction(cfg, checked.shapes)
@@ -53,14 +54,26 @@ def _plan(cfg) -> None:
     print("\n".join(plan_lines(cfg)))
 
 
-def _calibrate(out: str, quick: bool) -> None:
+def _calibrate(out: str, quick: bool, config: str | None, overrides: list[str]) -> None:
     from pathlib import Path
     from hybridflow.mapping.calibrate import calibrate
     directory = Path(out).parent
     if not directory.is_dir():  # checked first: the measurement takes minutes
         raise ConfigError("--out", f"{out}: directory {directory} does not exist; create it or "
                                    "choose another FILE")
+    cfg = None
+    if config is not None and "=" in config:  # no file given, only overrides (as for train)
+        config, overrides = None, [config, *overrides]
+    if config is not None or overrides:  # a bad config stops it before anything is measured
+        from hybridflow.config import RLConfig, load_config
+        cfg = load_config(RLConfig, config, overrides)
     calibration = calibrate(quick=quick)
+    if cfg is not None:
+        from hybridflow.mapping.profile import profile_passes
+        print(f"profiling {cfg.model}'s passes ({cfg.actor.engine.dtype}, one process)...",
+              flush=True)
+        calibration.passes.append(profile_passes(cfg, calibration, quick=quick))
+        print(calibration.passes[-1].describe())
     try:
         calibration.to_json(out)
     except OSError as e:
@@ -85,6 +98,10 @@ def main(argv: list[str] | None = None) -> int:
                              help="JSON file to write (default: calibration.json)")
     calibrate_p.add_argument("--quick", action="store_true",
                              help="small sizes, few repeats: seconds, rough rates")
+    calibrate_p.add_argument("--config", metavar="CONFIG",
+                             help="also measure the efficiencies of this run config's model "
+                                  "passes (forward, training step, generate)")
+    calibrate_p.add_argument("overrides", nargs="*", help="key=value overrides of --config")
     args = parser.parse_args(argv)
 
     from hybridflow.config import load_config, to_yaml
@@ -94,7 +111,7 @@ def main(argv: list[str] | None = None) -> int:
             print(to_yaml(cls()), end="")
             return 0
         if args.command == "calibrate":
-            _calibrate(args.out, args.quick)
+            _calibrate(args.out, args.quick, args.config, args.overrides)
             return 0
         cls, run = _jobs()[args.command]
         config, overrides = args.config, list(args.overrides)

@@ -23,7 +23,7 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.config import RLConfig, make_config
 from hybridflow.config.check import SCORERS, check_run
-from hybridflow.mapping.search import run_prediction
+from hybridflow.mapping.search import plan_layout, run_prediction
 from hybridflow.data.prompts import PromptItem
 from hybridflow.errors import ConfigError, RunError, check_int
 from hybridflow.rollout.base import SamplingConfig
@@ -81,6 +81,7 @@ class RLTrainer:
             if keyword is not None and e.field in given:
                 raise ConfigError(keyword, e.message) from None
             raise
+        cfg = plan_layout(cfg)  # layout: auto
         self.config = cfg
         self.checked = check_run(cfg, *(fn if callable(fn) else None
                                         for fn in (reward_fn, cost_fn)))

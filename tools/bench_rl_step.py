@@ -47,7 +47,9 @@ the engine computes every position of the [B, max_prompt_tokens + max_tokens] ba
 thread each) and there is no roofline.
 
 ``--calibration FILE`` (from ``hybridflow calibrate``): the cost model's seconds for the same
-phases (``predicted_s``, floors; docs/planner.md), printed beside the measured ones.
+phases (``predicted_s``; docs/planner.md), printed beside the measured ones: floors, unless the
+file has a profile of this model's passes, which ``--profile-passes`` measures first (what
+``hybridflow calibrate --config`` does for a run config) and adds to the file.
 
 The last stdout line is one JSON object.
 """
@@ -55,6 +57,7 @@ The last stdout line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -126,7 +129,12 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--calibration", default=None, metavar="FILE",
                     help="rates from `hybridflow calibrate`: report the cost model's seconds per "
                          "phase beside the measured ones (predicted_s)")
+    ap.add_argument("--profile-passes", action="store_true",
+                    help="first measure this run's model passes (`hybridflow calibrate "
+                         "--config`'s profile) and add them to --calibration's file")
     args = ap.parse_args(argv)
+    if args.profile_passes and args.calibration is None:
+        ap.error("--profile-passes adds to a calibration file: give --calibration FILE")
     gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if gpu and not torch.cuda.is_available():
         ap.error("--device cuda but CUDA is not available")
@@ -354,7 +362,18 @@ def main(argv=None) -> dict:
                                args.prompt_min, args.prompt_max, args.seed)
         prompts = Path(tmp) / "prompts.jsonl"
         prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
-        trainer = RLTrainer(run_config(args, path, prompts), reward_fn=length_reward)
+        cfg = run_config(args, path, prompts)
+        if args.profile_passes:
+            from hybridflow.mapping.calibrate import Calibration
+            from hybridflow.mapping.profile import profile_passes
+            t = time.perf_counter()
+            calib = Calibration.from_json(args.calibration)
+            calib.passes.append(profile_passes(cfg, calib))
+            calib.to_json(args.calibration)
+            result["profile"] = dataclasses.asdict(calib.passes[-1]) | {
+                "seconds": round(time.perf_counter() - t, 1)}
+            print(calib.passes[-1].describe(), flush=True)
+        trainer = RLTrainer(cfg, reward_fn=length_reward)
         try:
             items = trainer._prompts(records)
             if len(items) != args.batch:

@@ -37,9 +37,56 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None,
     ``defaults`` lists), then ``overrides`` (``["actor.engine.optim.lr=1e-4", ...]``), and run
     every check."""
     merged = _structured(cls)
+    auto: list[str] = []
     if path is not None:
-        merged = _merge(merged, load_composed(path))
-    return build_config(cls, _apply_overrides(merged, overrides))
+        composed = load_composed(path)
+        auto_keys = getattr(cls, "AUTO_KEYS", ())
+        if auto_keys:  # "auto" is no value of these int fields: taken out before the schema
+            from omegaconf import OmegaConf
+            data = OmegaConf.to_container(composed)
+            auto = _take_auto(data, auto_keys)
+            composed = _create(data)
+        merged = _merge(merged, composed)
+    overrides, auto = _auto_overrides(cls, overrides, auto)
+    data = _apply_overrides(merged, overrides)
+    if auto:
+        data[AUTO] = sorted(set(data.get(AUTO) or []) | set(auto))
+    return build_config(cls, data)
+
+
+AUTO = "auto"
+"""The field of a config class with ``AUTO_KEYS`` that lists the keys a file or an override set
+to ``auto`` (the planner chooses them at start-up)."""
+
+
+def _take_auto(data: dict, keys: tuple[str, ...]) -> list[str]:
+    """Remove every ``key: auto`` of ``keys`` from the nested mapping ``data``; returns them."""
+    found = []
+    for key in keys:
+        *parents, last = key.split(".")
+        where = data
+        for part in parents:
+            where = where.get(part) if isinstance(where, dict) else None
+        if isinstance(where, dict) and where.get(last) == AUTO:
+            del where[last]
+            found.append(key)
+    return found
+
+
+def _auto_overrides(cls: type, overrides, auto: list[str]) -> tuple[list[str], list[str]]:
+    """(the overrides without ``key=auto`` of ``cls.AUTO_KEYS``, ``auto`` with those keys added
+    and the keys an override sets to a value removed)."""
+    keys, rest, auto = getattr(cls, "AUTO_KEYS", ()), [], list(auto)
+    for item in overrides:
+        key, _, value = item.partition("=") if isinstance(item, str) else ("", "", "")
+        key = key.strip()
+        if key in keys and value.strip() == AUTO:
+            auto.append(key)
+            continue
+        if key in auto:
+            auto.remove(key)
+        rest.append(item)
+    return rest, auto
 
 
 def make_config(cls: type[T], config: Any = None, values: Mapping[str, Any] | None = None) -> T:

@@ -283,6 +283,42 @@ class RLConfig:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """The GPUs the run is meant for: with nodes set, hybridflow check checks the world sizes
     and the memory per GPU against them."""
+    layout: str = "manual"
+    """manual: the layouts as configured; auto: the planner (docs/planner.md) chooses the
+    actor's tp, pp and dp over the run's devices (cluster.nodes x cluster.gpus_per_node, or the
+    configured actor world size without a cluster), rollout.tp and the micro-batch size at
+    start-up, from the rates in cluster.calibration; PPO's critic and the reward and cost models
+    take the actor's layout."""
+    auto: list[str] = field(default_factory=list)
+    """Single keys the planner chooses, the others staying as configured: what ``key: auto`` in a
+    file or ``key=auto`` on the command line sets (any of AUTO_KEYS; the actor's tp, pp or dp
+    needs cluster.nodes, which gives the number of devices)."""
+
+    AUTO_KEYS = ("actor.layout.tp", "actor.layout.pp", "actor.layout.dp", "rollout.tp",
+                 "actor.engine.micro_batch_size")
+
+    @property
+    def planned_keys(self) -> tuple[str, ...]:
+        """The keys the planner chooses at start-up (none for a manual layout)."""
+        return self.AUTO_KEYS if self.layout == "auto" else tuple(self.auto)
+
+    def _check_auto(self) -> None:
+        check_choice("layout", self.layout, ("manual", "auto"))
+        if not isinstance(self.auto, list) or any(k not in self.AUTO_KEYS for k in self.auto):
+            raise ConfigError("auto", f"lists keys the planner chooses, each one of "
+                                      f"{', '.join(self.AUTO_KEYS)}; got {self.auto!r}")
+        if not self.planned_keys:
+            return
+        what = "layout: auto" if self.layout == "auto" else f"{self.auto[0]}: auto"
+        if self.cluster.calibration is None:
+            raise ConfigError("cluster.calibration", f"{what} needs the rates of the devices: run "
+                              "`hybridflow calibrate --out calibration.json` on one of them and "
+                              "set cluster.calibration=calibration.json")
+        world = [k for k in self.auto if k.startswith("actor.layout.")]
+        if self.layout != "auto" and world and self.cluster.nodes is None:
+            raise ConfigError(world[0], "auto needs the number of devices to map onto: set "
+                                        "cluster.nodes and cluster.gpus_per_node, or use layout: "
+                                        "auto, which keeps the configured world size")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*",
@@ -293,6 +329,7 @@ class RLConfig:
         for key in ("model", "reward"):
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 raise ConfigError(key, "must not be empty")
+        self._check_auto()
         check_int("train_batch_size", self.train_batch_size)
         check_int("steps", self.steps)
         check_int("seed", self.seed, low=0)

@@ -65,18 +65,22 @@ class RayConfig:
         check_float("collective_timeout_s", self.collective_timeout_s, low=0, low_open=True)
 
 
+def quiet_engines_env() -> dict[str, str]:
+    """vLLM's and torch's C++ warnings on CPU (no Triton, no tcmalloc, NUMA binding, the
+    chat-template warmup that skip_tokenizer_init fails) and the libraries' deprecation notices
+    say nothing a user of this loop can act on: the environment of a process that runs an engine
+    keeps them out, unless the user set the logging variables to see them."""
+    return {"PYTHONWARNINGS": "ignore::FutureWarning,ignore::UserWarning",
+            "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
+            "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR")}
+
+
 def init_ray(cfg: RayConfig) -> None:
     import ray
     if ray.is_initialized():
         return
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                        "PYTHONWARNINGS": "ignore::FutureWarning,ignore::UserWarning",
-                        # vLLM's and torch's C++ warnings on CPU (no Triton, no tcmalloc, NUMA
-                        # binding, the chat-template warmup that skip_tokenizer_init fails) say
-                        # nothing a user of this loop can act on; set these to see them.
-                        "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR"),
-                        "TORCH_CPP_LOG_LEVEL": os.environ.get("TORCH_CPP_LOG_LEVEL", "ERROR"),
-                        "RAY_DEDUP_LOGS": "1"}}
+                        **quiet_engines_env(), "RAY_DEDUP_LOGS": "1"}}
     if cfg.address == "local":
         # Ray turns its token authentication on for a new local cluster (which we want: its
         # servers listen on every interface) and warns that it did, every run; only that notice

@@ -20,6 +20,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from hybridflow.errors import ArgumentError, ConfigError, check_float, check_int
+from hybridflow.mapping.profile import PassProfile
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -54,6 +55,10 @@ class Calibration:
     """torch version the rates were measured with."""
     measured_at: str
     """When they were measured: ISO 8601 date-time, UTC."""
+    passes: list[PassProfile] = dataclasses.field(default_factory=list)
+    """The efficiencies of one model's passes (``hybridflow calibrate --config CONFIG``), one
+    per model shape and dtype; without one for a run's model the cost model's seconds are floors.
+    Optional in the file."""
 
     def __post_init__(self):
         if not isinstance(self.device, str) or not self.device:
@@ -76,6 +81,10 @@ class Calibration:
                 check_int(f"{name} group size", size, low=2)
                 check_float(f"{name}.{size}", rate, low=0, low_open=True)
         check_float("host_to_device", self.host_to_device, low=0, low_open=True, none_ok=True)
+        if not isinstance(self.passes, list):
+            raise ArgumentError("passes", f"must be a list of pass profiles, got {self.passes!r}")
+        self.passes = [p if isinstance(p, PassProfile) else _profile_from(p)
+                       for p in self.passes]
         if not isinstance(self.torch, str):
             raise ArgumentError("torch", f"must be a version string, got {self.torch!r}")
         try:
@@ -83,6 +92,10 @@ class Calibration:
         except (TypeError, ValueError):
             raise ArgumentError("measured_at", f"must be an ISO 8601 date-time, got "
                                              f"{self.measured_at!r}") from None
+
+    def profile(self, shape, dtype: str) -> PassProfile | None:
+        """The pass profile of a model shape (``ModelConfig``) in ``dtype``, or None."""
+        return next((p for p in reversed(self.passes) if p.matches(shape, dtype)), None)
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Write to ``path`` atomically: a reader sees the old file or the new one, never half."""
@@ -111,7 +124,9 @@ class Calibration:
         if not isinstance(data, dict):
             raise ConfigError(FIELD, f"{path}: not a JSON object; {fix}")
         names = {f.name for f in dataclasses.fields(cls)}
-        for what, keys in (("missing", names - data.keys()), ("unknown", data.keys() - names)):
+        optional = {"passes"}
+        for what, keys in (("missing", names - optional - data.keys()),
+                           ("unknown", data.keys() - names)):
             if keys:
                 raise ConfigError(FIELD, f"{path}: {what} field(s) "
                                                  f"{', '.join(sorted(keys))}; {fix}")
@@ -202,6 +217,15 @@ def calibrate(quick: bool = False, log: Callable[[str], None] = print) -> Calibr
         all_gather=rates["all_gather"], broadcast=rates["broadcast"],
         host_to_device=host_to_device, torch=torch.__version__,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+def _profile_from(data) -> PassProfile:
+    """A PassProfile from its JSON object; ArgumentError naming the field when it is not one."""
+    names = {f.name for f in dataclasses.fields(PassProfile)}
+    if not isinstance(data, dict) or set(data) != names:
+        raise ArgumentError("passes", f"each entry must have exactly the fields "
+                                      f"{', '.join(sorted(names))}, got {data!r}"[:300])
+    return PassProfile(**data)
 
 
 def _time_collectives(rank: int, world_size: int, message: int, warmup: int, repeats: int,

@@ -10,23 +10,34 @@ of that dtype, B the device copy bandwidth, G(n) the all-gather rate in a group 
 
 * ``reshard``: the bytes the 3D-HybridEngine's plan makes the busiest rank receive (its own
   ``plan_reshard``, the paper's Table 2 volume for evenly split models) / G(micro-DP group size);
+* ``weight_load``: the rollout backend taking the switch's tensors, the rank's generation weights
+  ``N_all b / tg`` at B;
 * ``generate``: per replica (the samples split over ``GenLayout.replicas``), the prefill
   ``2 N prompt share / tg`` FLOPs at R, then ``response`` decode steps, each the slower of its
   FLOPs (``2 N share / tg``) at R and its bytes at B: the weight shard ``N b / tg`` and the KV cache
-  so far, ``2 L (kv_heads / tg) head_dim b`` per token. No sampling, host or graph-capture time;
-* forward-only passes (old and reference log-probs, values, reward and cost scores): ``2 N T`` plus
-  attention's ``4 L h s^2`` per sequence, over the group's ranks at R, times the pipeline bubble
-  ``1 + (p - 1) / m`` (m micro-batches per data-parallel rank), plus the TP all-reduces of the
-  activations, ``2 L`` of ``tokens h b`` per pass and rank at G(t);
+  so far, ``2 L (kv_heads / tg) head_dim b`` per token;
+* ``back_to_train``: the grad buffers given back zeroed, 4 bytes per trained parameter of the
+  rank written at B;
+* forward-only passes (old and reference log-probs, values, reward and cost scores): per
+  sequence ``2 N_stage s`` plus attention's ``4 (L / p) h s^2`` on the busiest pipeline stage
+  (``N_stage``: its parameters in matmuls, the output layer's on the last), over the data- and
+  tensor-parallel ranks at R, times the pipeline bubble ``1 + (p - 1) / m`` (m micro-batches per
+  data-parallel rank), plus the TP all-reduces of the activations, ``2 L`` of ``tokens h b`` per
+  pass and rank at G(t);
 * updates (actor, PPO's critic): three times the forward's FLOPs per epoch (the backward is
   twice the forward) with the bubble of the training micro-batches, the TP all-reduces twice
   (forward and backward), the data-parallel gradient all-reduce (``2 (d-1)/d`` of the fp32 grads
   per optimizer step, at G(d) / 2, an all-reduce moving twice an all-gather's bytes) and Adam's
   step (28 bytes read and written per trained parameter at B).
 
-These are floors: no kernel reaches R or B, and host-side overheads (Python per micro-batch, kernel
-launches) are not in it. ``Prediction`` keeps each phase apart so that the trainer can log them
-beside what it measures.
+Alone these are floors: no kernel reaches R or B, and the host works per micro-batch. With a pass
+profile of the model in the calibration (``hybridflow.mapping.profile``, measured by
+``hybridflow calibrate --config``), the compute and bubble terms are divided by the forward's or
+the training step's measured efficiency, each pipeline slot (``m + p - 1`` per pass) adds the
+measured host seconds per micro-batch, and the optimizer, ``generate`` and ``weight_load`` are
+divided by theirs. Not modelled: the controller's own work between phases, the PP point-to-point
+transfers and the switch's packing of its buckets (docs/planner.md has the measured gaps).
+``Prediction`` keeps each phase apart so that the trainer can log them beside what it measures.
 """
 
 from __future__ import annotations
@@ -55,6 +66,8 @@ class Prediction:
     """Bytes per GPU, per pool, phase and role (``hybridflow.config.memory``)."""
     terms: dict[str, dict[str, float]] = field(default_factory=dict)
     """Phase -> the terms its seconds add up from (flops, bubble, tp_comm, ...), for ``plan``."""
+    profiled: bool = False
+    """Whether the calibration had the model's pass profile (else the seconds are floors)."""
 
     @property
     def step(self) -> float:
@@ -63,8 +76,12 @@ class Prediction:
     def describe(self, source: str) -> str:
         """One line: the predicted step and its phases (``source``: where the rates came from)."""
         phases = ", ".join(f"{k} {v:.3g}" for k, v in self.phases.items())
-        return (f"predicted (cost model, rates of {source}; floors): step {self.step:.3g} s = "
-                f"{phases}")
+        return (f"predicted (cost model, rates of {source}; {self.kind}): step "
+                f"{self.step:.3g} s = {phases}")
+
+    @property
+    def kind(self) -> str:
+        return "measured efficiencies" if self.profiled else "floors"
 
     @property
     def peak_bytes(self) -> int:
@@ -72,16 +89,30 @@ class Prediction:
         return max(pool.peak[1] for pool in self.memory.pools)
 
 
+def stage_matmul_params(shape: ModelConfig, pp: int = 1, head: str = "lm") -> list[int]:
+    """Parameters that take part in matmuls on each of ``pp`` pipeline stages: the layers' and the
+    final norm's, and the output layer's on the last stage (the input embedding is only indexed;
+    a tied one is counted once, as the output layer; a value head replaces the output layer with
+    a [1, h] one)."""
+    from hybridflow.models.params import llama_param_metas, owner_stage
+    out = [0] * pp
+    for m in llama_param_metas(shape):
+        if m.position != "pre" and m.name != "output_layer.weight":
+            out[owner_stage(m, pp, shape.num_layers)] += m.numel
+    out[-1] += shape.hidden_size * (1 if head == "value" else shape.vocab_size)
+    return out
+
+
 def matmul_params(shape: ModelConfig, head: str = "lm") -> int:
-    """Parameters that take part in matmuls: all but an untied input embedding (only indexed);
-    a value head replaces the output layer with a [1, h] one."""
-    from hybridflow.models.params import llama_param_metas
-    n = sum(m.numel for m in llama_param_metas(shape))
-    if not shape.tie_embeddings:
-        n -= shape.vocab_size * shape.hidden_size
-    if head == "value":
-        n += shape.hidden_size - shape.vocab_size * shape.hidden_size
-    return n
+    """Parameters that take part in matmuls (``stage_matmul_params`` of one stage)."""
+    return stage_matmul_params(shape, 1, head)[0]
+
+
+def forward_flops(shape: ModelConfig, head: str, seq: int, pp: int = 1) -> int:
+    """FLOPs of one sequence of ``seq`` tokens through the busiest of ``pp`` pipeline stages:
+    ``2 N_stage seq`` in the matmuls plus attention's ``4 (L / pp) h seq^2``."""
+    return (2 * max(stage_matmul_params(shape, pp, head)) * seq
+            + 4 * shape.num_layers // pp * shape.hidden_size * seq * seq)
 
 
 def _rate(calib: Calibration, dtype: str) -> float:
@@ -104,19 +135,26 @@ def _gather_rate(calib: Calibration, n: int) -> float:
 
 
 def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration,
-             head: str, micro_batch: int) -> dict[str, float]:
-    """Seconds of one forward pass of a model over the step's samples, by term."""
+             head: str, micro_batch: int, kind: str = "forward") -> dict[str, float]:
+    """Seconds of one forward pass of a model over the step's samples, by term; with a profile
+    of the model in ``calib``, ``kind``'s (forward or train) efficiency and host cost per
+    micro-batch."""
     lay, eng = part.layout, part.engine
     b, rate = DTYPE_BYTES[eng.dtype], _rate(calib, eng.dtype)
-    ranks = lay.world_size
-    flops = (2 * matmul_params(shape, head) * seq + 4 * shape.num_layers * shape.hidden_size
-             * seq * seq) * samples
     per_rank_samples = samples / lay.dp
+    compute = forward_flops(shape, head, seq, lay.pp) * per_rank_samples / (lay.tp * rate)
     m = max(1, math.ceil(per_rank_samples / micro_batch))
     tp_bytes = 2 * shape.num_layers * per_rank_samples * seq * shape.hidden_size * b / lay.pp
-    return {"compute": flops / (ranks * rate), "bubble": (lay.pp - 1) / m * flops / (ranks * rate),
-            "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / _gather_rate(calib, lay.tp)
-                        if lay.tp > 1 else 0.0)}
+    terms = {"compute": compute, "bubble": (lay.pp - 1) / m * compute,
+             "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / _gather_rate(calib, lay.tp)
+                         if lay.tp > 1 else 0.0)}
+    profile = calib.profile(shape, eng.dtype)
+    if profile is not None:
+        efficiency = getattr(profile, kind)
+        terms["compute"] /= efficiency
+        terms["bubble"] /= efficiency
+        terms["host"] = (m + lay.pp - 1) * getattr(profile, f"{kind}_micro_batch_s")
+    return terms
 
 
 def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration, head: str,
@@ -125,22 +163,25 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
     steps), by term. ``trained``: its trained parameters (all of them, or LoRA's adapters)."""
     lay, eng = part.layout, part.engine
     per_step = samples / part.mini_batches
-    fwd = _forward(shape, part, per_step, seq, calib, head, eng.micro_batch_size)
+    fwd = _forward(shape, part, per_step, seq, calib, head, eng.micro_batch_size, "train")
     steps = part.ppo_epochs * part.mini_batches
     grads = 4 * trained / (lay.tp * lay.pp)
     dp = (2 * (lay.dp - 1) / lay.dp * grads / (_gather_rate(calib, lay.dp) / 2)
           if lay.dp > 1 else 0.0)
+    profile = calib.profile(shape, eng.dtype)
+    adam = ADAM_BYTES * trained / (lay.tp * lay.pp) / calib.memory_bandwidth
     return {"compute": 3 * steps * fwd["compute"], "bubble": 3 * steps * fwd["bubble"],
-            "tp_comm": 2 * steps * fwd["tp_comm"], "dp_allreduce": steps * dp,
-            "optimizer": steps * ADAM_BYTES * trained / (lay.tp * lay.pp) / calib.memory_bandwidth}
+            "host": steps * fwd.get("host", 0.0), "tp_comm": 2 * steps * fwd["tp_comm"],
+            "dp_allreduce": steps * dp,
+            "optimizer": steps * adam / (profile.optimizer if profile is not None else 1.0)}
 
 
-def _generate(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, float]:
-    from hybridflow.parallel.layout import GenLayout
-    gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
-    b, rate = DTYPE_BYTES[cfg.actor.engine.dtype], _rate(calib, cfg.actor.engine.dtype)
-    share = math.ceil(cfg.train_batch_size * cfg.rollout.sampling.n / gen.replicas)
-    prompt, response, tg = cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_tokens, gen.tp
+def generation_floor(shape: ModelConfig, dtype: str, calib: Calibration, share: int,
+                     prompt: int, response: int, tg: int) -> dict[str, float]:
+    """Seconds of one generation replica of tensor parallelism ``tg`` over ``share`` samples of
+    ``prompt`` + ``response`` tokens, without efficiencies: the prefill's FLOPs at the matmul
+    rate, then each decode step the slower of its FLOPs and its bytes (weights, KV cache)."""
+    b, rate = DTYPE_BYTES[dtype], _rate(calib, dtype)
     n = matmul_params(shape)
     kv_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // tg) * shape.head_dim * b
     decode = 0.0
@@ -149,6 +190,41 @@ def _generate(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, flo
         bytes_read = n * b / tg + share * (prompt + step) * kv_token
         decode += max(flops / rate, bytes_read / calib.memory_bandwidth)
     return {"prefill": 2 * n * share * prompt / tg / rate, "decode": decode}
+
+
+def weights_bytes(shape: ModelConfig, dtype: str, tg: int) -> int:
+    """Bytes of one rank's generation weights at generation tp ``tg`` (pp 1): what the switch
+    hands the rollout backend."""
+    from hybridflow.models.params import llama_param_metas
+    return sum(math.prod(m.shard_shape(tg)) for m in llama_param_metas(shape)) * DTYPE_BYTES[dtype]
+
+
+def _weight_load(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, float]:
+    """The rollout backend taking the switch's tensors: their bytes at the copy bandwidth, over
+    the profile's efficiency."""
+    dtype = cfg.actor.engine.dtype
+    profile = calib.profile(shape, dtype)
+    return {"copy": weights_bytes(shape, dtype, cfg.rollout.tp) / calib.memory_bandwidth
+            / (profile.weight_load if profile is not None else 1.0)}
+
+
+def _back_to_train(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, float]:
+    """The grad buffers given back, zeroed: 4 bytes per trained parameter of the rank written."""
+    lay = cfg.actor.layout
+    return {"zero_grads": 4 * param_count(shape) / (lay.tp * lay.pp) / calib.memory_bandwidth}
+
+
+def _generate(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, float]:
+    from hybridflow.parallel.layout import GenLayout
+    gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
+    dtype = cfg.actor.engine.dtype
+    terms = generation_floor(shape, dtype, calib,
+                             math.ceil(cfg.train_batch_size * cfg.rollout.sampling.n / gen.replicas),
+                             cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_tokens, gen.tp)
+    profile = calib.profile(shape, dtype)
+    if profile is not None:
+        terms = {k: v / profile.generate for k, v in terms.items()}
+    return terms
 
 
 def switch_bytes(gen, metas: list, dtype_bytes: int, mode: str = "3d",
@@ -191,7 +267,10 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
     seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
     fwd_mb = cfg.actor.engine.forward_micro_batch_size or cfg.actor.engine.micro_batch_size
-    terms = {"reshard": _reshard(cfg, model, calib), "generate": _generate(cfg, model, calib),
+    terms = {"reshard": _reshard(cfg, model, calib),
+             "weight_load": _weight_load(cfg, model, calib),
+             "generate": _generate(cfg, model, calib),
+             "back_to_train": _back_to_train(cfg, model, calib),
              "old_logprobs": _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb)}
     terms["ref_logprobs"] = terms["old_logprobs"]
     critic_mb = cfg.critic.engine.forward_micro_batch_size or cfg.critic.engine.micro_batch_size
@@ -208,4 +287,5 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
     terms["update_actor"] = _update(model, cfg.actor, samples, seq, calib, "lm",
                                     param_count(model))
     return Prediction(phases={k: sum(v.values()) for k, v in terms.items()},
-                      memory=estimate_memory(cfg, shapes), terms=terms)
+                      memory=estimate_memory(cfg, shapes), terms=terms,
+                      profiled=calib.profile(model, cfg.actor.engine.dtype) is not None)

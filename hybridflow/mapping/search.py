@@ -118,6 +118,42 @@ def search(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> tupl
     return fits, refused
 
 
+def resolve_auto(cfg: Any, shapes: dict[str, ModelConfig]) -> tuple[Any, Mapping | None]:
+    """``cfg`` with the keys it leaves to the planner (``layout: auto`` or ``key: auto``) set to
+    the fastest mapping that fits, the others as configured, and that mapping; ``(cfg, None)``
+    for a manual layout. ConfigError when no mapping fits."""
+    free = cfg.planned_keys
+    if not free:
+        return cfg, None
+    fits, refused = search(cfg, shapes, load_calibration(cfg))
+    fixed = {k: v for k, v in _configured(cfg).items()
+             if k not in free and not k.startswith("critic.")}
+    fits = [m for m in fits if all(m.overrides[k] == v for k, v in fixed.items())]
+    if not fits:
+        kept = ", ".join(f"{k}={v}" for k, v in fixed.items()) or "nothing"
+        raise ConfigError("layout" if cfg.layout == "auto" else free[0],
+                          f"no mapping onto {devices(cfg)} device(s) with {kept} fits: "
+                          f"{refused['config']} refused by the config contract, "
+                          f"{refused['memory']} over memory (`hybridflow plan` lists them); "
+                          "free more keys, add devices or shrink the batch")
+    chosen = apply(cfg, fits[0].overrides)
+    chosen.layout, chosen.auto = "manual", []
+    return chosen, fits[0]
+
+
+def plan_layout(cfg: Any, log=print) -> Any:
+    """``resolve_auto`` for a run about to start (the trainer, ``hybridflow check``): the model
+    shapes looked up, the choice logged in one line."""
+    if not cfg.planned_keys:
+        return cfg
+    from hybridflow.config.check import model_sources
+    chosen, mapping = resolve_auto(cfg, model_sources(cfg)[1])
+    log(f"planner ({', '.join(cfg.planned_keys)}): {mapping.describe()}, predicted step "
+        f"{mapping.prediction.step:.3g} s; as overrides: "
+        + " ".join(f"{k}={v}" for k, v in mapping.overrides.items()))
+    return chosen
+
+
 def load_calibration(cfg: Any) -> Calibration:
     """The calibration ``cluster.calibration`` names; ConfigError when there is none."""
     if cfg.cluster.calibration is None:
@@ -157,7 +193,11 @@ def plan_lines(cfg: Any, top: int = 5) -> list[str]:
                       configured))
     if fits:
         lines.append("the fastest: " + " ".join(f"{k}={v}" for k, v in fits[0].overrides.items()))
-    lines.append("predicted seconds are floors at the calibrated rates (docs/planner.md)")
+    lines.append("predicted seconds are " + ("at the calibrated rates and the model's measured "
+                                             "efficiencies" if configured.prediction.profiled
+                                             else "floors at the calibrated rates; `hybridflow "
+                                             "calibrate --config CONFIG` measures the model's "
+                                             "efficiencies") + " (docs/planner.md)")
     return lines
 
 

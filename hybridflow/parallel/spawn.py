@@ -24,7 +24,8 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
-def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, queue) -> None:
+def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, queue,
+            backend: str) -> None:
     # One thread per worker: several workers share two cores, and oversubscription is slower.
     os.environ["OMP_NUM_THREADS"] = "1"
     import warnings
@@ -37,8 +38,10 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, q
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       GLOO_SOCKET_IFNAME="lo")
     try:
+        if "nccl" in backend:
+            torch.cuda.set_device(rank)
         # A file store and gloo on loopback: nothing of ours listens beyond this machine.
-        dist.init_process_group("gloo", init_method=f"file://{store}", rank=rank,
+        dist.init_process_group(backend, init_method=f"file://{store}", rank=rank,
                                 world_size=world_size)
         # Plain pickle: tensors travel by value, not as shared-memory handles that die with the
         # worker before the parent reads them.
@@ -50,8 +53,10 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, q
             dist.destroy_process_group()
 
 
-def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600) -> list[Any]:
-    """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes with a gloo group set up.
+def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600,
+          backend: str = "gloo") -> list[Any]:
+    """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes with a default group of
+    ``backend`` set up (gloo; "nccl" puts rank r on GPU r).
 
     ``fn`` must be importable (module level). Returns the per-rank results in rank order; raises
     RuntimeError carrying the first failing worker's traceback.
@@ -60,7 +65,7 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     queue = ctx.Queue()
     store_dir = tempfile.mkdtemp(prefix="hybridflow-spawn-")
     procs = [ctx.Process(target=_worker, args=(r, world_size, f"{store_dir}/store", fn, args,
-                                               queue))
+                                               queue, backend))
              for r in range(world_size)]
     for p in procs:
         p.start()

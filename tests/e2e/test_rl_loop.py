@@ -59,23 +59,36 @@ def test_grpo_vllm(tmp_path):
     assert (tmp_path / "grpo" / "reward_curve.png").stat().st_size > 0
 
 
-def test_ppo_megatron_backend_reward_model(tmp_path):
+def test_ppo_megatron_backend_reward_model_layout_auto(tmp_path, capsys):
     # The reward comes from a (random, tiny, Qwen2-shaped) reward model scoring the last token.
-    # With cluster.calibration every step also logs the cost model's seconds per phase.
+    # layout=auto: the planner maps the run onto its 2 ranks at start-up, from the cost model;
+    # with cluster.calibration every step also logs the cost model's seconds per phase.
+    from hybridflow.config.check import model_sources
+    from hybridflow.mapping.search import resolve_auto
     from tests.unit.test_planner import CALIB
     CALIB.to_json(tmp_path / "calibration.json")
-    history, before, after = run(config(tmp_path, "algorithm.name=ppo", "rollout.backend=megatron",
-                                        "algorithm.kl_in_reward=true", "name=ppo",
-                                        "reward_model=tiny-qwen2", *CRITIC,
-                                        f"cluster.calibration={tmp_path / 'calibration.json'}"),
-                                 reward_fn=None)
+    # Configured at pp=2 (a pipeline bubble), which the planner moves off: to tp=2 at these rates.
+    cfg = config(tmp_path, "algorithm.name=ppo", "rollout.backend=megatron",
+                 "algorithm.kl_in_reward=true", "name=ppo", "reward_model=tiny-qwen2", *CRITIC,
+                 "actor.layout.tp=1", "actor.layout.pp=2", "critic.layout.tp=1",
+                 "critic.layout.pp=2", f"cluster.calibration={tmp_path / 'calibration.json'}",
+                 "layout=auto")
+    planned, mapping = resolve_auto(cfg, model_sources(cfg)[1])
+    assert (planned.actor.layout.tp, planned.critic.layout.tp, planned.rollout.tp) == (2, 2, 2)
+    history, before, after = run(cfg, reward_fn=None)
+    assert "planner (actor.layout.tp, " in capsys.readouterr().out
+    saved = load_config(RLConfig, tmp_path / "ppo" / "config.yaml")  # what a resume reads
+    assert saved.layout == "manual" and saved.actor.layout == planned.actor.layout
     check_run(history, before, after, ["reward/mean", "critic/vf_loss", "critic/grad_norm",
                                        "actor/pg_loss", "timing/values_s", "timing/reshard_s"])
     assert history[0]["reward/std"] > 0  # model scores, not the constant of a missing head
-    phases = ("reshard", "generate", "old_logprobs", "ref_logprobs", "values", "reward",
-              "update_critic", "update_actor")
+    phases = ("reshard", "weight_load", "generate", "back_to_train", "old_logprobs",
+              "ref_logprobs", "values", "reward", "update_critic", "update_actor")
     for row in history:  # beside each measured phase, its prediction
-        assert all(row[f"predicted/{p}_s"] > 0 and f"timing/{p}_s" in row for p in phases)
+        assert all(f"timing/{p}_s" in row for p in phases)
+        # At generation tp = training tp the switch gathers nothing: the planner's pick costs 0.
+        assert row["predicted/reshard_s"] == 0
+        assert all(row[f"predicted/{p}_s"] > 0 for p in phases if p != "reshard")
         assert row["predicted/step_s"] == pytest.approx(sum(row[f"predicted/{p}_s"]
                                                             for p in phases))
 

@@ -47,10 +47,16 @@ def test_bench_rl_step_ppo_reports_every_phase(tmp_path):
     r = _run("tools/bench_rl_step.py", "--model", "tiny", "--device", "cpu", "--algorithm",
              "ppo", "--warmup", "0", "--iters", "1", "--batch", "2", "--n", "2",
              "--max-tokens", "4", "--micro-batch", "2", "--forward-micro-batch", "4",
-             "--workdir", str(tmp_path), "--calibration", str(tmp_path / "calibration.json"))
-    # the cost model's floors for the measured phases, and their sum
-    assert set(r["predicted_s"]) == {"reshard", "generate", "old_logprobs", "ref_logprobs",
-                                     "values", "update_critic", "update_actor", "step"}
+             "--workdir", str(tmp_path), "--calibration", str(tmp_path / "calibration.json"),
+             "--profile-passes")
+    # the model's passes profiled first and kept in the calibration file
+    from hybridflow.mapping.calibrate import Calibration
+    (profile,) = Calibration.from_json(tmp_path / "calibration.json").passes
+    assert r["profile"]["forward"] == profile.forward and profile.backend == "megatron"
+    # the cost model's seconds for the measured phases, and their sum
+    assert set(r["predicted_s"]) == {"reshard", "weight_load", "generate", "back_to_train",
+                                     "old_logprobs", "ref_logprobs", "values", "update_critic",
+                                     "update_actor", "step"}
     assert r["predicted_s"]["step"] == pytest.approx(sum(
         v for k, v in r["predicted_s"].items() if k != "step"), abs=1e-3)
     for phase in ("reshard", "generate", "rollout_sleep", "old_logprobs", "ref_logprobs",

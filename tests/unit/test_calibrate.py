@@ -95,3 +95,36 @@ def test_cli_bad_out_directory_exits_2_and_writes_nothing(tmp_path, capsys):
     assert captured.err.strip() == (f"hybridflow: error: --out: {out}: directory {out.parent} "
                                     "does not exist; create it or choose another FILE")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_cli_profiles_a_configs_model(tmp_path, capsys):
+    # --config: the model's passes measured in one process; the cost model then uses them.
+    from hybridflow.config import RLConfig, load_config
+    from hybridflow.config.check import model_sources
+    from hybridflow.mapping.cost import predict
+    out = tmp_path / "c.json"
+    run = ["model=tiny-llama", "rollout.backend=megatron", "train_batch_size=2",
+           "rollout.sampling.n=2", "data.max_prompt_tokens=16", "rollout.sampling.max_tokens=8",
+           "actor.engine.micro_batch_size=2", f"tracking.out_dir={tmp_path}"]
+    assert main(["calibrate", "--quick", "--out", str(out), "--config", *run]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert lines[-3] == "profiling tiny-llama's passes (fp32, one process)..."
+    assert lines[-2].startswith("efficiencies at tp=pp=dp=1, 24 tokens per sequence, "
+                                "micro-batch 2: forward ")
+    calib = Calibration.from_json(out)
+    (profile,) = calib.passes
+    assert (profile.seq, profile.micro_batch, profile.backend) == (24, 2, "megatron")
+    assert all(0 < getattr(profile, k) <= 1 for k in ("forward", "train", "generate"))
+    cfg = load_config(RLConfig, None, run)
+    shapes = model_sources(cfg)[1]
+    assert calib.profile(shapes["model"], "fp32") == profile
+    assert predict(cfg, shapes, calib).profiled
+
+
+def test_cli_bad_config_exits_2_before_measuring(tmp_path, capsys):
+    out = tmp_path / "c.json"
+    assert main(["calibrate", "--quick", "--out", str(out), "--config",
+                 "actor.engine.micro_batch_size=0"]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == "" and "actor.engine.micro_batch_size" in captured.err
+    assert not out.exists()

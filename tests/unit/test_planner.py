@@ -9,6 +9,7 @@ import pytest
 
 from hybridflow.cli import main
 from hybridflow.config import RLConfig, load_config
+from hybridflow.errors import ConfigError
 from hybridflow.mapping.calibrate import Calibration
 from hybridflow.mapping.cost import matmul_params, predict, switch_bytes
 from hybridflow.mapping.search import apply, candidates, search
@@ -68,18 +69,24 @@ def test_cost_model_by_hand():
     gen = 2 * n * 4 * 8 / 1e9 + 3 * max(2 * n * 4 / 1e9, (4 * n + 4 * 10 * 128) / 1e9)
     # update: 3 forwards, then Adam's 28 bytes per parameter (the input table included) at 1e9
     update = 3 * fwd + 28 * (n + 64 * 16) / 1e9
-    assert p.phases == pytest.approx({"reshard": 0.0, "generate": gen, "old_logprobs": fwd,
+    # the rollout takes every weight (6736 fp32 parameters) at 1e9 B/s, and the grad buffers
+    # come back zeroed (4 bytes per parameter)
+    load = zero = 4 * (n + 64 * 16) / 1e9
+    assert p.phases == pytest.approx({"reshard": 0.0, "weight_load": load, "generate": gen,
+                                      "back_to_train": zero, "old_logprobs": fwd,
                                       "ref_logprobs": fwd, "update_actor": update})
-    assert p.step == pytest.approx(gen + 2 * fwd + update)
+    assert p.step == pytest.approx(load + gen + zero + 2 * fwd + update)
 
 
 def test_layout_terms_act():
     one = predict(config(), {"model": SHAPE}, CALIB)
     # The switch gathers the stages.
     pp = predict(config("actor.layout.pp=2"), {"model": SHAPE}, CALIB)
-    # pp=2, two forward micro-batches: the 1F1B bubble adds (p - 1) / m = 1/2 of the compute.
+    # pp=2: the busiest stage is the last (layer 1, the final norm, the output layer: 3376 of
+    # the 5712 parameters in matmuls, one layer's attention) over 4 samples of 12 tokens;
+    # two forward micro-batches: the 1F1B bubble adds (p - 1) / m = 1/2 of that.
     assert pp.terms["old_logprobs"]["compute"] == pytest.approx(
-        one.terms["old_logprobs"]["compute"] / 2)
+        (2 * 3376 * 12 + 4 * 16 * 12 ** 2) * 4 / 1e9)
     assert pp.terms["old_logprobs"]["bubble"] == pytest.approx(
         pp.terms["old_logprobs"]["compute"] / 2)
     assert pp.terms["reshard"]["all_gather"] > 0
@@ -114,3 +121,133 @@ def test_plan_cli(tmp_path, capsys):
     assert main(["plan", "model=tiny-llama", f"tracking.out_dir={tmp_path}"]) == 2
     err = capsys.readouterr().err
     assert "cluster.calibration" in err and "hybridflow calibrate" in err
+
+
+def hand_profile(cfg, shape, efficiency):
+    """The seconds ``_measure`` would take if every pass ran at ``efficiency[kind]`` of its floor
+    with a host cost of 10 ms (forward) and 20 ms (training) per micro-batch."""
+    from hybridflow.config.memory import param_count
+    from hybridflow.mapping.cost import ADAM_BYTES, forward_flops, generation_floor, weights_bytes
+    m = cfg.actor.engine.micro_batch_size
+    floor = forward_flops(shape, "lm", 12) / 1e9
+    times = {}
+    for kind, flops, host in (("forward", 1, 0.01), ("train", 3, 0.02)):
+        r = flops * floor / efficiency[kind]
+        extra = ADAM_BYTES * param_count(shape) / 1e9 / efficiency["optimizer"] \
+            if kind == "train" else 0.0
+        times |= {f"{kind}_m_m": host + m * r + extra, f"{kind}_2m_m": 2 * host + 2 * m * r + extra,
+                  f"{kind}_2m_2m": host + 2 * m * r + extra}
+    from hybridflow.mapping.profile import _share  # one replica's samples, as measured
+    gen = sum(generation_floor(shape, "fp32", CALIB, _share(cfg), 8, 4, tg=1).values())
+    times["generate"] = gen / efficiency["generate"]
+    times["weight_load"] = weights_bytes(shape, "fp32", 1) / 1e9 / efficiency["weight_load"]
+    return times
+
+
+EFFICIENCY = {"forward": 0.5, "train": 0.25, "optimizer": 0.5, "generate": 0.2, "weight_load": 2.0}
+
+
+def test_profile_fit_recovers_the_efficiencies():
+    from hybridflow.mapping.profile import efficiencies
+    cfg = config()
+    profile = efficiencies(cfg, SHAPE, CALIB, hand_profile(cfg, SHAPE, EFFICIENCY))
+    for kind, value in EFFICIENCY.items():
+        assert getattr(profile, kind) == pytest.approx(value), kind
+    assert profile.forward_micro_batch_s == pytest.approx(0.01)
+    assert profile.train_micro_batch_s == pytest.approx(0.02)
+    assert (profile.seq, profile.micro_batch, profile.backend) == (12, 2, "megatron")
+
+
+def test_profile_scales_the_prediction_of_its_model_only(tmp_path):
+    import dataclasses
+
+    from hybridflow.mapping.profile import efficiencies
+    cfg = config("actor.layout.dp=2", "rollout.tp=1")
+    profile = efficiencies(cfg, SHAPE, CALIB, hand_profile(cfg, SHAPE, EFFICIENCY))
+    calib = dataclasses.replace(CALIB, passes=[profile])
+    floors, p = predict(cfg, {"model": SHAPE}, CALIB), predict(cfg, {"model": SHAPE}, calib)
+    assert not floors.profiled and p.profiled and "measured efficiencies" in p.describe("f")
+    # dp=2: one forward micro-batch of 2 per rank (4 samples / 2 ranks)
+    assert p.terms["old_logprobs"]["compute"] == pytest.approx(
+        floors.terms["old_logprobs"]["compute"] / 0.5)
+    assert p.terms["old_logprobs"]["host"] == pytest.approx(1 * 0.01)
+    assert p.terms["update_actor"]["compute"] == pytest.approx(
+        floors.terms["update_actor"]["compute"] / 0.25)
+    assert p.terms["update_actor"]["host"] == pytest.approx(0.02)
+    assert p.terms["update_actor"]["optimizer"] == pytest.approx(
+        floors.terms["update_actor"]["optimizer"] / 0.5)
+    assert p.phases["generate"] == pytest.approx(floors.phases["generate"] / 0.2)
+    assert p.phases["weight_load"] == pytest.approx(floors.phases["weight_load"] / 2.0)
+    # The file keeps it; another model's shape (or dtype) gets the floors.
+    calib.to_json(tmp_path / "c.json")
+    again = Calibration.from_json(tmp_path / "c.json")
+    assert again.passes == [profile]
+    other = dataclasses.replace(SHAPE, num_layers=4)
+    assert again.profile(other, "fp32") is None and again.profile(SHAPE, "bf16") is None
+    assert not predict(cfg, {"model": other}, again).profiled
+
+
+def test_calibration_without_passes_loads_and_a_bad_profile_is_named(tmp_path):
+    import json
+    path = tmp_path / "c.json"
+    CALIB.to_json(path)
+    data = json.loads(path.read_text())
+    del data["passes"]  # files written before profiles existed
+    path.write_text(json.dumps(data))
+    assert Calibration.from_json(path).passes == []
+    data["passes"] = [{"forward": 0.5}]
+    path.write_text(json.dumps(data))
+    with pytest.raises(ConfigError) as e:
+        Calibration.from_json(path)
+    assert e.value.field == "cluster.calibration" and "passes" in e.value.message
+
+
+def test_layout_auto_takes_the_fastest_mapping(tmp_path):
+    from hybridflow.mapping.search import resolve_auto
+    calib = tmp_path / "c.json"
+    CALIB.to_json(calib)
+    base = ("actor.layout.dp=2", "actor.layout.pp=2", "train_batch_size=4",
+            f"cluster.calibration={calib}")
+    cfg = config(*base, "layout=auto")
+    chosen, mapping = resolve_auto(cfg, {"model": SHAPE})
+    fits, _ = search(cfg, {"model": SHAPE}, CALIB)
+    assert mapping.overrides == fits[0].overrides
+    assert chosen.layout == "manual" and chosen.auto == []
+    assert chosen.actor.layout.world_size == 4  # the configured world, re-mapped
+    assert (chosen.actor.layout.pp, chosen.actor.layout.dp) == (
+        fits[0].overrides["actor.layout.pp"], fits[0].overrides["actor.layout.dp"])
+    # One key left to the planner: the others stay as configured.
+    one = config(*base, "actor.engine.micro_batch_size=auto")
+    assert one.auto == ["actor.engine.micro_batch_size"]
+    chosen, mapping = resolve_auto(one, {"model": SHAPE})
+    assert (chosen.actor.layout.pp, chosen.actor.layout.dp) == (2, 2)
+    best_pp2 = min((m for m in fits if m.overrides["actor.layout.pp"] == 2
+                    and m.overrides["actor.layout.dp"] == 2), key=lambda m: m.prediction.step)
+    assert mapping.overrides == best_pp2.overrides
+    # A manual layout is left alone.
+    assert resolve_auto(config(*base), {"model": SHAPE}) == (config(*base), None)
+
+
+def test_auto_in_a_file_and_its_refusals(tmp_path):
+    calib = tmp_path / "c.json"
+    CALIB.to_json(calib)
+    f = tmp_path / "run.yaml"
+    f.write_text(f"rollout: {{tp: auto}}\nactor: {{engine: {{micro_batch_size: auto}}}}\n"
+                 f"cluster: {{calibration: {calib}}}\n")
+    cfg = load_config(RLConfig, f, ["algorithm.name=grpo"])
+    assert sorted(cfg.auto) == ["actor.engine.micro_batch_size", "rollout.tp"]
+    # An override with a value takes the key back from the planner.
+    cfg = load_config(RLConfig, f, ["algorithm.name=grpo", "rollout.tp=1"])
+    assert cfg.auto == ["actor.engine.micro_batch_size"]
+    with pytest.raises(ConfigError) as e:  # no rates, no plan
+        config("layout=auto")
+    assert e.value.field == "cluster.calibration" and "layout: auto" in e.value.message
+    with pytest.raises(ConfigError) as e:  # a world-size key needs the devices
+        config("actor.layout.tp=auto", f"cluster.calibration={calib}")
+    assert e.value.field == "actor.layout.tp" and "cluster.nodes" in e.value.message
+    with pytest.raises(ConfigError) as e:
+        config("layout=everything")
+    assert e.value.field == "layout"
+    assert main(["check", "model=tiny-llama", "layout=auto", "actor.layout.dp=2",
+                 "rollout.backend=megatron", f"cluster.calibration={calib}",
+                 f"tracking.out_dir={tmp_path}"]) == 0
