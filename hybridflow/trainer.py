@@ -173,7 +173,8 @@ class RLTrainer:
         return out
 
     def score(self, batch: Batch) -> Batch:
-        """Rewards, old and reference log-probs, values (PPO), KL and advantages."""
+        """Rewards, old (unless the update computes them: ``old_logprobs_from_update``) and
+        reference log-probs, values (PPO) and advantages."""
         return self._advantages(self._reward(batch))
 
     def _reward(self, batch: Batch) -> Batch:
@@ -197,12 +198,15 @@ class RLTrainer:
         return batch
 
     def _advantages(self, batch: Batch) -> Batch:
-        """Old and reference log-probs, values (PPO), KL and advantages of a rewarded batch."""
-        from hybridflow.algorithms import estimate_advantages, kl_penalty
+        """Old and reference log-probs, values (PPO) and advantages of a rewarded batch. An
+        on-policy update computes the old log-probs in its own forward instead
+        (``RLConfig.old_logprobs_from_update``): nothing before it reads them."""
+        from hybridflow.algorithms import estimate_advantages
         a = self.config.algorithm
         timing: dict[str, float] = {}
-        with _timer(timing, "timing/old_logprobs_s"):
-            batch = batch.update(self.actor.run_by_dp("compute_log_prob", batch))
+        if not self.config.old_logprobs_from_update:
+            with _timer(timing, "timing/old_logprobs_s"):
+                batch = batch.update(self.actor.run_by_dp("compute_log_prob", batch))
         with _timer(timing, "timing/ref_logprobs_s"):
             batch = batch.update(self.actor.run_by_dp("compute_ref_log_prob", batch))
         if self.critic is not None:
@@ -212,7 +216,8 @@ class RLTrainer:
         mask = batch["response_mask"]
         with _timer(timing, "timing/advantages_s"):
             advantages, returns = estimate_advantages(
-                a.name, scores=batch["scores"], mask=mask, logprobs=batch["old_logprobs"],
+                a.name, scores=batch["scores"], mask=mask,
+                logprobs=batch.tensors.get("old_logprobs"),
                 ref_logprobs=batch["ref_logprobs"],
                 kl_coef=self.kl_ctrl.value if a.kl_in_reward else 0.0, kl_type=a.kl_type,
                 values=batch.tensors.get("values"), group_ids=batch["group"],
@@ -222,8 +227,6 @@ class RLTrainer:
         batch.tensors["advantages"] = advantages
         if returns is not None:
             batch.tensors["returns"] = returns
-        kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1")
-        batch.meta["kl"] = float((kl * mask).sum() / mask.sum().clamp(min=1))
         batch.meta.update(timing)
         return batch
 
@@ -249,13 +252,16 @@ class RLTrainer:
         return torch.tensor([reward_of[g] for g in batch["group"]], dtype=torch.float32)
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """Critic update (PPO), then the policy update; returns their metrics."""
+        """Critic update (PPO), then the policy update; returns their metrics. An on-policy
+        update's old log-probs (its forward's) are added to ``batch``."""
         metrics: dict[str, float] = {}
         if self.critic is not None:
             with _timer(metrics, "timing/update_critic_s"):
                 metrics.update(self.critic.run_by_dp("update_critic", batch).meta)
         with _timer(metrics, "timing/update_actor_s"):
-            metrics.update(self.actor.run_by_dp("update_actor", batch).meta)
+            out = self.actor.run_by_dp("update_actor", batch)
+        metrics.update(out.meta)
+        batch.tensors.update(out.tensors)
         return metrics
 
     # ----------------------------------------------------------------------------- the loop
@@ -495,8 +501,9 @@ class RLTrainer:
         return self.fit(prompts_from_records(dataset))
 
     def _step_metrics(self, batch: Batch) -> dict[str, float]:
-        from hybridflow.algorithms import rollout_mismatch
+        from hybridflow.algorithms import kl_penalty, rollout_mismatch
         mask = batch["response_mask"]
+        kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1")
         lengths = mask.sum(-1)
         scores = batch["scores"]
         out = {"reward/mean": scores.mean().item(), "reward/std": scores.std().item()
@@ -508,7 +515,8 @@ class RLTrainer:
                # the policy's entropy only where sampling is at temperature 1 without truncation.
                "rollout/neg_logprob": (-(batch["rollout_logprobs"] * mask).sum()
                                        / mask.sum().clamp(min=1)).item(),
-               "kl": batch.meta["kl"], "kl_coef": self.kl_ctrl.value}
+               "kl": float((kl * mask).sum() / mask.sum().clamp(min=1)),
+               "kl_coef": self.kl_ctrl.value}
         out.update({k: v for k, v in batch.meta.items() if k.startswith(("timing/", "reshard/"))})
         if "costs" in batch:
             out["cost/mean"] = batch["costs"].mean().item()

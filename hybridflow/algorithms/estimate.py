@@ -7,6 +7,7 @@ import torch
 from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from hybridflow.algorithms.kl import apply_kl_reward_penalty, kl_penalty
 from hybridflow.algorithms.safe_rlhf import safe_rlhf_combined_advantage
+from hybridflow.errors import ArgumentError
 
 # Estimators that read per-token rewards (the KL penalty lands on each token); the others read
 # one score per sequence (the KL penalty, summed over the response, comes off that score).
@@ -14,7 +15,8 @@ TOKEN_LEVEL = ("ppo", "reinforce_plus_plus")
 
 
 def estimate_advantages(algorithm: str, *, scores: torch.Tensor, mask: torch.Tensor,
-                        logprobs: torch.Tensor, ref_logprobs: torch.Tensor, kl_coef: float = 0.0,
+                        logprobs: torch.Tensor | None, ref_logprobs: torch.Tensor | None,
+                        kl_coef: float = 0.0,
                         kl_type: str = "k1", values: torch.Tensor | None = None,
                         group_ids=None, baseline_scores: torch.Tensor | None = None,
                         costs: torch.Tensor | None = None, lagrange: float | None = None,
@@ -27,12 +29,19 @@ def estimate_advantages(algorithm: str, *, scores: torch.Tensor, mask: torch.Ten
     reinforce_plus_plus pay ``kl_coef * kl_t`` on every token t; the sequence-level estimators
     (grpo, rloo, remax, safe_rlhf's reward) pay ``kl_coef * sum_t kl_t`` off the sequence's score.
     ReMax's ``baseline_scores`` (the greedy response's reward) and Safe-RLHF's ``costs`` are taken
-    as given. Shapes: scores, costs, baseline_scores [B]; mask, logprobs, ref_logprobs, values
-    [B, T]; group_ids [B].
+    as given. ``logprobs`` and ``ref_logprobs`` are read only for that penalty (None without it).
+    Shapes: scores, costs, baseline_scores [B]; mask, logprobs, ref_logprobs, values [B, T];
+    group_ids [B].
     """
     estimator = "gae" if algorithm == "ppo" else algorithm
-    kl = torch.where(mask.bool(), kl_penalty(logprobs, ref_logprobs, kl_type), 0.0)
-    seq_scores = scores - kl_coef * kl.sum(-1) if kl_coef else scores
+    if kl_coef and (logprobs is None or ref_logprobs is None):
+        raise ArgumentError("logprobs", "the KL-in-reward penalty (kl_coef > 0) needs the "
+                                        "policy's and the reference's log-probs")
+    if kl_coef:
+        kl = torch.where(mask.bool(), kl_penalty(logprobs, ref_logprobs, kl_type), 0.0)
+        seq_scores = scores - kl_coef * kl.sum(-1)
+    else:
+        seq_scores = scores
     inputs = AdvantageInputs(mask=mask, scores=seq_scores, values=values, group_ids=group_ids,
                              baseline_scores=baseline_scores, gamma=gamma, lam=lam,
                              norm_by_std=norm_by_std)

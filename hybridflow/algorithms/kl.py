@@ -58,8 +58,8 @@ def apply_kl_reward_penalty(scores: torch.Tensor, logprobs: torch.Tensor, ref_lo
 
     Args:
         scores: [B] outcome score per response.
-        logprobs: [B, T] policy log-probs of the sampled tokens.
-        ref_logprobs: [B, T] reference log-probs of the same tokens.
+        logprobs: [B, T] policy log-probs of the sampled tokens (may be None where coef is 0).
+        ref_logprobs: [B, T] reference log-probs of the same tokens (likewise).
         mask: [B, T] response mask.
         coef: KL coefficient, >= 0 (e.g. a controller's ``.value``).
         kind: KL estimator, see ``kl_penalty``.
@@ -70,11 +70,12 @@ def apply_kl_reward_penalty(scores: torch.Tensor, logprobs: torch.Tensor, ref_lo
     if coef < 0:
         raise ArgumentError("coef", f"must be >= 0, got {coef!r}")
     _check_seq_shape("scores", scores, mask)
-    _check_token_shape("logprobs", logprobs, mask)
-
     keep = mask.bool()
-    kl = kl_penalty(logprobs, ref_logprobs, kind)
-    rewards = torch.where(keep, -coef * kl, 0.0)
+    if coef:
+        _check_token_shape("logprobs", logprobs, mask)
+        rewards = torch.where(keep, -coef * kl_penalty(logprobs, ref_logprobs, kind), 0.0)
+    else:  # no penalty, so no log-probs needed (an on-policy update computes them later)
+        rewards = torch.zeros(mask.shape, device=mask.device)
     positions = torch.arange(mask.shape[1], device=mask.device).expand_as(keep)
     # Largest valid position per row; a row with no valid token gets index 0 and a zero score.
     last = torch.where(keep, positions, 0).amax(dim=-1)

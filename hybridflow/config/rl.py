@@ -467,6 +467,19 @@ class RLConfig:
     def sampling(self) -> SamplingConfig:
         return self.rollout.sampling
 
+    @property
+    def old_logprobs_from_update(self) -> bool:
+        """Whether the actor update's own forward gives the old log-probs, with no pass of its
+        own before it. So where the update is exactly on-policy (one epoch of one mini-batch:
+        the policy it steps is the one that sampled, the ratio is 1 and its gradient that of
+        the separate pass's) and nothing reads them before the update (the reward's KL, a
+        rollout correction) or computes them otherwise (LoRA's dropout, which acts in the
+        training forward only)."""
+        a = self.actor
+        return (a.ppo_epochs * a.mini_batches == 1 and not self.algorithm.kl_in_reward
+                and a.rollout_correction.mode == "none"
+                and not (a.lora.enabled and a.lora.dropout))
+
 
 def _get(obj, key: str):
     for part in key.split("."):

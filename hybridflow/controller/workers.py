@@ -236,7 +236,13 @@ class ActorRolloutRefWorker(Worker):
         from hybridflow.algorithms import (aggregate_loss, entropy_loss, kl_penalty, masked_mean,
                                            policy_loss, rollout_correction)
         a, rc = self.actor_cfg, self.actor_cfg.rollout_correction
-        keys = ["old_logprobs", "advantages", "response_mask"]
+        # Without old log-probs the update is on-policy (RLConfig.old_logprobs_from_update): the
+        # training forward's own, detached, are the old ones, and come back with the metrics.
+        on_policy = "old_logprobs" not in batch
+        if on_policy and (a.ppo_epochs * a.mini_batches != 1 or rc.mode != "none"):
+            raise ValueError("update_actor needs old_logprobs unless it makes one on-policy "
+                             "update (ppo_epochs = mini_batches = 1, no rollout correction)")
+        keys = ["advantages", "response_mask"] + ([] if on_policy else ["old_logprobs"])
         if a.kl_loss_coef:
             keys.append("ref_logprobs")
         data, correction = _engine_batch(batch, *keys), {}
@@ -251,10 +257,15 @@ class ActorRolloutRefWorker(Worker):
                 data["tis_weights"] = weights
             correction = {f"actor/{k}": v.item() for k, v in m.items()}
 
+        seen: list[torch.Tensor] = []  # on-policy: each micro-batch's log-probs, in order
+
         def loss_for(denom):
             def loss_fn(logprobs, mb):
                 mask = mb["response_mask"]
-                loss, m = policy_loss(logprobs, mb["old_logprobs"], mb["advantages"], mask,
+                if on_policy:
+                    seen.append(logprobs.detach())
+                old = logprobs.detach() if on_policy else mb["old_logprobs"]
+                loss, m = policy_loss(logprobs, old, mb["advantages"], mask,
                                       a.clip_ratio_low, a.clip_ratio_high, a.dual_clip_c,
                                       a.loss_agg_mode, denom, a.ratio_level,
                                       mb.get("tis_weights"))
@@ -275,6 +286,8 @@ class ActorRolloutRefWorker(Worker):
         out = _ppo_updates(self.actor, data, a, a.loss_agg_mode, self.dp_group, loss_for,
                            "actor", loss_key="actor/loss", with_entropy=a.entropy_coef > 0)
         out.meta.update(correction)
+        if seen:  # the last pipeline stage
+            out.tensors["old_logprobs"] = torch.cat(seen).cpu()
         return out
 
     def full_weights(self) -> dict[str, torch.Tensor]:

@@ -270,9 +270,11 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
     terms = {"reshard": _reshard(cfg, model, calib),
              "weight_load": _weight_load(cfg, model, calib),
              "generate": _generate(cfg, model, calib),
-             "back_to_train": _back_to_train(cfg, model, calib),
-             "old_logprobs": _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb)}
-    terms["ref_logprobs"] = terms["old_logprobs"]
+             "back_to_train": _back_to_train(cfg, model, calib)}
+    logprobs = _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb)
+    if not cfg.old_logprobs_from_update:  # else the update's own forward gives them
+        terms["old_logprobs"] = logprobs
+    terms["ref_logprobs"] = logprobs
     critic_mb = cfg.critic.engine.forward_micro_batch_size or cfg.critic.engine.micro_batch_size
     if cfg.algorithm.name == "ppo":
         terms["values"] = _forward(model, cfg.critic, samples, seq, calib, "value", critic_mb)

@@ -72,10 +72,15 @@ def test_cost_model_by_hand():
     # the rollout takes every weight (6736 fp32 parameters) at 1e9 B/s, and the grad buffers
     # come back zeroed (4 bytes per parameter)
     load = zero = 4 * (n + 64 * 16) / 1e9
+    # One on-policy update: its own forward gives the old log-probs, which cost no pass.
     assert p.phases == pytest.approx({"reshard": 0.0, "weight_load": load, "generate": gen,
-                                      "back_to_train": zero, "old_logprobs": fwd,
-                                      "ref_logprobs": fwd, "update_actor": update})
-    assert p.step == pytest.approx(load + gen + zero + 2 * fwd + update)
+                                      "back_to_train": zero, "ref_logprobs": fwd,
+                                      "update_actor": update})
+    assert p.step == pytest.approx(load + gen + zero + fwd + update)
+    # The reward's KL reads them before the update: then they are a forward of their own.
+    kl = predict(config("algorithm.kl_in_reward=true"), {"model": SHAPE}, CALIB)
+    assert kl.phases["old_logprobs"] == pytest.approx(fwd)
+    assert kl.step == pytest.approx(p.step + fwd)
 
 
 def test_layout_terms_act():
@@ -85,10 +90,10 @@ def test_layout_terms_act():
     # pp=2: the busiest stage is the last (layer 1, the final norm, the output layer: 3376 of
     # the 5712 parameters in matmuls, one layer's attention) over 4 samples of 12 tokens;
     # two forward micro-batches: the 1F1B bubble adds (p - 1) / m = 1/2 of that.
-    assert pp.terms["old_logprobs"]["compute"] == pytest.approx(
+    assert pp.terms["ref_logprobs"]["compute"] == pytest.approx(
         (2 * 3376 * 12 + 4 * 16 * 12 ** 2) * 4 / 1e9)
-    assert pp.terms["old_logprobs"]["bubble"] == pytest.approx(
-        pp.terms["old_logprobs"]["compute"] / 2)
+    assert pp.terms["ref_logprobs"]["bubble"] == pytest.approx(
+        pp.terms["ref_logprobs"]["compute"] / 2)
     assert pp.terms["reshard"]["all_gather"] > 0
     # dp=2: half the compute each, plus the gradient all-reduce.
     dp = predict(config("actor.layout.dp=2"), {"model": SHAPE}, CALIB)
@@ -168,9 +173,9 @@ def test_profile_scales_the_prediction_of_its_model_only(tmp_path):
     floors, p = predict(cfg, {"model": SHAPE}, CALIB), predict(cfg, {"model": SHAPE}, calib)
     assert not floors.profiled and p.profiled and "measured efficiencies" in p.describe("f")
     # dp=2: one forward micro-batch of 2 per rank (4 samples / 2 ranks)
-    assert p.terms["old_logprobs"]["compute"] == pytest.approx(
-        floors.terms["old_logprobs"]["compute"] / 0.5)
-    assert p.terms["old_logprobs"]["host"] == pytest.approx(1 * 0.01)
+    assert p.terms["ref_logprobs"]["compute"] == pytest.approx(
+        floors.terms["ref_logprobs"]["compute"] / 0.5)
+    assert p.terms["ref_logprobs"]["host"] == pytest.approx(1 * 0.01)
     assert p.terms["update_actor"]["compute"] == pytest.approx(
         floors.terms["update_actor"]["compute"] / 0.25)
     assert p.terms["update_actor"]["host"] == pytest.approx(0.02)

@@ -24,6 +24,7 @@ class FakeActor:
         self.kl_gap, self.generated, self.samplings = kl_gap, [], []
         self.nonfinite_at = nonfinite_at  # updates (1-based) whose gradients are not finite
         self.updates = 0
+        self.calls = []  # the methods run_by_dp was asked for, in order
 
     def run(self, method, path):
         """save_state / load_state: the weights, as a file that says which update they are."""
@@ -39,6 +40,7 @@ class FakeActor:
         if method == "generate":
             return self._generate(batch, sampling)
         b = len(batch)
+        self.calls.append(method)
         if method == "compute_log_prob":
             return Batch({"old_logprobs": torch.full((b, T), -0.5)})
         if method == "compute_ref_log_prob":
@@ -46,8 +48,11 @@ class FakeActor:
             return Batch({"ref_logprobs": -0.5 - gap.expand(b, T)})
         if method == "update_actor":
             self.updates += 1
-            return Batch(meta={"actor/pg_loss": 0.0, "actor/nonfinite_skipped":
-                               float(self.updates in self.nonfinite_at)})
+            out = Batch(meta={"actor/pg_loss": 0.0, "actor/nonfinite_skipped":
+                              float(self.updates in self.nonfinite_at)})
+            if "old_logprobs" not in batch:  # on-policy: its forward's, as the worker does
+                out.tensors["old_logprobs"] = torch.full((b, T), -0.5)
+            return out
         raise AssertionError(method)
 
     def _generate(self, batch, sampling):
@@ -368,3 +373,25 @@ def test_rollout_training_mismatch_is_logged_every_step(tmp_path):
     tempered.fit(PROMPTS)
     row = json.loads((tmp_path / "t2" / "rl" / "metrics.jsonl").read_text().splitlines()[0])
     assert "mismatch/kl" not in row and row["mismatch/abs_diff_mean"] == pytest.approx(1.5)
+
+
+@pytest.mark.parametrize("overrides,separate", [
+    ((), False),
+    (("actor.mini_batches=2", "actor.engine.micro_batch_size=1"), True),
+    (("actor.ppo_epochs=2",), True),
+    (("algorithm.kl_in_reward=true",), True),
+    (("actor.rollout_correction.mode=tis",), True)])
+def test_old_logprobs_come_from_an_on_policy_update(tmp_path, overrides, separate):
+    # One epoch of one mini-batch: the update's forward gives the old log-probs (no pass of
+    # their own); a second update, the reward's KL or a rollout correction needs them first.
+    trainer = make_trainer(tmp_path, *(o.split("=") for o in overrides), steps=1)
+    assert trainer.config.old_logprobs_from_update is not separate
+    row = trainer.fit(PROMPTS[:2])[0]
+    calls = trainer.actor.calls
+    assert calls.count("compute_log_prob") == (1 if separate else 0)
+    if separate:
+        assert calls.index("compute_log_prob") < calls.index("update_actor")
+    assert ("timing/old_logprobs_s" in row) is separate
+    # The step's metrics read them either way: k1 to the reference (gap 0) and the mismatch
+    # with the rollout's -2.
+    assert row["kl"] == 0.0 and row["mismatch/abs_diff_mean"] == pytest.approx(1.5)
