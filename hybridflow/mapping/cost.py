@@ -33,9 +33,9 @@ of that dtype, B the device copy bandwidth, G(n) the all-gather rate in a group 
 Alone these are floors: no kernel reaches R or B, and the host works per micro-batch. With a pass
 profile of the model in the calibration (``hybridflow.mapping.profile``, measured by
 ``hybridflow calibrate --config``), the compute and bubble terms are divided by the forward's or
-the training step's measured efficiency, each pipeline slot (``m + p - 1`` per pass) adds the
-measured host seconds per micro-batch, and the optimizer, ``generate`` and ``weight_load`` are
-divided by theirs. Not modelled: the controller's own work between phases, the PP point-to-point
+the training step's measured efficiency at the pass's micro-batch size (the host's work per
+micro-batch included), and the optimizer, ``generate`` and ``weight_load`` by theirs. Not
+modelled: the controller's own work between phases, the PP point-to-point
 transfers and the switch's packing of its buckets (docs/planner.md has the measured gaps).
 ``Prediction`` keeps each phase apart so that the trainer can log them beside what it measures.
 """
@@ -137,8 +137,9 @@ def _gather_rate(calib: Calibration, n: int) -> float:
 def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration,
              head: str, micro_batch: int, kind: str = "forward") -> dict[str, float]:
     """Seconds of one forward pass of a model over the step's samples, by term; with a profile
-    of the model in ``calib``, ``kind``'s (forward or train) efficiency and host cost per
-    micro-batch."""
+    of the model in ``calib``, over ``kind``'s (forward or train) efficiency at the rank's
+    micro-batch size (looked up at b / tp sequences: a TP rank's matmuls are 1/tp of the
+    whole's)."""
     lay, eng = part.layout, part.engine
     b, rate = DTYPE_BYTES[eng.dtype], _rate(calib, eng.dtype)
     per_rank_samples = samples / lay.dp
@@ -150,10 +151,9 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
                          if lay.tp > 1 else 0.0)}
     profile = calib.profile(shape, eng.dtype)
     if profile is not None:
-        efficiency = getattr(profile, kind)
+        efficiency = profile.efficiency(kind, min(micro_batch, per_rank_samples) / lay.tp)
         terms["compute"] /= efficiency
         terms["bubble"] /= efficiency
-        terms["host"] = (m + lay.pp - 1) * getattr(profile, f"{kind}_micro_batch_s")
     return terms
 
 
@@ -171,7 +171,7 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
     profile = calib.profile(shape, eng.dtype)
     adam = ADAM_BYTES * trained / (lay.tp * lay.pp) / calib.memory_bandwidth
     return {"compute": 3 * steps * fwd["compute"], "bubble": 3 * steps * fwd["bubble"],
-            "host": steps * fwd.get("host", 0.0), "tp_comm": 2 * steps * fwd["tp_comm"],
+            "tp_comm": 2 * steps * fwd["tp_comm"],
             "dp_allreduce": steps * dp,
             "optimizer": steps * adam / (profile.optimizer if profile is not None else 1.0)}
 

@@ -3,18 +3,20 @@
 
 The floors (``hybridflow.mapping.cost``) assume every matmul at the rate of one large square
 product and every decode step at the copy bandwidth. Real passes are slower, by a factor that
-depends on the model's shapes (many small matmuls, the attention, the vocabulary's softmax) and
-on the host's work per micro-batch (Python, kernel launches, the schedule). Both are measured
-here, in one process at tp = pp = dp = 1 (one thread on CPU, as each worker runs), with the
-config's model, dtype and sequence length and random tokens:
+depends on the model's shapes (many small matmuls, the attention, the vocabulary's softmax), on
+the micro-batch size (a GPU's matmuls of a few thousand tokens run far below its peak) and on the
+host's work per micro-batch (Python, kernel launches, the schedule). They are measured here, in
+one process at tp = pp = dp = 1 (one thread on CPU, as each worker runs), with the config's
+model, dtype and sequence length and random tokens:
 
-* a forward-only pass (the engine's ``compute_logprobs``) and a training step (``train_step``)
-  over m and 2m sequences in micro-batches of m, and over 2m sequences in one micro-batch of 2m
-  (m the configured micro-batch size): with t(sequences, micro-batch) = micro-batches x c +
-  sequences x r + u, t(2m, m) - t(2m, 2m) = c, the host cost per micro-batch, and
-  t(2m, 2m) - t(m, m) = m r, the time per sequence. The efficiency is the floor's time per
-  sequence over r; for the training step u, the optimizer's step, is what remains of t(m, m),
-  and its efficiency Adam's floor (28 bytes per parameter at the copy bandwidth) over u;
+* for each micro-batch size b the planner may choose (``MICRO_BATCHES`` up to the step's samples,
+  and the configured sizes), a forward-only pass (the engine's ``compute_logprobs``) and a
+  training step (``train_step``) over one micro-batch of b sequences and over two: the
+  difference is one micro-batch's seconds T(b), host work included, and the efficiency at b is
+  the floor's seconds for b sequences over T(b) (a training micro-batch's floor being three
+  forwards). What remains of a training step of one micro-batch, t(b) - T(b), is the
+  optimizer's step: its efficiency is Adam's floor (28 bytes per parameter at the copy
+  bandwidth) over the median of those;
 * one ``generate`` call of the config's rollout backend over one generation replica's share of
   the step's samples, every response the full ``max_tokens`` long (EOS ignored), after one
   warm-up call: the efficiency is the cost model's generation floor for that share over the
@@ -26,6 +28,7 @@ config's model, dtype and sequence length and random tokens:
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import statistics
 import time
@@ -46,17 +49,15 @@ class PassProfile:
     """The engines' dtype it was measured in ("fp32", "bf16")."""
     seq: int
     """Tokens per sequence it was measured at (prompt + response)."""
-    micro_batch: int
-    """m above."""
+    micro_batches: list[int]
+    """The micro-batch sizes b measured, ascending."""
     backend: str
     """The rollout backend whose ``generate`` was measured."""
-    forward: float
-    """Floor seconds per sequence of a forward pass / measured (0 < x, usually < 1)."""
-    forward_micro_batch_s: float
-    """Host seconds per forward micro-batch, c above (>= 0)."""
-    train: float
-    """The same for a training step's forward + backward."""
-    train_micro_batch_s: float
+    forward: list[float]
+    """Per size in ``micro_batches``: the floor seconds of a forward pass over b sequences / the
+    measured seconds of one such micro-batch (0 < x, usually < 1)."""
+    train: list[float]
+    """The same for a training micro-batch's forward + backward."""
     optimizer: float
     """Adam's floor / the optimizer step measured."""
     generate: float
@@ -69,22 +70,47 @@ class PassProfile:
         if not isinstance(self.shape, dict):
             raise ArgumentError("shape", f"must be a model shape's fields, got {self.shape!r}")
         check_int("seq", self.seq)
-        check_int("micro_batch", self.micro_batch)
-        for name in ("forward", "train", "optimizer", "generate", "weight_load"):
+        if not isinstance(self.micro_batches, list) or not self.micro_batches:
+            raise ArgumentError("micro_batches", f"must be a list of sizes, got "
+                                                 f"{self.micro_batches!r}")
+        for b in self.micro_batches:
+            check_int("micro_batches", b)
+        if self.micro_batches != sorted(set(self.micro_batches)):
+            raise ArgumentError("micro_batches", f"must ascend without repeats, got "
+                                                 f"{self.micro_batches}")
+        for name in ("forward", "train"):
+            values = getattr(self, name)
+            if not isinstance(values, list) or len(values) != len(self.micro_batches):
+                raise ArgumentError(name, f"must hold one efficiency per micro-batch size "
+                                          f"{self.micro_batches}, got {values!r}")
+            for v in values:
+                check_float(name, v, low=0, low_open=True)
+        for name in ("optimizer", "generate", "weight_load"):
             check_float(name, getattr(self, name), low=0, low_open=True)
-        for name in ("forward_micro_batch_s", "train_micro_batch_s"):
-            check_float(name, getattr(self, name), low=0)
+
+    def efficiency(self, kind: str, micro_batch: float) -> float:
+        """``kind``'s (forward or train) efficiency at ``micro_batch`` sequences: linear in
+        log2(b) between the measured sizes, the nearest one's outside them."""
+        sizes, values = self.micro_batches, getattr(self, kind)
+        if micro_batch <= sizes[0]:
+            return values[0]
+        for (b0, e0), (b1, e1) in zip(zip(sizes, values), zip(sizes[1:], values[1:])):
+            if micro_batch <= b1:
+                w = math.log2(micro_batch / b0) / math.log2(b1 / b0)
+                return e0 + w * (e1 - e0)
+        return values[-1]
 
     def matches(self, shape: ModelConfig, dtype: str) -> bool:
         return self.shape == dataclasses.asdict(shape) and self.dtype == dtype
 
     def describe(self) -> str:
-        return (f"efficiencies at tp=pp=dp=1, {self.seq} tokens per sequence, micro-batch "
-                f"{self.micro_batch}: forward {self.forward:.1%} of the floor + "
-                f"{self.forward_micro_batch_s * 1e3:.3g} ms per micro-batch, training "
-                f"{self.train:.1%} + {self.train_micro_batch_s * 1e3:.3g} ms per micro-batch, "
-                f"optimizer {self.optimizer:.1%}, generate ({self.backend}) {self.generate:.1%}, "
-                f"weight load {self.weight_load:.1%}")
+        def table(kind):
+            return ", ".join(f"{b}: {e:.0%}" for b, e in zip(self.micro_batches,
+                                                             getattr(self, kind)))
+        return (f"efficiencies at tp=pp=dp=1, {self.seq} tokens per sequence, by micro-batch "
+                f"size: forward {table('forward')}; training {table('train')}; optimizer "
+                f"{self.optimizer:.1%}, generate ({self.backend}) {self.generate:.1%}, weight "
+                f"load {self.weight_load:.1%}")
 
 
 def profile_passes(cfg: Any, calib, quick: bool = False) -> PassProfile:
@@ -117,57 +143,63 @@ def profile_passes(cfg: Any, calib, quick: bool = False) -> PassProfile:
     return efficiencies(cfg, shapes["model"], calib, times)
 
 
-def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict[str, float]) -> PassProfile:
-    """A PassProfile from the seconds ``_measure`` took (the fit in the module docstring)."""
+def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict) -> PassProfile:
+    """A PassProfile from the seconds ``_measure`` took: ``times[kind][b]`` = (one micro-batch
+    of b sequences, two), ``times["generate"]``, ``times["weight_load"]`` (module docstring)."""
     from hybridflow.config.memory import param_count
     from hybridflow.mapping.cost import (ADAM_BYTES, forward_flops, generation_floor,
                                          weights_bytes)
-    m = _micro_batch(cfg)
     rate = calib.matmul_flops[cfg.actor.engine.dtype]
     seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
     floor = forward_flops(shape, "lm", seq) / rate  # one sequence's forward
-    out = {}
+    sizes = sorted(times["forward"])
+    out, optimizer = {}, []
     for kind, flops in (("forward", 1), ("train", 3)):
-        per_mb = max(0.0, times[f"{kind}_2m_m"] - times[f"{kind}_2m_2m"])
-        per_seq = max(times[f"{kind}_2m_2m"] - times[f"{kind}_m_m"], 1e-9) / m
-        out[kind] = min(1.0, flops * floor / per_seq)
-        out[f"{kind}_micro_batch_s"] = per_mb
-    optimizer = times["train_m_m"] - out["train_micro_batch_s"] - m * 3 * floor / out["train"]
+        out[kind] = []
+        for b in sizes:
+            one, two = times[kind][b]
+            per_micro_batch = max(two - one, 1e-9)
+            out[kind].append(min(1.0, flops * floor * b / per_micro_batch))
+            if kind == "train":
+                optimizer.append(one - per_micro_batch)
     adam = ADAM_BYTES * param_count(shape) / calib.memory_bandwidth
     gen = sum(generation_floor(shape, cfg.actor.engine.dtype, calib, _share(cfg),
                                cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_tokens,
                                tg=1).values())
     load = weights_bytes(shape, cfg.actor.engine.dtype, tg=1) / calib.memory_bandwidth
     return PassProfile(shape=dataclasses.asdict(shape), dtype=cfg.actor.engine.dtype, seq=seq,
-                       micro_batch=m, backend=cfg.rollout.backend,
-                       optimizer=min(1.0, adam / max(optimizer, 1e-9)),
+                       micro_batches=sizes, backend=cfg.rollout.backend,
+                       optimizer=min(1.0, adam / max(statistics.median(optimizer), 1e-9)),
                        generate=min(1.0, gen / times["generate"]),
                        weight_load=load / max(times["weight_load"], 1e-9), **out)
 
 
-def _micro_batch(cfg: Any) -> int:
-    return cfg.actor.engine.micro_batch_size
+def micro_batch_sizes(cfg: Any) -> list[int]:
+    """The sizes to measure: the search's candidates and the configured ones, up to the step's
+    samples."""
+    from hybridflow.mapping.search import MICRO_BATCHES
+    samples = cfg.train_batch_size * cfg.rollout.sampling.n
+    e = cfg.actor.engine
+    return sorted({b for b in (*MICRO_BATCHES, e.micro_batch_size, e.forward_micro_batch_size)
+                   if b is not None and b <= samples})
 
 
 def _share(cfg: Any) -> int:
     """One generation replica's share of the step's samples at the configured layout."""
-    import math
-
     from hybridflow.parallel.layout import GenLayout
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
     return math.ceil(cfg.train_batch_size * cfg.rollout.sampling.n / gen.replicas)
 
 
 def _measure(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir, repeats: int
-             ) -> dict[str, float]:
-    """Median seconds of each pass (names as ``efficiencies`` reads them), in a one-rank group."""
+             ) -> dict:
+    """Median seconds of each pass (as ``efficiencies`` reads them), in a one-rank group."""
     import torch
 
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training.engine import TrainEngine
 
     torch.manual_seed(0)
-    m = _micro_batch(cfg)
     seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -182,7 +214,6 @@ def _measure(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir
         return -(logprobs * mb["mask"]).sum() / mb["mask"].numel(), {}
 
     def median(fn) -> float:
-        fn()  # warm-up
         samples = []
         for _ in range(repeats):
             sync()
@@ -192,18 +223,24 @@ def _measure(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir
             samples.append(time.perf_counter() - start)
         return statistics.median(samples)
 
-    times = {}
-    for per_mb, sizes in ((m, (m, 2 * m)), (2 * m, (2 * m,))):
-        engine_cfg = dataclasses.replace(cfg.actor.engine, micro_batch_size=per_mb,
-                                forward_micro_batch_size=per_mb)
-        engine = TrainEngine(shape, TrainLayout(), engine_cfg, head="lm")
-        for n in sizes:
-            b, key = batch(n), f"{'m' if n == m else '2m'}_{'m' if per_mb == m else '2m'}"
-            times[f"forward_{key}"] = median(lambda: engine.compute_logprobs(b))
-            times[f"train_{key}"] = median(lambda: engine.train_step(b, loss_fn))
-        del engine
-        if on_gpu:
-            torch.cuda.empty_cache()
+    sizes = micro_batch_sizes(cfg)
+    engine = TrainEngine(shape, TrainLayout(), cfg.actor.engine, head="lm")
+    times: dict = {"forward": {}, "train": {}}
+    for k, b in enumerate(sizes):
+        # Both kinds of pass split by micro_batch_size here, forward_micro_batch_size unset.
+        engine.config = dataclasses.replace(cfg.actor.engine, micro_batch_size=b,
+                                            forward_micro_batch_size=None)
+        if k == 0:  # the first calls allocate and compile
+            engine.compute_logprobs(batch(b))
+            engine.train_step(batch(b), loss_fn)
+        one, two = batch(b), batch(2 * b)
+        times["forward"][b] = (median(lambda: engine.compute_logprobs(one)),
+                               median(lambda: engine.compute_logprobs(two)))
+        times["train"][b] = (median(lambda: engine.train_step(one, loss_fn)),
+                             median(lambda: engine.train_step(two, loss_fn)))
+    del engine
+    if on_gpu:
+        torch.cuda.empty_cache()
     times["generate"], times["weight_load"] = _time_generate(cfg, shape, model_dir, device, sync,
                                                              repeats)
     return times

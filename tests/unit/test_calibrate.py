@@ -109,12 +109,14 @@ def test_cli_profiles_a_configs_model(tmp_path, capsys):
     assert main(["calibrate", "--quick", "--out", str(out), "--config", *run]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
     assert lines[-3] == "profiling tiny-llama's passes (fp32, one process)..."
-    assert lines[-2].startswith("efficiencies at tp=pp=dp=1, 24 tokens per sequence, "
-                                "micro-batch 2: forward ")
+    assert lines[-2].startswith("efficiencies at tp=pp=dp=1, 24 tokens per sequence, by "
+                                "micro-batch size: forward 1: ")
     calib = Calibration.from_json(out)
     (profile,) = calib.passes
-    assert (profile.seq, profile.micro_batch, profile.backend) == (24, 2, "megatron")
-    assert all(0 < getattr(profile, k) <= 1 for k in ("forward", "train", "generate"))
+    # the search's sizes up to the step's 4 samples (the configured 2 among them)
+    assert (profile.seq, profile.micro_batches, profile.backend) == (24, [1, 2, 4], "megatron")
+    assert all(0 < e <= 1 for k in ("forward", "train") for e in getattr(profile, k))
+    assert 0 < profile.generate <= 1
     cfg = load_config(RLConfig, None, run)
     shapes = model_sources(cfg)[1]
     assert calib.profile(shapes["model"], "fp32") == profile

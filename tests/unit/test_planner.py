@@ -129,19 +129,19 @@ def test_plan_cli(tmp_path, capsys):
 
 
 def hand_profile(cfg, shape, efficiency):
-    """The seconds ``_measure`` would take if every pass ran at ``efficiency[kind]`` of its floor
-    with a host cost of 10 ms (forward) and 20 ms (training) per micro-batch."""
+    """The seconds ``_measure`` would take if every pass ran at ``efficiency[kind][b]`` of its
+    floor at micro-batch size b, and Adam at ``efficiency["optimizer"]`` of its."""
     from hybridflow.config.memory import param_count
     from hybridflow.mapping.cost import ADAM_BYTES, forward_flops, generation_floor, weights_bytes
-    m = cfg.actor.engine.micro_batch_size
     floor = forward_flops(shape, "lm", 12) / 1e9
+    adam = ADAM_BYTES * param_count(shape) / 1e9 / efficiency["optimizer"]
     times = {}
-    for kind, flops, host in (("forward", 1, 0.01), ("train", 3, 0.02)):
-        r = flops * floor / efficiency[kind]
-        extra = ADAM_BYTES * param_count(shape) / 1e9 / efficiency["optimizer"] \
-            if kind == "train" else 0.0
-        times |= {f"{kind}_m_m": host + m * r + extra, f"{kind}_2m_m": 2 * host + 2 * m * r + extra,
-                  f"{kind}_2m_2m": host + 2 * m * r + extra}
+    for kind, flops in (("forward", 1), ("train", 3)):
+        extra = adam if kind == "train" else 0.0
+        times[kind] = {}
+        for b, e in efficiency[kind].items():
+            one = flops * floor * b / e  # one micro-batch of b sequences
+            times[kind][b] = (one + extra, 2 * one + extra)
     from hybridflow.mapping.profile import _share  # one replica's samples, as measured
     gen = sum(generation_floor(shape, "fp32", CALIB, _share(cfg), 8, 4, tg=1).values())
     times["generate"] = gen / efficiency["generate"]
@@ -149,18 +149,27 @@ def hand_profile(cfg, shape, efficiency):
     return times
 
 
-EFFICIENCY = {"forward": 0.5, "train": 0.25, "optimizer": 0.5, "generate": 0.2, "weight_load": 2.0}
+# by micro-batch size: small ones run further below the floor
+EFFICIENCY = {"forward": {1: 0.2, 2: 0.4, 4: 0.5}, "train": {1: 0.1, 2: 0.25, 4: 0.3},
+              "optimizer": 0.5, "generate": 0.2, "weight_load": 2.0}
 
 
 def test_profile_fit_recovers_the_efficiencies():
-    from hybridflow.mapping.profile import efficiencies
+    import math
+
+    from hybridflow.mapping.profile import efficiencies, micro_batch_sizes
     cfg = config()
+    assert micro_batch_sizes(cfg) == [1, 2, 4]  # the search's sizes up to the 4 samples
     profile = efficiencies(cfg, SHAPE, CALIB, hand_profile(cfg, SHAPE, EFFICIENCY))
-    for kind, value in EFFICIENCY.items():
-        assert getattr(profile, kind) == pytest.approx(value), kind
-    assert profile.forward_micro_batch_s == pytest.approx(0.01)
-    assert profile.train_micro_batch_s == pytest.approx(0.02)
-    assert (profile.seq, profile.micro_batch, profile.backend) == (12, 2, "megatron")
+    assert (profile.seq, profile.micro_batches, profile.backend) == (12, [1, 2, 4], "megatron")
+    for kind in ("forward", "train"):
+        assert profile.__dict__[kind] == pytest.approx(list(EFFICIENCY[kind].values())), kind
+    for kind in ("optimizer", "generate", "weight_load"):
+        assert getattr(profile, kind) == pytest.approx(EFFICIENCY[kind]), kind
+    # Between the measured sizes linear in log2(b); outside them the nearest one's.
+    assert profile.efficiency("forward", 2) == pytest.approx(0.4)
+    assert profile.efficiency("forward", 3) == pytest.approx(0.4 + math.log2(1.5) * 0.1)
+    assert profile.efficiency("train", 0.5) == 0.1 and profile.efficiency("train", 16) == 0.3
 
 
 def test_profile_scales_the_prediction_of_its_model_only(tmp_path):
@@ -172,15 +181,18 @@ def test_profile_scales_the_prediction_of_its_model_only(tmp_path):
     calib = dataclasses.replace(CALIB, passes=[profile])
     floors, p = predict(cfg, {"model": SHAPE}, CALIB), predict(cfg, {"model": SHAPE}, calib)
     assert not floors.profiled and p.profiled and "measured efficiencies" in p.describe("f")
-    # dp=2: one forward micro-batch of 2 per rank (4 samples / 2 ranks)
+    # dp=2: one micro-batch of 2 per rank (4 samples / 2 ranks): the efficiencies at 2
     assert p.terms["ref_logprobs"]["compute"] == pytest.approx(
-        floors.terms["ref_logprobs"]["compute"] / 0.5)
-    assert p.terms["ref_logprobs"]["host"] == pytest.approx(1 * 0.01)
+        floors.terms["ref_logprobs"]["compute"] / 0.4)
     assert p.terms["update_actor"]["compute"] == pytest.approx(
         floors.terms["update_actor"]["compute"] / 0.25)
-    assert p.terms["update_actor"]["host"] == pytest.approx(0.02)
     assert p.terms["update_actor"]["optimizer"] == pytest.approx(
         floors.terms["update_actor"]["optimizer"] / 0.5)
+    # micro-batches of 1: the same FLOPs at the lower efficiency of size 1
+    small = predict(config("actor.layout.dp=2", "rollout.tp=1", "actor.engine.micro_batch_size=1"),
+                    {"model": SHAPE}, calib)
+    assert small.terms["update_actor"]["compute"] == pytest.approx(
+        floors.terms["update_actor"]["compute"] / 0.1)
     assert p.phases["generate"] == pytest.approx(floors.phases["generate"] / 0.2)
     assert p.phases["weight_load"] == pytest.approx(floors.phases["weight_load"] / 2.0)
     # The file keeps it; another model's shape (or dtype) gets the floors.
