@@ -71,6 +71,10 @@ PATCHES: tuple[SourcePatch, ...] = (
     _patch("pipeline_parallel.p2p_communication:P2PCommunicator._communicate",
            "receive buffers between pipeline stages are allocated on the current CUDA device.",
            CUDA_DEVICE),
+    _patch("pipeline_parallel.p2p_communication:P2PCommunicator._communicate_shapes",
+           "with variable_seq_lengths (a token budget per micro-batch) the shapes sent between "
+           "pipeline stages are tensors on the current CUDA device, and it synchronises CUDA.",
+           CUDA_DEVICE, ("torch.cuda.synchronize()", "pass")),
     *(_patch(f"tensor_parallel.mappings:{fn}",
              "TP gathers/scatters (sequence parallel, vocab logits) allocate on the current CUDA "
              "device.", CUDA_DEVICE)

@@ -42,8 +42,11 @@ PPO epoch), 2 x N x tokens for each forward-only pass (old and ref log-probs); N
 that take part in matmuls (all but the input embedding table); the critic's passes (``values``,
 ``update_critic``) count N less the output layer plus the value head; attention's score/value
 FLOPs are not counted. ``tokens`` are the real (unpadded) prompt + response tokens (``mfu_*``);
-the engine computes every position of the [B, max_prompt_tokens + max_tokens] batch, so
-``mfu_padded_*`` counts those. On CPU the "matmul rate" is one thread's (the workers run one
+``tokens_padded`` the positions the engine computes in a forward pass over the batch (the
+engine's own split, ``plan_micro_batches``, of each DP rank's share: every position of the
+[B, max_prompt_tokens + max_tokens] batch with fixed-size micro-batches, far fewer with
+``--max-tokens-per-micro-batch``), which ``mfu_padded_*`` counts, and ``padded_fraction`` =
+(tokens_padded - tokens_real) / tokens_padded, the share of computed positions that are padding. On CPU the "matmul rate" is one thread's (the workers run one
 thread each) and there is no roofline.
 
 ``--calibration FILE`` (from ``hybridflow calibrate``): the cost model's seconds for the same
@@ -112,6 +115,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--forward-micro-batch", type=int, default=None,
                     help="micro-batch of the forward-only passes (log-probs, values); default "
                     "64 (GPU), 4 (CPU); 0: the training micro-batch")
+    ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None, metavar="N",
+                    help="engine.max_tokens_per_micro_batch of the actor and critic: micro-batches "
+                    "by a token budget, sequences grouped by length, padding cut")
     ap.add_argument("--ref-offload", action="store_true",
                     help="ref.offload: the reference's weights in host memory between uses")
     ap.add_argument("--offload-optimizer", action="store_true",
@@ -284,6 +290,15 @@ def generation_roofline(batch, replicas: int, cfg: ModelConfig, dtype_bytes: int
     return out
 
 
+def computed_tokens(attention_mask, actor) -> int:
+    """Positions the actor's engine computes in a forward pass over the batch: its own split
+    (``plan_micro_batches``) of each data-parallel rank's share, padding included."""
+    from hybridflow.training.engine import plan_micro_batches
+    shares = attention_mask.chunk(actor.layout.dp)  # the controller's dispatch: equal, in order
+    return sum(plan.tokens for share in shares
+               for plan in plan_micro_batches(share, actor.engine, actor.layout.tp, True))
+
+
 def run_iteration(trainer, items) -> tuple[dict, object]:
     """One RL iteration, phase by phase; (metrics, the scored batch)."""
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
@@ -327,7 +342,9 @@ def run_config(args, path: Path, prompts: Path):
     for role in roles:
         values.update({f"{role}.layout.tp": args.tp, f"{role}.engine.dtype": args.dtype,
                        f"{role}.engine.micro_batch_size": args.micro_batch,
-                       f"{role}.engine.forward_micro_batch_size": args.forward_micro_batch})
+                       f"{role}.engine.forward_micro_batch_size": args.forward_micro_batch,
+                       f"{role}.engine.max_tokens_per_micro_batch":
+                           args.max_tokens_per_micro_batch})
     return make_config(RLConfig, None, values)
 
 
@@ -344,6 +361,7 @@ def main(argv=None) -> dict:
                   max_tokens=args.max_tokens, prompt_tokens=[args.prompt_min, args.prompt_max],
                   micro_batch_size=args.micro_batch,
                   forward_micro_batch_size=args.forward_micro_batch,
+                  max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                   ref_offload=args.ref_offload, offload_optimizer=args.offload_optimizer,
                   colocate=not args.no_colocate, warmup=args.warmup, iters=args.iters,
                   torch=torch.__version__)
@@ -395,7 +413,7 @@ def main(argv=None) -> dict:
                                                if result["copy_bandwidth_gb_s"] else None)
                     m["gen_replicas"] = roof
                     m["tokens_real"] = int(batch["attention_mask"].sum())
-                    m["tokens_padded"] = int(batch["attention_mask"].numel())
+                    m["tokens_padded"] = computed_tokens(batch["attention_mask"], cfg.actor)
                     m["response_tokens"] = int(batch["response_mask"].sum())
                     rows.append(m)
                 print(("timed" if timed else "warm-up") + f" iteration {it + 1}: step "
@@ -462,6 +480,7 @@ def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
             sum(f for _, f in passes) * tokens / sum(mean(f"{k}_s") for k, _ in passes) / peak, 4)
         result[f"tflops_{tag}update_actor"] = round(
             6 * n_params * tokens / mean("update_actor_s") / 1e12, 2)
+    result["padded_fraction"] = round(1 - mean("tokens_real") / mean("tokens_padded"), 4)
     result["reward_mean"] = round(mean("reward_mean"), 4)
 
 
@@ -483,7 +502,9 @@ def print_table(r: dict) -> None:
                     if k.startswith("mfu_") and not k.startswith(("mfu_padded", "mfu_training")))
     print(f"training: matmul {r['matmul_tflops']} TFLOP/s per device x {r['actor_tp']}; "
           f"MFU {mfu}; together {r['mfu_training']:.1%} "
-          f"(padded tokens: {r['mfu_padded_training']:.1%})", flush=True)
+          f"(padded tokens: {r['mfu_padded_training']:.1%}); padded tokens "
+          f"{r['padded_fraction']:.1%} of {r['tokens_padded_per_step']:.0f} computed "
+          "((computed - real) / computed)", flush=True)
 
 
 if __name__ == "__main__":

@@ -32,7 +32,10 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   recomputation, so the recompute variant (``2*s*b*h`` per layer) does not apply. Under 1F1B the
   first pipeline stage holds min(p, m) micro-batches in flight (m: micro-batches per optimizer
   step and data-parallel rank) of its L/p layers; the last stage one, plus the logits
-  ``b*s*V/t`` in the model's dtype and their fp32 log-softmax. The estimate takes the larger;
+  ``b*s*V/t`` in the model's dtype and their fp32 log-softmax. The estimate takes the larger.
+  With ``engine.max_tokens_per_micro_batch`` = T a micro-batch is T tokens at width s' = min(s, T)
+  (b = T/s', the widest one the budget allows: the scores grow with s' at a given T) and m is at
+  most one micro-batch per sequence;
 * with ``actor.lora``: the actor's grads and optimizer state are its adapters' (A parameters)
   alone, its weights ``(P + A)*b/(t*p)``; the reference holds nothing (it is the actor's base);
   in generation the adapted weights' base shards stay beside their merged copies;
@@ -213,13 +216,27 @@ def _train_state(n: int, layout, engine) -> dict[str, int]:
     return {"weights": int(n * b / mp), "grads": int(n * 4 / mp), "optimizer": int(optimizer)}
 
 
+def _micro_batch_shape(eng, seq: int, forward: bool) -> tuple[int, float]:
+    """(width, sequences) of the largest micro-batch: with a token budget, the one of the full
+    width ``seq`` (or the budget, if shorter) filled to the budget -- attention's stored scores
+    grow with width x tokens, so for a given token count the widest costs most."""
+    if eng.max_tokens_per_micro_batch is not None:
+        width = min(seq, eng.max_tokens_per_micro_batch)
+        return width, eng.max_tokens_per_micro_batch / width
+    if forward:
+        return seq, eng.forward_micro_batch_size or eng.micro_batch_size
+    return seq, eng.micro_batch_size
+
+
 def _training_activations(shape: ModelConfig, part, seq: int, samples: int, lm_head: bool) -> int:
     lay, eng = part.layout, part.engine
-    b = eng.micro_batch_size
-    micro = max(1, samples // (lay.dp * part.mini_batches * b))
-    layer = layer_activation_bytes(shape, seq, b, lay.tp, eng.sequence_parallel, eng.dtype)
+    width, b = _micro_batch_shape(eng, seq, forward=False)
+    # Micro-batches per rank and mini-batch; under a budget at most one per sequence.
+    micro = max(1, samples // (lay.dp * part.mini_batches
+                               * (1 if eng.max_tokens_per_micro_batch else b)))
+    layer = layer_activation_bytes(shape, width, b, lay.tp, eng.sequence_parallel, eng.dtype)
     stage_layers = shape.num_layers / lay.pp
-    logits = _logits(shape, seq, b, lay.tp, eng.dtype) if lm_head else 0
+    logits = _logits(shape, width, b, lay.tp, eng.dtype) if lm_head else 0
     first = stage_layers * layer * min(lay.pp, micro)
     last = stage_layers * layer + logits
     return int(max(first, last))
@@ -227,9 +244,9 @@ def _training_activations(shape: ModelConfig, part, seq: int, samples: int, lm_h
 
 def _forward_transient(shape: ModelConfig, part, seq: int, lm_head: bool) -> int:
     lay, eng = part.layout, part.engine
-    b = eng.forward_micro_batch_size or eng.micro_batch_size
-    layer = layer_activation_bytes(shape, seq, b, lay.tp, eng.sequence_parallel, eng.dtype)
-    return int(layer + (_logits(shape, seq, b, lay.tp, eng.dtype) if lm_head else 0))
+    width, b = _micro_batch_shape(eng, seq, forward=True)
+    layer = layer_activation_bytes(shape, width, b, lay.tp, eng.sequence_parallel, eng.dtype)
+    return int(layer + (_logits(shape, width, b, lay.tp, eng.dtype) if lm_head else 0))
 
 
 def _logits(shape: ModelConfig, seq: int, micro_batch: int, tp: int, dtype: str) -> float:
@@ -312,6 +329,9 @@ def _fix(cfg, role: str, parts: dict[str, int]) -> tuple[str, str]:
     if role == "ref" and not cfg.ref.offload:
         return "ref.offload", "set it to true, or raise actor.layout.tp or pp"
     if max(parts, key=parts.get) == "activations":
+        if eng.max_tokens_per_micro_batch is not None:
+            return f"{section}.engine.max_tokens_per_micro_batch", "lower it: the stored " \
+                                                                   "activations grow with it"
         if eng.micro_batch_size > 1:
             return f"{section}.engine.micro_batch_size", "lower it: the stored activations grow " \
                                                          "with it"

@@ -448,14 +448,23 @@ class RLConfig:
             if name == "critic" and part.engine.sequence_parallel:
                 raise ConfigError("critic.engine.sequence_parallel", "value heads (critic, reward "
                                   "and cost models) do not support it yet; set it to false")
-            per_step = part.layout.dp * part.mini_batches * part.engine.micro_batch_size
+            # A token budget forms micro-batches of any number of sequences: the samples need
+            # only split over the DP ranks and mini-batches.
+            budget = part.engine.max_tokens_per_micro_batch is not None
+            mbs = 1 if budget else part.engine.micro_batch_size
+            per_step = part.layout.dp * part.mini_batches * mbs
             if trains and samples % per_step:
                 raise ConfigError(f"{name}.mini_batches", f"{samples} samples per step "
                                   f"(train_batch_size * rollout.sampling.n) must be a multiple "
-                                  f"of {name}.layout.dp * {name}.mini_batches * "
-                                  f"{name}.engine.micro_batch_size = {per_step}")
+                                  f"of {name}.layout.dp * {name}.mini_batches"
+                                  + ("" if budget else f" * {name}.engine.micro_batch_size")
+                                  + f" = {per_step}")
             forward = part.engine.forward_micro_batch_size or part.engine.micro_batch_size
-            if samples % (part.layout.dp * forward):
+            if budget and samples % part.layout.dp:
+                raise ConfigError(f"{name}.layout.dp", f"{samples} samples per step "
+                                  f"(train_batch_size * rollout.sampling.n) must be a multiple "
+                                  f"of it ({part.layout.dp})")
+            if not budget and samples % (part.layout.dp * forward):
                 key = "forward_micro_batch_size" if part.engine.forward_micro_batch_size \
                     else "micro_batch_size"
                 raise ConfigError(f"{name}.engine.{key}",

@@ -257,13 +257,13 @@ class ActorRolloutRefWorker(Worker):
                 data["tis_weights"] = weights
             correction = {f"actor/{k}": v.item() for k, v in m.items()}
 
-        seen: list[torch.Tensor] = []  # on-policy: each micro-batch's log-probs, in order
+        seen: list[tuple] = []  # on-policy: each micro-batch's log-probs and the micro-batch
 
         def loss_for(denom):
             def loss_fn(logprobs, mb):
                 mask = mb["response_mask"]
                 if on_policy:
-                    seen.append(logprobs.detach())
+                    seen.append((logprobs.detach(), mb))
                 old = logprobs.detach() if on_policy else mb["old_logprobs"]
                 loss, m = policy_loss(logprobs, old, mb["advantages"], mask,
                                       a.clip_ratio_low, a.clip_ratio_high, a.dual_clip_c,
@@ -286,8 +286,9 @@ class ActorRolloutRefWorker(Worker):
         out = _ppo_updates(self.actor, data, a, a.loss_agg_mode, self.dp_group, loss_for,
                            "actor", loss_key="actor/loss", with_entropy=a.entropy_coef > 0)
         out.meta.update(correction)
-        if seen:  # the last pipeline stage
-            out.tensors["old_logprobs"] = torch.cat(seen).cpu()
+        if seen:  # the last pipeline stage; micro-batches may be reordered and cut (a token budget)
+            from hybridflow.training.engine import to_batch_order
+            out.tensors["old_logprobs"] = to_batch_order(seen).cpu()
         return out
 
     def full_weights(self) -> dict[str, torch.Tensor]:

@@ -7,6 +7,16 @@ Loss convention: ``train_step(batch, loss_fn)`` minimises the SUM of the losses 
 returns over every micro-batch of every data-parallel rank (Megatron's per-micro-batch and
 per-DP averaging are switched off), so the caller decides the normalisation, e.g. a token-mean
 over the global batch divides by the global token count.
+
+Micro-batches: ``micro_batch_size`` (``forward_micro_batch_size``) consecutive sequences at the
+batch's full width S; or, with ``max_tokens_per_micro_batch``, a token budget: the rank's
+sequences sorted by length and packed greedily (``token_budget_split``), each micro-batch keeping
+only the columns its rows need, every row's span of real tokens moved to start at column 0.
+Either way ``plan_micro_batches`` is the split, every per-token field of the micro-batch ``mb`` a
+loss function sees is cut the same way as the log-probs it gets, and per-sample outputs come back
+in the batch's order at width S (``to_batch_order``). Log-probs and values are 0 where nothing
+defines them -- padding, and for log-probs a sequence's first token -- whichever the split, so the
+two paths return the same tensors.
 """
 
 from __future__ import annotations
@@ -76,6 +86,12 @@ class EngineConfig:
     activations, so this can be several times ``micro_batch_size``; each micro-batch costs a
     fixed host-side overhead (Megatron's Python, kernel launches), which at small sizes is most of
     the pass. None: ``micro_batch_size``."""
+    max_tokens_per_micro_batch: int | None = None
+    """Dynamic batch size: micro-batches of training and forward-only passes hold at most this
+    many computed tokens (sequences x the longest one's span of real tokens, padded to a multiple
+    of tp under sequence parallelism), sequences grouped by length and padding columns cut, in
+    place of ``micro_batch_size`` and ``forward_micro_batch_size``. Must be at least the longest
+    sequence. None: fixed-size micro-batches at the batch's full width."""
     dtype: str = "fp32"
     """Parameter dtype: "fp32" or "bf16" (bf16 keeps fp32 main weights in the optimizer)."""
     sequence_parallel: bool = False
@@ -89,6 +105,7 @@ class EngineConfig:
         check_choice("dtype", self.dtype, tuple(DTYPES))
         check_int("micro_batch_size", self.micro_batch_size)
         check_int("forward_micro_batch_size", self.forward_micro_batch_size, none_ok=True)
+        check_int("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, none_ok=True)
         check_int("seed", self.seed, low=0)
         if not isinstance(self.optim, OptimConfig):
             raise ConfigError("optim", f"must be an OptimConfig, got {type(self.optim).__name__}")
@@ -155,7 +172,11 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
         # counts one TP shard only.
         perform_initialization=True,
         calculate_per_token_loss=True,  # see the module docstring: we own the normalisation
-        variable_seq_lengths=False,
+        # Budgeted micro-batches differ in width and rows: pipeline stages then send each
+        # activation's shape before it (a small p2p per micro-batch), so only then.
+        variable_seq_lengths=engine.max_tokens_per_micro_batch is not None,
+        # The models are dense; only MoE's default dispatcher refuses variable lengths.
+        moe_token_dispatcher_type="alltoall",
         batch_p2p_sync=torch.cuda.is_available(),  # p2p's sync calls torch.cuda.synchronize
         # gloo matches point-to-point messages by (peer, tag) in posting order; a batched
         # isend/irecv with the same peer both ways (pp=2 under interleaving) can swap activations
@@ -233,6 +254,115 @@ def batch_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+def token_budget_split(lengths: list[int], budget: int, multiple: int = 1) -> list[list[int]]:
+    """Indices of ``lengths`` (each sequence's span of real tokens) in micro-batches of at most
+    ``budget`` computed tokens: sorted by length (stable), packed greedily while the rows x the
+    longest span, rounded up to ``multiple`` (sequence parallelism's tp), fit the budget. An empty
+    sequence counts one token. Raises ConfigError when one sequence alone exceeds the budget."""
+    out: list[list[int]] = []
+    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
+        width = _round_up(max(lengths[i], 1), multiple)  # the longest so far: sorted
+        if width > budget:
+            raise ConfigError("engine.max_tokens_per_micro_batch",
+                              f"{budget} is below a sequence of {lengths[i]} tokens"
+                              + (f" ({width} padded to a multiple of tp)" if width > lengths[i]
+                                 else "") + f"; raise it to at least {width}")
+        if out and (len(out[-1]) + 1) * width <= budget:
+            out[-1].append(i)
+        else:
+            out.append([i])
+    return out
+
+
+@dataclass(frozen=True)
+class MicroBatchPlan:
+    """Where one micro-batch comes from: row ``rows[j]`` of the batch, its columns from
+    ``starts[j]`` on, ``width`` of them (columns past the batch's end are padding)."""
+
+    rows: torch.Tensor
+    """[b] int64: indices into the batch."""
+    starts: torch.Tensor
+    """[b] int64: the batch column that is the micro-batch's column 0, per row."""
+    width: int
+    """Columns the micro-batch keeps."""
+    padded_width: int
+    """Columns the model computes: ``width`` padded to a multiple of tp under sequence
+    parallelism."""
+
+    @property
+    def tokens(self) -> int:
+        """Positions the model computes for this micro-batch (real and padding)."""
+        return len(self.rows) * self.padded_width
+
+
+def plan_micro_batches(attention_mask: torch.Tensor, engine: EngineConfig, tp: int,
+                       forward_only: bool) -> list[MicroBatchPlan]:
+    """The split of a rank's batch ([B, S] attention mask) into micro-batches, the same on every
+    pipeline stage and TP rank (they see the same data): fixed-size consecutive rows at width S,
+    or with ``engine.max_tokens_per_micro_batch`` the token budget's groups, each row's span of
+    real tokens (first to last real token) starting at column 0."""
+    n, s = attention_mask.shape
+    multiple = tp if engine.sequence_parallel else 1
+    budget = engine.max_tokens_per_micro_batch
+    if budget is None:
+        field, mbs = "engine.micro_batch_size", engine.micro_batch_size
+        if forward_only and engine.forward_micro_batch_size is not None:
+            field, mbs = "engine.forward_micro_batch_size", engine.forward_micro_batch_size
+        if n % mbs:
+            raise ConfigError(field, f"{mbs} does not divide this rank's batch of {n} sequences")
+        starts = torch.zeros(mbs, dtype=torch.long)
+        return [MicroBatchPlan(torch.arange(i, i + mbs), starts, s, _round_up(s, multiple))
+                for i in range(0, n, mbs)]
+    real = attention_mask.detach().cpu().bool()
+    has = real.any(-1)
+    first = torch.where(has, real.int().argmax(-1), 0)
+    last = torch.where(has, s - 1 - real.flip(-1).int().argmax(-1), 0)
+    lengths = (last - first + 1).clamp(min=1)
+    plans = []
+    for group in token_budget_split(lengths.tolist(), budget, multiple):
+        rows = torch.tensor(group, dtype=torch.long)
+        width = int(lengths[rows].max())
+        plans.append(MicroBatchPlan(rows, first[rows], width, _round_up(width, multiple)))
+    return plans
+
+
+def _columns(starts: torch.Tensor, width: int, device) -> torch.Tensor:
+    """[b, width]: the batch column of each micro-batch column."""
+    return starts.to(device)[:, None] + torch.arange(width, device=device)
+
+
+def _take(x: torch.Tensor, plan: MicroBatchPlan) -> torch.Tensor:
+    """A batch field's share of one micro-batch: its rows, and for a per-token field ([B, S,
+    ...]) the plan's columns of each row, 0 past the batch's last column."""
+    rows = plan.rows.to(x.device)
+    s = x.shape[1] if x.dim() >= 2 else None
+    if s is None or (plan.width == s and not plan.starts.any()):
+        return x[rows]
+    cols = _columns(plan.starts, plan.width, x.device)
+    out = x[rows[:, None], cols.clamp(max=s - 1)]
+    out[cols >= s] = 0
+    return out
+
+
+def to_batch_order(pieces: list[tuple[torch.Tensor, dict]]) -> torch.Tensor:
+    """Per-token results of micro-batches -- (result [b, w, ...], the micro-batch ``mb`` it was
+    computed from), covering a whole batch -- as one [B, S, ...] tensor in the batch's row order
+    and columns; 0 at the columns no micro-batch kept."""
+    first = pieces[0][0]
+    n = sum(len(mb["_rows"]) for _, mb in pieces)
+    out = first.new_zeros((n, pieces[0][1]["_width"], *first.shape[2:]))
+    for x, mb in pieces:
+        cols = _columns(mb["_starts"], x.shape[1], x.device)
+        rows = mb["_rows"].to(x.device)[:, None].expand_as(cols)
+        keep = cols < out.shape[1]
+        out[rows[keep], cols[keep]] = x[keep]
+    return out
+
+
 def batch_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B,S] 1=real token -> Megatron's [B,1,S,S] bool mask, True where attention is blocked:
     future keys and padding keys."""
@@ -280,6 +410,13 @@ class TrainEngine:
         check_model_fits_layout(model, layout, engine)
         if head not in ("lm", "value"):
             raise ArgumentError("head", f"unknown head {head!r}; use lm or value")
+        if (engine.max_tokens_per_micro_batch is not None and layout.vpp
+                and not torch.cuda.is_available()):
+            # Megatron sends the shapes in one batched isend/irecv; gloo matches a peer's
+            # messages in posting order, and at pp=2 under interleaving both directions share
+            # the peer, so an activation's shape can arrive as a gradient's.
+            raise ConfigError("engine.max_tokens_per_micro_batch", "not supported with "
+                              "layout.vpp on CPU (gloo); set layout.vpp to null")
         if head == "value" and engine.sequence_parallel:
             raise ConfigError("engine.sequence_parallel", "not supported with a value head yet; "
                               "set it to false for critics and reward models")
@@ -409,26 +546,27 @@ class TrainEngine:
     # ----------------------------------------------------------------------------- compute
     def _micro_batches(self, batch: dict[str, torch.Tensor], forward_only: bool
                        ) -> list[dict[str, torch.Tensor]]:
-        n = batch["input_ids"].shape[0]
-        field, mbs = "engine.micro_batch_size", self.config.micro_batch_size
-        if forward_only and self.config.forward_micro_batch_size is not None:
-            field, mbs = "engine.forward_micro_batch_size", self.config.forward_micro_batch_size
-        if n % mbs:
-            raise ConfigError(field, f"{mbs} does not divide this rank's batch of {n} sequences")
+        """The micro-batches ``plan_micro_batches`` gives, each a dict of the batch's fields cut
+        to it, plus the model's inputs (``_ids``, ``_mask``, padded for sequence parallelism),
+        its kept width ``_seq`` and where it came from (``_rows``, ``_starts``, the batch's
+        width ``_width``: what ``to_batch_order`` reads)."""
+        plans = plan_micro_batches(batch["attention_mask"], self.config, self.layout.tp,
+                                   forward_only)
         # Everything a loss function reads (advantages, old log-probs, ...) goes to the device in
-        # one copy per field; micro-batches are views of it.
+        # one copy per field; fixed-size micro-batches are views of it.
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-        # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple of tp.
         s = batch["input_ids"].shape[1]
-        pad = (-s) % self.layout.tp if self.config.sequence_parallel else 0
-        ids, mask = batch["input_ids"], batch["attention_mask"]
-        if pad:
-            ids = torch.nn.functional.pad(ids, (0, pad))
-            mask = torch.nn.functional.pad(mask, (0, pad))
         out = []
-        for i in range(0, n, mbs):
-            mb = {k: v[i:i + mbs] for k, v in batch.items()}
-            mb["_ids"], mb["_mask"], mb["_seq"] = ids[i:i + mbs], mask[i:i + mbs], s
+        for plan in plans:
+            mb = {k: _take(v, plan) for k, v in batch.items()}
+            ids, mask = mb["input_ids"], mb["attention_mask"]
+            # Sequence parallelism splits the sequence over TP ranks: pad it to a multiple of tp.
+            pad = plan.padded_width - plan.width
+            if pad:
+                ids = torch.nn.functional.pad(ids, (0, pad))
+                mask = torch.nn.functional.pad(mask, (0, pad))
+            mb.update(_ids=ids, _mask=mask, _seq=plan.width, _rows=plan.rows,
+                      _starts=plan.starts, _width=s)
             out.append(mb)
         return out
 
@@ -454,16 +592,19 @@ class TrainEngine:
 
             def loss(output):
                 inputs = mb
+                real = mask[:, :seq].bool()
                 if self.head == "value":
-                    per_token = output[:, :seq, 0]
+                    per_token = torch.where(real, output[:, :seq, 0], 0.0)
                 else:
                     if entropy:
                         output, token_entropy = _cross_entropy_and_entropy(output, labels,
                                                                            self.pg.tp)
                         inputs = mb | {"entropy": shift_right(token_entropy)[:, :seq]}
                     # The per-token cross entropy [b, s] for the labels (GPTModel's output when
-                    # given them).
-                    per_token = shift_right(-output)[:, :seq]
+                    # given them). 0 where no real token predicts a real one: what a padding
+                    # position outputs depends on the micro-batch's width, which the split sets.
+                    per_token = torch.where(real & shift_right(real), shift_right(-output)[:, :seq],
+                                            0.0)
                 if loss_fn is None:
                     outputs.append(per_token.detach())
                     return per_token.sum() * 0, torch.tensor(1, dtype=torch.int), {}
@@ -490,12 +631,14 @@ class TrainEngine:
         outputs: list = []
         fb = get_forward_backward_func()
         iters = [iter(mbs) for _ in self.chunks] if len(self.chunks) > 1 else iter(mbs)
+        # seq_length and micro_batch_size give the p2p shapes unless variable_seq_lengths (the
+        # token budget), where each activation's shape travels before it.
         fb(forward_step_func=self._forward_step(loss_fn, outputs, logits, entropy),
            data_iterator=iters,
            model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
            num_microbatches=len(mbs), seq_length=mbs[0]["_ids"].shape[1],
            micro_batch_size=mbs[0]["_ids"].shape[0], forward_only=forward_only)
-        return outputs
+        return outputs, mbs
 
     def _from_last_stage(self, obj):
         """Objects computed on the last pipeline stage, given to every stage."""
@@ -510,8 +653,9 @@ class TrainEngine:
     def _per_token(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         for chunk in self.chunks:
             chunk.eval()
-        outputs = self._run(batch, None, forward_only=True)
-        return self._from_last_stage(torch.cat(outputs).cpu() if outputs else None)
+        outputs, mbs = self._run(batch, None, forward_only=True)
+        return self._from_last_stage(to_batch_order(list(zip(outputs, mbs))).cpu()
+                                     if outputs else None)
 
     def compute_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token log-probs [B, S]: ``out[b, i] = log p(input_ids[b, i] | input_ids[b, :i])``,
@@ -532,8 +676,9 @@ class TrainEngine:
         vocabularies -- training paths stay vocab-parallel)."""
         for chunk in self.chunks:
             chunk.eval()
-        outputs = self._run(batch, None, forward_only=True, logits=True)
-        return self._from_last_stage(torch.cat(outputs).cpu() if outputs else None)
+        outputs, mbs = self._run(batch, None, forward_only=True, logits=True)
+        return self._from_last_stage(to_batch_order(list(zip(outputs, mbs))).cpu()
+                                     if outputs else None)
 
     def train_step(self, batch: dict[str, torch.Tensor], loss_fn: LossFn,
                    with_entropy: bool = False) -> dict[str, float]:
@@ -541,16 +686,18 @@ class TrainEngine:
         ``with_entropy``: ``loss_fn`` also finds the policy's per-token entropy [b, s] in
         ``mb["entropy"]``, aligned with the log-probs (at i, the entropy of the distribution that
         predicted token i; 0 at i = 0) and differentiable; it costs a softmax over this rank's
-        vocabulary slice. Returns summed loss and averaged metrics over this rank's micro-batches,
-        grad_norm, and ``nonfinite`` (1.0 when the gradients were not finite and the step was not
-        applied)."""
+        vocabulary slice. ``loss_fn`` may see the micro-batches in another order than the batch's
+        and cut to fewer columns (``max_tokens_per_micro_batch``); ``to_batch_order`` puts
+        per-token results it keeps, with their ``mb``, back in the batch's order. Returns summed
+        loss and averaged metrics over this rank's micro-batches, grad_norm, ``nonfinite`` (1.0
+        when the gradients were not finite and the step was not applied)."""
         if with_entropy and self.head != "lm":
             raise ValueError("with_entropy needs an engine built with head='lm'")
         for chunk in self.chunks:
             chunk.train()
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
-        outputs = self._run(batch, loss_fn, forward_only=False, entropy=with_entropy)
+        outputs, _ = self._run(batch, loss_fn, forward_only=False, entropy=with_entropy)
         grad_norm, applied = self._step_if_finite()
         metrics: dict[str, float] = {}
         if outputs:  # the last stage: one device -> host copy for all micro-batches

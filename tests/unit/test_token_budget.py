@@ -1,0 +1,95 @@
+"""The token budget's split (``engine.max_tokens_per_micro_batch``): sequences grouped by length,
+every micro-batch within the budget, every sample once, a too-long sequence refused by name; and
+the plan the engine follows, whose columns put each sequence's real tokens first and which
+``to_batch_order`` undoes."""
+
+import pytest
+import torch
+
+from hybridflow.errors import ConfigError
+from hybridflow.training.engine import (EngineConfig, plan_micro_batches, to_batch_order,
+                                        token_budget_split)
+
+
+def test_groups_by_length_within_the_budget():
+    lengths = [5, 1, 9, 3, 3, 8, 2, 10]
+    groups = token_budget_split(lengths, budget=12)
+    # sorted by length, stable (the two 3s keep their order), packed while rows x longest <= 12
+    assert groups == [[1, 6, 3, 4], [0], [5], [2], [7]]
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        assert len(g) * max(lengths[i] for i in g) <= 12
+
+
+def test_multiple_rounds_the_width_up():
+    # sequence parallelism at tp=4 pads every width to a multiple of 4
+    assert token_budget_split([3, 4, 5, 1], budget=8, multiple=4) == [[3, 0], [1], [2]]
+    with pytest.raises(ConfigError, match="8 padded to a multiple of tp.*at least 8"):
+        token_budget_split([5], budget=7, multiple=4)
+
+
+def test_a_sequence_over_the_budget_is_refused_by_name():
+    with pytest.raises(ConfigError) as e:
+        token_budget_split([4, 17, 2], budget=16)
+    assert e.value.field == "engine.max_tokens_per_micro_batch"
+    assert "17 tokens" in str(e.value) and "at least 17" in str(e.value)
+
+
+def test_an_empty_sequence_costs_one_token():
+    assert token_budget_split([0, 0, 2], budget=4) == [[0, 1], [2]]
+
+
+def test_config_checks_the_budget():
+    with pytest.raises(ConfigError, match="max_tokens_per_micro_batch"):
+        EngineConfig(max_tokens_per_micro_batch=0)
+    assert EngineConfig(max_tokens_per_micro_batch=None).max_tokens_per_micro_batch is None
+
+
+def _batch():
+    # left-padded prompts (width 4) + right-padded responses (width 4)
+    spans = [(4, 4), (1, 1), (3, 2), (2, 4), (4, 1)]
+    mask = torch.zeros(len(spans), 8, dtype=torch.long)
+    for i, (p, r) in enumerate(spans):
+        mask[i, 4 - p:4 + r] = 1
+    ids = torch.arange(mask.numel()).reshape(mask.shape) * mask
+    return ids, mask
+
+
+def test_plan_takes_each_span_from_its_first_real_token():
+    ids, mask = _batch()
+    plans = plan_micro_batches(mask, EngineConfig(max_tokens_per_micro_batch=10), tp=1,
+                               forward_only=True)
+    assert [p.rows.tolist() for p in plans] == [[1, 2], [4], [3], [0]]
+    assert [(p.width, p.padded_width) for p in plans] == [(5, 5), (5, 5), (6, 6), (8, 8)]
+    assert plans[0].starts.tolist() == [3, 1]
+    assert sum(p.tokens for p in plans) == 10 + 5 + 6 + 8  # vs 40 padded
+    # sequence parallelism at tp=4 pads the computed width, not the kept one
+    sp = plan_micro_batches(mask, EngineConfig(max_tokens_per_micro_batch=16,
+                                               sequence_parallel=True), tp=4, forward_only=False)
+    assert all(p.padded_width % 4 == 0 and p.padded_width - p.width < 4 for p in sp)
+
+
+def test_fixed_size_plan_is_the_padded_path():
+    _, mask = _batch()
+    mask = mask[:4]
+    plans = plan_micro_batches(mask, EngineConfig(micro_batch_size=2), tp=1, forward_only=False)
+    assert [p.rows.tolist() for p in plans] == [[0, 1], [2, 3]]
+    assert all(p.width == 8 and not p.starts.any() for p in plans)
+    with pytest.raises(ConfigError, match="engine.forward_micro_batch_size"):
+        plan_micro_batches(mask, EngineConfig(forward_micro_batch_size=3), tp=1,
+                           forward_only=True)
+
+
+def test_to_batch_order_undoes_the_plan():
+    from hybridflow.training.engine import _take
+    ids, mask = _batch()
+    plans = plan_micro_batches(mask, EngineConfig(max_tokens_per_micro_batch=10), tp=1,
+                               forward_only=True)
+    pieces = []
+    for p in plans:
+        mb = {"_rows": p.rows, "_starts": p.starts, "_width": 8}
+        taken = _take(ids, p)
+        # real tokens first: the kept columns hold each row's real tokens from column 0
+        assert torch.equal(_take(mask, p)[:, 0], torch.ones(len(p.rows), dtype=torch.long))
+        pieces.append((taken, mb))
+    assert torch.equal(to_batch_order(pieces), ids)
