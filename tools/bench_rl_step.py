@@ -49,6 +49,14 @@ engine's own split, ``plan_micro_batches``, of each DP rank's share: every posit
 (tokens_padded - tokens_real) / tokens_padded, the share of computed positions that are padding. On CPU the "matmul rate" is one thread's (the workers run one
 thread each) and there is no roofline.
 
+Floors (``floor_s``), at the rates measured in this run: each training and forward-only pass
+its FLOPs above over the matmul rate (what its MFU divides); generation replica 0's prefill and
+decode FLOPs (2 N per prompt position and per response token) at its devices' matmul rate, or
+the decode steps' HBM roofline where that is longer; the switch the bytes it received over the
+all-gather rate of ``--calibration``'s file for its micro-DP group (0 where nothing moves; left
+out without a file). ``floor_ratio`` = the measured step / the sum of the floors (the controller's
+own work between phases included); ``floor_ratio_phases`` the same for the floored phases alone.
+
 ``--calibration FILE`` (from ``hybridflow calibrate``): the cost model's seconds for the same
 phases (``predicted_s``; docs/planner.md), printed beside the measured ones: floors, unless the
 file has a profile of this model's passes, which ``--profile-passes`` measures first (what
@@ -482,6 +490,39 @@ def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
             6 * n_params * tokens / mean("update_actor_s") / 1e12, 2)
     result["padded_fraction"] = round(1 - mean("tokens_real") / mean("tokens_padded"), 4)
     result["reward_mean"] = round(mean("reward_mean"), 4)
+    floors(result, rows, passes, n_params, peak, args)
+
+
+def floors(result: dict, rows: list[dict], passes: list, n_params: int, peak: float,
+           args) -> None:
+    """Each phase's floor at the rates measured in this run, their sum, and ``floor_ratio`` =
+    the measured step / that sum (the module docstring defines them)."""
+    def mean(key):
+        return statistics.mean(r[key] for r in rows)
+
+    tokens = mean("tokens_real")
+    out = {k: per_token * tokens / peak for k, per_token in passes}
+    # generation: replica 0's prefill and decode FLOPs at its devices' matmul rate, or the
+    # decode steps' HBM roofline where that is longer
+    replica = rows[-1]["gen_replicas"][0]
+    gen_flops = 2 * n_params * (replica["rows"] * replica["prompt_width"]
+                                + replica["response_tokens"])
+    out["generate"] = max(gen_flops / (args.gen_tp * result["matmul_tflops"] * 1e12),
+                          result.get("gen_roofline_s") or 0.0)
+    # the switch: the bytes it received at the all-gather rate of the calibration, if given
+    received = mean("reshard/bytes_received")
+    if received == 0:
+        out["reshard"] = 0.0
+    elif args.calibration is not None:
+        from hybridflow.mapping.calibrate import Calibration
+        from hybridflow.mapping.cost import gather_rate
+        micro_dp = args.tp // args.gen_tp
+        out["reshard"] = received / gather_rate(Calibration.from_json(args.calibration), micro_dp)
+    result["floor_s"] = {k: round(v, 5) for k, v in out.items()}
+    result["floor_s"]["step"] = round(sum(out.values()), 5)
+    measured = sum(result["phases_s"][k] for k in out)
+    result["floor_ratio"] = round(result["phases_s"]["step"] / sum(out.values()), 3)
+    result["floor_ratio_phases"] = round(measured / sum(out.values()), 3)
 
 
 def print_table(r: dict) -> None:
@@ -505,6 +546,12 @@ def print_table(r: dict) -> None:
           f"(padded tokens: {r['mfu_padded_training']:.1%}); padded tokens "
           f"{r['padded_fraction']:.1%} of {r['tokens_padded_per_step']:.0f} computed "
           "((computed - real) / computed)", flush=True)
+    f = r["floor_s"]
+    print("measured / floor s: " + ", ".join(f"{k} {p[k]:.3g} / {v:.3g}" for k, v in f.items())
+          + f"; the step is {r['floor_ratio']:.2f}x the sum of its phases' floors "
+          f"({r['floor_ratio_phases']:.2f}x for the phases alone)"
+          + ("" if "reshard" in f else "; the switch's floor needs --calibration (its "
+             "all-gather rate)"), flush=True)
 
 
 if __name__ == "__main__":

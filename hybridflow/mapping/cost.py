@@ -122,7 +122,7 @@ def _rate(calib: Calibration, dtype: str) -> float:
     return calib.matmul_flops[dtype]
 
 
-def _gather_rate(calib: Calibration, n: int) -> float:
+def gather_rate(calib: Calibration, n: int) -> float:
     """All-gather bytes received per rank per second in a group of n (> 1): the measured size
     nearest below n (the rate falls as groups grow), or the smallest measured."""
     sizes = sorted(calib.all_gather)
@@ -147,7 +147,7 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
     m = max(1, math.ceil(per_rank_samples / micro_batch))
     tp_bytes = 2 * shape.num_layers * per_rank_samples * seq * shape.hidden_size * b / lay.pp
     terms = {"compute": compute, "bubble": (lay.pp - 1) / m * compute,
-             "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / _gather_rate(calib, lay.tp)
+             "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / gather_rate(calib, lay.tp)
                          if lay.tp > 1 else 0.0)}
     profile = calib.profile(shape, eng.dtype)
     if profile is not None:
@@ -166,7 +166,7 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
     fwd = _forward(shape, part, per_step, seq, calib, head, eng.micro_batch_size, "train")
     steps = part.ppo_epochs * part.mini_batches
     grads = 4 * trained / (lay.tp * lay.pp)
-    dp = (2 * (lay.dp - 1) / lay.dp * grads / (_gather_rate(calib, lay.dp) / 2)
+    dp = (2 * (lay.dp - 1) / lay.dp * grads / (gather_rate(calib, lay.dp) / 2)
           if lay.dp > 1 else 0.0)
     profile = calib.profile(shape, eng.dtype)
     adam = ADAM_BYTES * trained / (lay.tp * lay.pp) / calib.memory_bandwidth
@@ -254,7 +254,7 @@ def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, floa
     metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings, gen)
     recv, _ = switch_bytes(gen, metas, DTYPE_BYTES[cfg.actor.engine.dtype],
                            cfg.hybrid_engine.mode, int(cfg.rollout.bucket_mb * 2**20))
-    return {"all_gather": recv / _gather_rate(calib, gen.micro_dp) if gen.micro_dp > 1 else 0.0}
+    return {"all_gather": recv / gather_rate(calib, gen.micro_dp) if gen.micro_dp > 1 else 0.0}
 
 
 def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Prediction:
@@ -263,6 +263,10 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
     if cfg.actor.lora.enabled:
         raise ConfigError("actor.lora", "the cost model does not cover LoRA yet; plan without "
                                         "it (set actor.lora.rank=0)")
+    for role in ("actor", "critic"):  # it counts micro-batches of micro_batch_size sequences
+        if getattr(cfg, role).engine.max_tokens_per_micro_batch is not None:
+            raise ConfigError(f"{role}.engine.max_tokens_per_micro_batch", "the cost model does "
+                              "not cover a token budget yet; plan without it (unset it)")
     model = shapes["model"]
     seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
     samples = cfg.train_batch_size * cfg.rollout.sampling.n

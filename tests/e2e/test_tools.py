@@ -65,5 +65,15 @@ def test_bench_rl_step_ppo_reports_every_phase(tmp_path):
                   "update_critic", "update_actor", "step"):
         assert r["phases_s"][phase] >= 0, phase
     assert r["forward_micro_batch_size"] == 4 and r["colocate"] is True
+    # each phase's floor at this run's rates (the switch's from the calibration file), the
+    # step's ratio to their sum
+    assert set(r["floor_s"]) == {"generate", "reshard", "ref_logprobs", "values",
+                                 "update_critic", "update_actor", "step"}
+    assert r["floor_s"]["step"] == pytest.approx(sum(
+        v for k, v in r["floor_s"].items() if k != "step"), abs=1e-4)
+    assert r["floor_s"]["reshard"] > 0  # tp 2 -> generation tp 1: the switch gathers
+    assert r["floor_ratio"] == pytest.approx(r["phases_s"]["step"] / r["floor_s"]["step"],
+                                             rel=1e-2)
+    assert r["floor_ratio"] > r["floor_ratio_phases"] > 1
     assert 0 < r["mfu_update_critic"] < 1 and 0 < r["mfu_training"] < 1
     assert r["response_tokens"] > 0

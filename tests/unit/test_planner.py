@@ -83,6 +83,15 @@ def test_cost_model_by_hand():
     assert kl.step == pytest.approx(p.step + fwd)
 
 
+def test_what_the_cost_model_does_not_cover_is_refused():
+    for override, field in (("actor.lora.rank=4", "actor.lora"),
+                            ("actor.engine.max_tokens_per_micro_batch=64",
+                             "actor.engine.max_tokens_per_micro_batch")):
+        with pytest.raises(ConfigError) as e:
+            predict(config(override), {"model": SHAPE}, CALIB)
+        assert e.value.field == field
+
+
 def test_layout_terms_act():
     one = predict(config(), {"model": SHAPE}, CALIB)
     # The switch gathers the stages.
