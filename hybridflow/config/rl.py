@@ -478,8 +478,8 @@ class RLConfig:
 
     @property
     def old_logprobs_from_update(self) -> bool:
-        """Whether the actor update's own forward gives the old log-probs, with no pass of its
-        own before it. So where the update is exactly on-policy (one epoch of one mini-batch:
+        """Whether the actor update's own forward gives the old log-probs, with no pass of their
+        own before it: true where the update is exactly on-policy (one epoch of one mini-batch:
         the policy it steps is the one that sampled, the ratio is 1 and its gradient that of
         the separate pass's) and nothing reads them before the update (the reward's KL, a
         rollout correction) or computes them otherwise (LoRA's dropout, which acts in the

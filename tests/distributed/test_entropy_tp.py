@@ -101,7 +101,7 @@ def actor_updates(model, full, batch):
     from hybridflow.algorithms import entropy_from_logits, masked_mean
     from hybridflow.batch import Batch
     from hybridflow.config.rl import ActorConfig
-    from hybridflow.controller.workers import ActorRolloutRefWorker
+    from tests.distributed.update_common import update_worker
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
 
@@ -120,11 +120,7 @@ def actor_updates(model, full, batch):
         data["old_logprobs"] = engine.compute_logprobs(data)
         data["advantages"] = torch.linspace(-1, 1, BATCH)[:, None].expand(BATCH, SEQ)
         before = response_entropy(engine, data)
-        # update_actor reads only these; the constructor would also load a checkpoint and start a
-        # rollout engine.
-        worker = ActorRolloutRefWorker.__new__(ActorRolloutRefWorker)
-        worker.actor_cfg, worker.actor, worker.dp_group = cfg, engine, engine.pg.dp
-        metrics = worker.update_actor(Batch(data)).meta
+        metrics = update_worker(cfg, engine).update_actor(Batch(data)).meta
         out[coef] = {"before": before, "after": response_entropy(engine, data),
                      "metrics": metrics}
     return out

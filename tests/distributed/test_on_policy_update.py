@@ -32,7 +32,7 @@ def make_batch():
 def run(rank, world):
     from hybridflow.batch import Batch
     from hybridflow.config.rl import ActorConfig
-    from hybridflow.controller.workers import ActorRolloutRefWorker
+    from tests.distributed.update_common import update_worker
     from hybridflow.models.config import ModelConfig
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
@@ -61,10 +61,7 @@ def run(rank, world):
                 result["separate_logprobs"] = data["old_logprobs"]
             if mode == "refused":  # two mini-batches: the second is off-policy
                 cfg.mini_batches = 2
-            # update_actor reads only these; the constructor would also load a checkpoint and
-            # start a rollout engine.
-            worker = ActorRolloutRefWorker.__new__(ActorRolloutRefWorker)
-            worker.actor_cfg, worker.actor, worker.dp_group = cfg, engine, engine.pg.dp
+            worker = update_worker(cfg, engine)
             if mode == "refused":
                 try:
                     worker.update_actor(Batch(data))

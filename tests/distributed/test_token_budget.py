@@ -49,7 +49,7 @@ def loss_fn(logprobs, mb):
 def run(rank, world):
     from hybridflow.batch import Batch
     from hybridflow.config.rl import ActorConfig
-    from hybridflow.controller.workers import ActorRolloutRefWorker
+    from tests.distributed.update_common import update_worker
     from hybridflow.models.config import ModelConfig
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
@@ -82,9 +82,7 @@ def run(rank, world):
                                                   optim=OptimConfig(name="sgd", lr=0.5)))
             engine = TrainEngine(model, layout, cfg.engine)
             engine.load_full_weights(full)
-            worker = ActorRolloutRefWorker.__new__(ActorRolloutRefWorker)
-            worker.actor_cfg, worker.actor, worker.dp_group = cfg, engine, engine.pg.dp
-            update = worker.update_actor(Batch(dict(share)))
+            update = update_worker(cfg, engine).update_actor(Batch(dict(share)))
             result["on_policy"] = update.tensors.get("old_logprobs")
             result["last_stage"] = p == layout.pp - 1
         out.append(result)
