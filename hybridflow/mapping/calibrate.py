@@ -172,7 +172,7 @@ def calibrate(quick: bool = False, log: Callable[[str], None] = print) -> Calibr
     threads = "" if on_gpu else " (1 thread)"
 
     def median_seconds(fn: Callable[[], object]) -> float:
-        return _median_seconds(fn, sync, warmup=warmup, repeats=repeats, inner=inner)
+        return timed_median(fn, sync, warmup=warmup, repeats=repeats, inner=inner)
 
     matmul_flops = {}
     for dtype, n in matmul_n.items():
@@ -260,7 +260,7 @@ def _time_collectives(rank: int, world_size: int, message: int, warmup: int, rep
     return times
 
 
-def _median_seconds(fn: Callable[[], object], sync: Callable[[], None], *, warmup: int,
+def timed_median(fn: Callable[[], object], sync: Callable[[], None], *, warmup: int,
                     repeats: int, inner: int) -> float:
     """Median seconds per call of ``fn`` over ``repeats`` samples of ``inner`` calls each."""
     for _ in range(warmup):

@@ -31,7 +31,6 @@ import dataclasses
 import math
 import os
 import statistics
-import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -196,6 +195,7 @@ def _measure(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir
     """Median seconds of each pass (as ``efficiencies`` reads them), in a one-rank group."""
     import torch
 
+    from hybridflow.mapping.calibrate import timed_median
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training.engine import TrainEngine
 
@@ -213,15 +213,8 @@ def _measure(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir
     def loss_fn(logprobs, mb):
         return -(logprobs * mb["mask"]).sum() / mb["mask"].numel(), {}
 
-    def median(fn) -> float:
-        samples = []
-        for _ in range(repeats):
-            sync()
-            start = time.perf_counter()
-            fn()
-            sync()
-            samples.append(time.perf_counter() - start)
-        return statistics.median(samples)
+    def median(fn) -> float:  # warmed up once, below
+        return timed_median(fn, sync, warmup=0, repeats=repeats, inner=1)
 
     sizes = micro_batch_sizes(cfg)
     engine = TrainEngine(shape, TrainLayout(), cfg.actor.engine, head="lm")
@@ -251,6 +244,7 @@ def _time_generate(cfg, shape, model_dir, device, sync, repeats: int) -> tuple[f
     ``load_from_switch`` of the whole model."""
     import torch
 
+    from hybridflow.mapping.calibrate import timed_median
     from hybridflow.rollout.base import SamplingConfig, rollout_backend
     r = cfg.rollout
     backend = rollout_backend(r.backend)
@@ -279,13 +273,8 @@ def _time_generate(cfg, shape, model_dir, device, sync, repeats: int) -> tuple[f
     sampling = SamplingConfig(temperature=1.0, max_tokens=r.sampling.max_tokens, n=1,
                               ignore_eos=True, seed=0)
     rollout.wake()
-    samples = []
-    for k in range(1 + repeats):
-        sync()
-        start = time.perf_counter()
-        rollout.generate(prompts, sampling)
-        sync()
-        samples.append(time.perf_counter() - start)
+    generate = timed_median(lambda: rollout.generate(prompts, sampling), sync, warmup=1,
+                            repeats=repeats, inner=1)
     # What the switch hands the rollout at generation tp = 1: every tensor, whole.
     from hybridflow.hybrid_engine.switch import generation_metas
     from hybridflow.models.params import llama_param_metas
@@ -294,12 +283,7 @@ def _time_generate(cfg, shape, model_dir, device, sync, repeats: int) -> tuple[f
     metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings,
                              GenLayout(train=TrainLayout(), tp=1))
     tensors = {m.name: torch.zeros(m.shape, dtype=DTYPES[dtype], device=device) for m in metas}
-    loads = []
-    for k in range(1 + repeats):
-        sync()
-        start = time.perf_counter()
-        rollout.load_from_switch(tensors)
-        sync()
-        loads.append(time.perf_counter() - start)
+    load = timed_median(lambda: rollout.load_from_switch(tensors), sync, warmup=1,
+                        repeats=repeats, inner=1)
     rollout.close()
-    return statistics.median(samples[1:]), statistics.median(loads[1:])
+    return generate, load
