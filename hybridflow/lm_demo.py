@@ -106,10 +106,7 @@ def run_worker(rank: int, world: int, cfg: LMDemoConfig, run_dir: str) -> dict[s
         mine = {k: v[dp_rank * per_rank:(dp_rank + 1) * per_rank] for k, v in batch.items()}
         start = time.perf_counter()
         metrics = engine.train_step(mine, loss_fn)
-        # Each DP rank reports its share of the global token-mean; the sum is the loss.
-        loss = torch.tensor(metrics["loss"])
-        torch.distributed.all_reduce(loss)
-        loss = loss.item() / cfg.layout.model_parallel_size
+        loss = metrics["loss"]  # the global token-mean, summed over the DP ranks' shares
         row = {"loss": loss, "grad_norm": metrics["grad_norm"],
                "timing/step_s": time.perf_counter() - start}
         if step in (1, cfg.steps) or step % 10 == 0:

@@ -71,7 +71,9 @@ def check_validation(cfg, n_prompts: int) -> None:
     split = replicas
     if scorers:  # the reward (and cost) model scores them at critic.layout
         c = cfg.critic
-        forward = c.engine.forward_micro_batch_size or c.engine.micro_batch_size
+        # A token budget takes any number of sequences per micro-batch.
+        forward = (1 if c.engine.max_tokens_per_micro_batch is not None
+                   else c.engine.forward_micro_batch_size or c.engine.micro_batch_size)
         split = math.lcm(split, c.layout.dp * forward)
     if v.size % split:
         raise ConfigError("validation.size", f"{v.size} prompts do not split over the "

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Callable
 
 from hybridflow.checkpoint import ResumePlan, plan_resume, run_identity
-from hybridflow.config.memory import MemoryEstimate
+from hybridflow.config.memory import DTYPE_BYTES, MemoryEstimate
 from hybridflow.config.rl import RLConfig
 from hybridflow.data.prompts import load_prompts
 from hybridflow.errors import ConfigError
@@ -300,20 +300,16 @@ def _check_out_dir(cfg: RLConfig) -> None:
 
 
 def _reshard_bytes(model: ModelConfig, gen: GenLayout, cfg: RLConfig) -> tuple[list[int], int]:
-    """Bytes each actor rank receives in one switch (the configured mode), and what rank 0
-    the most any rank would receive on the naive path."""
-    from hybridflow.hybrid_engine.plan import plan_reshard
-    from hybridflow.hybrid_engine.switch import generation_metas, naive_recv_bytes
+    """Bytes each actor rank receives in one switch (the configured mode), and the most any rank
+    would receive on the naive path."""
+    from hybridflow.hybrid_engine.switch import generation_metas, switch_recv_bytes
     from hybridflow.models.params import llama_param_metas
     # The parameters as the switch reshards them (a tied embedding's last-stage copy included).
     metas = generation_metas(llama_param_metas(model), model.tie_embeddings, gen)
-    dtype_bytes = 4 if cfg.actor.engine.dtype == "fp32" else 2
-    ranks = range(cfg.actor.layout.world_size)
-    naive = [naive_recv_bytes(gen, metas, r, dtype_bytes) for r in ranks]
-    if cfg.hybrid_engine.mode == "naive":
-        return naive, max(naive)
-    plan = plan_reshard(gen, metas, dtype_bytes, int(cfg.rollout.bucket_mb * 2**20))
-    return [plan.ranks[r].recv_bytes for r in ranks], max(naive)
+    dtype_bytes = DTYPE_BYTES[cfg.actor.engine.dtype]
+    recv = switch_recv_bytes(gen, metas, dtype_bytes, cfg.hybrid_engine.mode,
+                             int(cfg.rollout.bucket_mb * 2**20))
+    return recv, max(switch_recv_bytes(gen, metas, dtype_bytes, "naive"))
 
 
 def _mib(n: int) -> str:

@@ -404,6 +404,12 @@ class RLConfig:
                                        "dtype)")
               for k in ("ppo_epochs", "mini_batches", "value_clip", "engine.optim")),
             ("critic", not ppo and not scorers, "algorithm.name=ppo, reward_model or cost_model"),
+            # A token budget forms every micro-batch, of training and forward passes alike.
+            *((f"{role}.engine.{k}", getattr(self, role).engine.max_tokens_per_micro_batch
+               is not None, f"set {role}.engine.max_tokens_per_micro_batch=null (micro-batches "
+               "are formed by the token budget)")
+              for role in ("actor", "critic")
+              for k in ("micro_batch_size", "forward_micro_batch_size")),
             ("reward", self.reward_model is not None, "remove reward_model"),
             ("rollout.kv_cache_mb", self.rollout.backend != "vllm", "rollout.backend=vllm"),
             *((f"data.{k}", self.data.source != "reasoning_gym", "data.source=reasoning_gym")

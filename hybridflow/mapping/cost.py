@@ -232,18 +232,13 @@ def switch_bytes(gen, metas: list, dtype_bytes: int, mode: str = "3d",
     """(bytes the busiest rank receives in one switch, bytes of the largest generation shard):
     the paper's Table 2 "communication volume" and "peak memory" of the generation weights, from
     our own reshard plan (``mode`` "3d") or verl's per-tensor path ("naive")."""
-    from hybridflow.hybrid_engine.plan import plan_reshard
-    from hybridflow.hybrid_engine.switch import naive_recv_bytes
+    from hybridflow.hybrid_engine.switch import switch_recv_bytes
     from hybridflow.models.params import num_layers_of, owner_stage
-    plan = plan_reshard(gen, metas, dtype_bytes, bucket_bytes)
     layers = num_layers_of(metas)
     storage = max(sum(math.prod(m.shard_shape(gen.tp)) for m in metas
                       if owner_stage(m, gen.pp, layers) == stage)
                   for stage in range(gen.pp)) * dtype_bytes
-    ranks = range(gen.train.world_size)
-    if mode == "naive":
-        return max(naive_recv_bytes(gen, metas, r, dtype_bytes) for r in ranks), storage
-    return max(plan.ranks[r].recv_bytes for r in ranks), storage
+    return max(switch_recv_bytes(gen, metas, dtype_bytes, mode, bucket_bytes)), storage
 
 
 def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, float]:

@@ -4,7 +4,9 @@ sequences of very different lengths (left-padded prompts, right-padded responses
 equal the padded path's in the batch's order and width, and one SGD step on a token-mean loss
 over response tokens gives the same loss, grad norm and weights -- with other micro-batches
 (counts, rows and widths; DP ranks with different counts). An on-policy actor update hands its
-log-probs back in the batch's order. One 4-process launch.
+log-probs back in the batch's order, and an off-policy one reports the metrics of the padded path
+in one micro-batch per rank (losses summed, fractions and means weighted by what they count), the
+whole batch's on every DP rank. One 4-process launch.
 """
 
 import pytest
@@ -20,6 +22,7 @@ PROMPT, RESPONSE = 8, 8
 SPANS = [(8, 8), (1, 1), (6, 2), (2, 7), (1, 1), (1, 2), (2, 1), (1, 1)]
 BUDGET = 18
 MICRO_BATCH = 2
+NOISE_SEED = 2  # old log-probs = the policy's + 2 N(0, 1) on response tokens (both clips bind)
 # (layout, sequence_parallel)
 LAYOUTS = [(dict(tp=2, pp=2, dp=1), False), (dict(tp=1, pp=2, dp=2), False),
            (dict(tp=2, pp=1, dp=2), True)]
@@ -37,6 +40,11 @@ def make_batch():
     advantages = torch.randn(n, 1, generator=g).expand(n, s).contiguous()
     return {"input_ids": ids, "attention_mask": mask, "response_mask": response,
             "advantages": advantages}
+
+
+def make_noise():
+    g = torch.Generator().manual_seed(NOISE_SEED)
+    return 2 * torch.randn(len(SPANS), PROMPT + RESPONSE, generator=g)
 
 
 def loss_fn(logprobs, mb):
@@ -85,7 +93,30 @@ def run(rank, world):
             update = update_worker(cfg, engine).update_actor(Batch(dict(share)))
             result["on_policy"] = update.tensors.get("old_logprobs")
             result["last_stage"] = p == layout.pp - 1
+            noise = Batch({"z": make_noise()}).split(layout.dp)[d]["z"]
+            result["off_policy"] = off_policy_metrics(model, full, layout, share, noise)
         out.append(result)
+    return out
+
+
+def off_policy_metrics(model, full, layout, share, noise):
+    """The metrics of one off-policy actor update (clipping, dual clip, KL loss, entropy bonus)
+    of the rank's ``share``, padded in one micro-batch (None) and under the budget."""
+    from hybridflow.batch import Batch
+    from hybridflow.config.rl import ActorConfig
+    from tests.distributed.update_common import update_worker
+    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    out = {}
+    for budget in (None, BUDGET):
+        cfg = ActorConfig(layout=layout, kl_loss_coef=0.1, entropy_coef=0.01, engine=EngineConfig(
+            micro_batch_size=len(share["input_ids"]), max_tokens_per_micro_batch=budget,
+            optim=OptimConfig(name="sgd", lr=0.5)))
+        engine = TrainEngine(model, layout, cfg.engine)
+        engine.load_full_weights(full)
+        logprobs = engine.compute_logprobs(share)
+        data = dict(share, old_logprobs=logprobs + noise * share["response_mask"],
+                    ref_logprobs=logprobs)
+        out[budget] = update_worker(cfg, engine).update_actor(Batch(data)).meta
     return out
 
 
@@ -135,3 +166,24 @@ def test_budget_matches_the_padded_path(results, index):
     if layout["pp"] == 2:  # pipeline stages passed activations of several shapes
         shapes = results[0][index][BUDGET]["shapes"]
         assert len({b for b, _ in shapes}) > 1 and len({s for _, s in shapes}) > 1, shapes
+
+
+def test_update_metrics_do_not_depend_on_the_split(results):
+    index = next(i for i, (l, _) in enumerate(LAYOUTS) if l["pp"] == 2 and l["dp"] == 2)
+    batch = make_batch()
+    response = batch["response_mask"]
+    # approx_kl = the mean of old - new log-probs over the whole batch's response tokens
+    approx_kl = float((make_noise() * response).sum() / response.sum())
+    padded0 = results[0][index]["off_policy"][None]
+    for per_rank in results:
+        metrics = per_rank[index]["off_policy"]
+        padded, budget = metrics[None], metrics[BUDGET]
+        assert set(budget) == set(padded)
+        for key, value in padded.items():
+            assert budget[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+            # every DP rank (and stage) reports the whole batch's
+            assert value == pytest.approx(padded0[key], rel=1e-5, abs=1e-6), key
+        assert padded["actor/approx_kl"] == pytest.approx(approx_kl, rel=1e-4)
+        # both clips bind on some tokens and not on others: how they are weighed shows
+        for key in ("actor/clip_frac", "actor/dual_clip_frac"):
+            assert 0 < padded[key] < 1, (key, padded[key])

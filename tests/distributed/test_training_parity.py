@@ -41,8 +41,11 @@ def make_batch():
 
 def loss_fn(logprobs, mb):
     # A fixed scale (not a per-rank token count) keeps the objective the same for every layout.
-    w = mb["weight"] * mb["attention_mask"]
-    return -(logprobs * w).sum() / 100.0, {"tokens": float(mb["attention_mask"].sum())}
+    mask = mb["attention_mask"]
+    w = mb["weight"] * mask
+    # a share of a sum (the tokens) and a mean over the real tokens, with its count
+    return -(logprobs * w).sum() / 100.0, {"tokens": mask.sum(),
+                                           "weight": (w.sum() / mask.sum(), mask.sum())}
 
 
 def value_loss_fn(values, mb):
@@ -78,19 +81,18 @@ def run_layouts(rank, world, layouts, qwen):
         gathered = [None] * world
         torch.distributed.all_gather_object(gathered, per_token(mine))
         metrics = engine.train_step(mine, loss_fn if head == "lm" else value_loss_fn)
-        if head == "lm":  # metrics are averaged over this rank's micro-batches
-            expected = float(mine["attention_mask"].sum()) / (per // mbs)
-            assert metrics["tokens"] == pytest.approx(expected), (metrics, expected)
-        # Every DP rank reports its share of the loss; the objective is their sum.
-        loss = torch.tensor(metrics["loss"])
-        torch.distributed.all_reduce(loss)
+        if head == "lm":  # on every rank, the whole batch's, whatever the micro-batches
+            mask = batch["attention_mask"]
+            assert metrics["tokens"] == float(mask.sum()), metrics
+            expected = float((batch["weight"] * mask).sum() / mask.sum())
+            assert metrics["weight"] == pytest.approx(expected, rel=1e-6), (metrics, expected)
         weights = engine.full_weights()
-        if rank == 0:
+        if rank == 0:  # the loss is the objective: every DP rank's share summed
             first_of_each_dp = [gathered[layout.rank(dd, 0, 0)] for dd in range(layout.dp)]
-            results.append({"logprobs": torch.cat(first_of_each_dp), "loss": float(loss) / (
-                layout.tp * layout.pp), "grad_norm": metrics["grad_norm"], "weights": weights,
-                "moved": max((weights[k] - full[k]).abs().max().item()
-                             for k in full if k in weights)})
+            results.append({"logprobs": torch.cat(first_of_each_dp), "loss": metrics["loss"],
+                            "grad_norm": metrics["grad_norm"], "weights": weights,
+                            "moved": max((weights[k] - full[k]).abs().max().item()
+                                         for k in full if k in weights)})
     return results
 
 

@@ -43,10 +43,29 @@ def test_switch_volume_and_generation_memory_are_table_2(t, p, tg, pg):
     recv, storage = switch_bytes(gen, metas, dtype_bytes=2)
     assert recv == Fraction(t * p - tg * pg, tg * pg * t * p) * M
     assert storage == Fraction(M, tg * pg)
+    # The naive path (every tensor gathered over TP, broadcast over PP): all but the own shard.
+    naive, _ = switch_bytes(gen, metas, dtype_bytes=2, mode="naive")
+    assert naive == Fraction(t * p - 1, t * p) * M
     if gen.micro_dp > 1:  # what the plan allocates for them
         from hybridflow.hybrid_engine.plan import plan_reshard
         plan = plan_reshard(gen, metas, 2, 256 * 2**20)
         assert {st.storage_numel * 2 for st in plan.stages} == {storage}
+
+
+@pytest.mark.parametrize("mode", ["3d", "naive"])
+def test_check_reports_the_switch_bytes_the_cost_model_times(mode):
+    from hybridflow.config.check import _reshard_bytes
+    from hybridflow.hybrid_engine.switch import generation_metas
+    shape = ModelConfig(vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=4,
+                        num_heads=8, num_kv_heads=8, head_dim=8)
+    cfg = config("actor.layout.tp=2", "actor.layout.pp=2", "rollout.tp=2",
+                 f"hybrid_engine.mode={mode}")
+    gen = GenLayout(train=cfg.actor.layout, tp=2)
+    metas = generation_metas(llama_param_metas(shape), False, gen)
+    recv, naive = _reshard_bytes(shape, gen, cfg)
+    assert len(recv) == 4
+    assert max(recv) == switch_bytes(gen, metas, 4, mode, int(cfg.rollout.bucket_mb * 2**20))[0]
+    assert naive == switch_bytes(gen, metas, 4, "naive")[0] > switch_bytes(gen, metas, 4)[0]
 
 
 def config(*overrides):

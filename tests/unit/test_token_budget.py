@@ -1,7 +1,8 @@
 """The token budget's split (``engine.max_tokens_per_micro_batch``): sequences grouped by length,
-every micro-batch within the budget, every sample once, a too-long sequence refused by name; and
-the plan the engine follows, whose columns put each sequence's real tokens first and which
-``to_batch_order`` undoes."""
+every micro-batch within the budget, every sample once, a too-long sequence refused by name; the
+plan the engine follows, whose columns put each sequence's real tokens first and which
+``to_batch_order`` undoes; metrics that do not depend on the split; and the run config, which
+refuses the micro-batch sizes the budget replaces and stops asking the scorers' split of them."""
 
 import pytest
 import torch
@@ -93,3 +94,43 @@ def test_to_batch_order_undoes_the_plan():
         assert torch.equal(_take(mask, p)[:, 0], torch.ones(len(p.rows), dtype=torch.long))
         pieces.append((taken, mb))
     assert torch.equal(to_batch_order(pieces), ids)
+
+
+def test_metrics_sum_the_shares_and_weigh_the_means():
+    from hybridflow.training.engine import metric_pair, reduce_metrics
+    # two micro-batches of 2 and 6 response tokens: a loss share each, and a fraction over tokens
+    rows = [{"pg_loss": metric_pair(torch.tensor(0.25)), "clip_frac": metric_pair((0.5, 2))},
+            {"pg_loss": metric_pair(torch.tensor(-0.5)), "clip_frac": metric_pair((0.0, 6))}]
+    # what one micro-batch of all 8 tokens reports: the whole loss, 1 clipped token of 8
+    # (averaging the micro-batches' would give -0.125 and 0.25)
+    assert reduce_metrics(rows) == {"pg_loss": -0.25, "clip_frac": 0.125}
+    assert reduce_metrics(rows[:1]) == {"pg_loss": 0.25, "clip_frac": 0.5}
+    # a mean over nothing counts nothing
+    assert reduce_metrics([{"frac": metric_pair((0.0, 0))}]) == {"frac": 0.0}
+
+
+def _rl(*overrides):
+    from hybridflow.config import RLConfig, load_config
+    return load_config(RLConfig, None, list(overrides))
+
+
+@pytest.mark.parametrize("role", ["actor", "critic"])
+@pytest.mark.parametrize("size", ["micro_batch_size", "forward_micro_batch_size"])
+def test_micro_batch_sizes_beside_a_budget_are_refused(role, size):
+    ppo = "algorithm.name=ppo"  # the critic trains
+    budget, field = f"{role}.engine.max_tokens_per_micro_batch", f"{role}.engine.{size}"
+    with pytest.raises(ConfigError) as e:
+        _rl(ppo, f"{budget}=64", f"{field}=4")
+    assert e.value.field == field and f"set {budget}=null" in e.value.message, e.value
+    # either alone is accepted
+    assert getattr(_rl(ppo, f"{budget}=64"), role).engine.max_tokens_per_micro_batch == 64
+    assert getattr(getattr(_rl(ppo, f"{field}=4"), role).engine, size) == 4
+
+
+def test_validation_splits_over_the_scorers_ranks_only_under_a_budget():
+    from hybridflow.validation import check_validation
+    scored = ["reward_model=llama2-7b", "critic.layout.dp=2", "validation.every=1",
+              "validation.size=2"]
+    with pytest.raises(ConfigError, match="validation.size.*multiple of 4"):
+        check_validation(_rl(*scored), 100)  # dp 2 x the default micro-batch of 2
+    check_validation(_rl(*scored, "critic.engine.max_tokens_per_micro_batch=64"), 100)
