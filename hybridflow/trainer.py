@@ -517,7 +517,8 @@ class RLTrainer:
                                        / mask.sum().clamp(min=1)).item(),
                "kl": float((kl * mask).sum() / mask.sum().clamp(min=1)),
                "kl_coef": self.kl_ctrl.value}
-        out.update({k: v for k, v in batch.meta.items() if k.startswith(("timing/", "reshard/"))})
+        out.update({k: v for k, v in batch.meta.items()
+                    if k.startswith(("timing/", "reshard/", "memory/"))})
         if "costs" in batch:
             out["cost/mean"] = batch["costs"].mean().item()
         mismatch = rollout_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], mask)
@@ -593,7 +594,8 @@ class _timer:
 def _take_groups(rounds: list[Batch], chosen: list[tuple[int, int]]) -> Batch:
     """The samples of the ``chosen`` (round, group) pairs, in that order, as one batch whose
     groups are renumbered 0, 1, ... (each round's generate numbers its own from 0); the rounds'
-    numeric meta (timings, resharded bytes) summed."""
+    numeric meta (timings, resharded bytes) summed, their device memory the largest."""
+    from hybridflow.controller.worker_group import MEMORY, max_memory_meta
     parts = []
     for k, (r, group) in enumerate(chosen):
         rows = [i for i, g in enumerate(rounds[r]["group"]) if g == group]
@@ -602,8 +604,10 @@ def _take_groups(rounds: list[Batch], chosen: list[tuple[int, int]]) -> Batch:
         parts.append(part)
     batch = Batch.concat(parts)
     for key in batch.meta:
-        if all(isinstance(b.meta.get(key), (int, float)) for b in rounds):
+        if not key.startswith(MEMORY) and all(isinstance(b.meta.get(key), (int, float))
+                                              for b in rounds):
             batch.meta[key] = sum(b.meta[key] for b in rounds)
+    batch.meta.update(max_memory_meta([b.meta for b in rounds]))
     return batch
 
 

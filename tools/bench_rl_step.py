@@ -57,6 +57,14 @@ all-gather rate of ``--calibration``'s file for its micro-DP group (0 where noth
 out without a file). ``floor_ratio`` = the measured step / the sum of the floors (the controller's
 own work between phases included); ``floor_ratio_phases`` the same for the floored phases alone.
 
+Memory (GPU): every worker call reports its process's allocator peak and what stays allocated
+(``memory/<call>_peak_gib``, ``_resident_gib``; the trainer logs them every step), and the
+generate call its peak between the switch's release of the training state and the switch back
+(``memory/generation_peak_gib``);
+``memory_gib`` sets, per phase of ``hybridflow.config.memory``'s estimate, the GPU's measured
+peak (the phase's fullest call, plus the other colocated worker's resident bytes) beside the
+estimate, by worker process and in total; ``peak_memory_gib`` is the fullest phase's pair.
+
 ``--calibration FILE`` (from ``hybridflow calibrate``): the cost model's seconds for the same
 phases (``predicted_s``; docs/planner.md), printed beside the measured ones: floors, unless the
 file has a profile of this model's passes, which ``--profile-passes`` measures first (what
@@ -163,6 +171,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             setattr(args, k, v)
     if args.forward_micro_batch == 0:
         args.forward_micro_batch = args.micro_batch
+    if args.max_tokens_per_micro_batch is not None:  # the budget forms every micro-batch
+        args.micro_batch = args.forward_micro_batch = None
     if not 0 < args.prompt_min <= args.prompt_max:
         ap.error("need 0 < --prompt-min <= --prompt-max")
     if args.iters < 1 or args.warmup < 0:
@@ -349,10 +359,11 @@ def run_config(args, path: Path, prompts: Path):
     roles = ("actor", "critic") if args.algorithm == "ppo" else ("actor",)
     for role in roles:
         values.update({f"{role}.layout.tp": args.tp, f"{role}.engine.dtype": args.dtype,
-                       f"{role}.engine.micro_batch_size": args.micro_batch,
-                       f"{role}.engine.forward_micro_batch_size": args.forward_micro_batch,
                        f"{role}.engine.max_tokens_per_micro_batch":
                            args.max_tokens_per_micro_batch})
+        if args.max_tokens_per_micro_batch is None:  # else the budget forms the micro-batches
+            values.update({f"{role}.engine.micro_batch_size": args.micro_batch,
+                           f"{role}.engine.forward_micro_batch_size": args.forward_micro_batch})
     return make_config(RLConfig, None, values)
 
 
@@ -432,6 +443,7 @@ def main(argv=None) -> dict:
             trainer.close()
 
     summarize(result, rows, cfg_model, args)
+    memory_pairs(result, rows, cfg, cfg_model)
     print_table(result)
     if trainer.prediction is not None:  # the cost model's floors for the same phases
         result["predicted_s"] = {k: round(v, 4) for k, v in trainer.prediction.phases.items()}
@@ -525,6 +537,67 @@ def floors(result: dict, rows: list[dict], passes: list, n_params: int, peak: fl
     result["floor_ratio_phases"] = round(measured / sum(out.values()), 3)
 
 
+# the estimate's phases (hybridflow.config.memory) -> the worker calls that run in them
+MEMORY_PHASES = {"generation": ("generation",),  # generate's, from the switch's release on
+                 "inference": ("compute_log_prob", "compute_ref_log_prob", "compute_values"),
+                 "actor update": ("update_actor",), "critic update": ("update_critic",)}
+ACTOR_CALLS = ("generation", "compute_log_prob", "compute_ref_log_prob", "update_actor")
+WORKER_ROLES = {"actor": ("actor", "rollout", "ref"), "critic": ("critic",)}
+
+
+def memory_pairs(result: dict, rows: list[dict], cfg, shape: ModelConfig) -> None:
+    """GPU only: per pool of GPUs and phase of the memory estimate, a GPU's measured peak beside
+    the predicted bytes (``memory_gib``; keys "<phase>", or "<groups>: <phase>" where the worker
+    groups have GPUs of their own). Measured: the largest ``memory/<call>_peak_gib`` of the pool's
+    calls in the phase (the worker's allocator peak during the call, the fullest rank, any timed
+    iteration), plus what the pool's other worker process holds between its calls (its
+    ``_resident_gib``: PPO's critic, colocated). Predicted: ``estimate_memory``'s total of the
+    GPU for the phase; ``workers`` splits both by worker process (the actor's holds the actor,
+    rollout and reference roles). Neither side counts the CUDA context or the allocator's cached
+    free blocks."""
+    from hybridflow.config.memory import GIB, estimate_memory
+    if not any(k.startswith("memory/") for k in rows[0]):
+        return
+    pools = estimate_memory(cfg, {"model": shape}).pools
+
+    def worst(key):
+        vals = [r[key] for r in rows if key in r]
+        return max(vals) if vals else None
+
+    resident = {"actor": worst("memory/compute_ref_log_prob_resident_gib"),
+                "critic": worst("memory/update_critic_resident_gib")}
+    out = {}
+    for pool in pools:
+        for phase, calls in MEMORY_PHASES.items():
+            measured = [(c, worst(f"memory/{c}_peak_gib")) for c in calls
+                        if ("actor" if c in ACTOR_CALLS else "critic") in pool.groups]
+            measured = [(c, v) for c, v in measured if v is not None]
+            if phase not in pool.phases or not measured:
+                continue
+            call, peak = max(measured, key=lambda cv: cv[1])
+            active = "actor" if call in ACTOR_CALLS else "critic"
+            workers = {active: peak}
+            for other in pool.groups:
+                if other in WORKER_ROLES and other != active and resident[other] is not None:
+                    workers[other] = resident[other]
+            predicted = {w: sum(pool.role_bytes(phase, r) for r in WORKER_ROLES[w]
+                                if r in pool.phases[phase]) / GIB for w in workers}
+            total, want = sum(workers.values()), pool.total(phase) / GIB
+            key = phase if len(pools) == 1 else f"{' + '.join(pool.groups)}: {phase}"
+            out[key] = {"measured": round(total, 3), "predicted": round(want, 3),
+                        "error": round(want / total - 1, 4), "call": call,
+                        "workers": {w: {"measured": round(v, 3),
+                                        "predicted": round(predicted[w], 3)}
+                                    for w, v in workers.items()},
+                        "parts": {r: {k: round(v / GIB, 3) for k, v in parts.items()}
+                                  for r, parts in pool.phases[phase].items() if parts}}
+    result["memory_gib"] = out
+    if out:
+        peak_phase = max(out, key=lambda k: out[k]["measured"])
+        result["peak_memory_gib"] = {"phase": peak_phase, **{
+            k: out[peak_phase][k] for k in ("measured", "predicted", "error")}}
+
+
 def print_table(r: dict) -> None:
     p = r["phases_s"]
     print(f"\n{r['algorithm']} on {r['model']} ({r['dtype']}, {r['device']}), actor TP={r['actor_tp']}"
@@ -552,6 +625,10 @@ def print_table(r: dict) -> None:
           f"({r['floor_ratio_phases']:.2f}x for the phases alone)"
           + ("" if "reshard" in f else "; the switch's floor needs --calibration (its "
              "all-gather rate)"), flush=True)
+    if r.get("memory_gib"):
+        print("memory per GPU, measured / predicted GiB (allocator peak; estimate_memory): "
+              + ", ".join(f"{k} {v['measured']:.2f} / {v['predicted']:.2f} ({v['error']:+.0%})"
+                          for k, v in r["memory_gib"].items()), flush=True)
 
 
 if __name__ == "__main__":

@@ -23,23 +23,30 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   moments) or ``P*8/(t*p)`` in fp32 (two moments; SGD's momentum: 8 and 4), divided by d with
   ``engine.optim.distributed`` (Megatron's distributed optimizer shards it over data-parallel
   ranks; the grad buffer stays whole);
-* stored activations of training, Korthikanti et al. 2022 ("Reducing Activation Recomputation
-  in Large Transformer Models", arXiv 2205.05198, section 4), per layer and micro-batch of b
-  sequences of s = data.max_prompt_tokens + rollout.sampling.max_tokens tokens, h hidden, a
-  heads, in 16-bit: ``s*b*h*(10 + 24/t + 5*a*s/(h*t))`` bytes without sequence parallelism,
-  ``s*b*h*(34 + 5*a*s/h)/t`` with it (scaled by b/2 for fp32). The 5as/h term is the attention
-  scores that Megatron's local attention keeps (no flash attention); the engine has no activation
-  recomputation, so the recompute variant (``2*s*b*h`` per layer) does not apply. Under 1F1B the
-  first pipeline stage holds min(p, m) micro-batches in flight (m: micro-batches per optimizer
-  step and data-parallel rank) of its L/p layers; the last stage one, plus the logits
-  ``b*s*V/t`` in the model's dtype and their fp32 log-softmax. The estimate takes the larger.
+* stored activations of training: what autograd keeps for the backward in the engine's layer
+  (Megatron-Core's local spec: RMSNorm, unfused attention with its softmax in fp32, SwiGLU, no
+  dropout), per layer and token of a micro-batch of b sequences of s = data.max_prompt_tokens +
+  rollout.sampling.max_tokens tokens, h hidden, f FFN, a heads, in the dtype's bytes B:
+  ``B*(4h/t' + 3h/t + h/t + 4f/t) + (4 + B)*a*s/t`` (16-bit; ``4*a*s/t`` in fp32), where the
+  terms are the inputs of the two norms, linear_qkv and linear_fc1 (t' = t with sequence
+  parallelism, else 1: they are replicated over TP), the query and the keys and values repeated to
+  every query head (with one query head per group the keys and values are views of linear_qkv's
+  output, which they keep whole: 5h/t), linear_proj's input, fc1's output [gate; up], SiLU's
+  output and fc2's input, and the attention probabilities, fp32 and cast back. (Korthikanti et
+  al. 2022's ``s*b*h*(34 + 5*a*s/h)`` is for GPT's GeLU MLP with dropout; it undercounts
+  SwiGLU.) Under 1F1B the first pipeline stage holds min(p, m) micro-batches in flight (m:
+  micro-batches per optimizer step and data-parallel rank) of its L/p layers; the last stage
+  one, plus the logits: ``b*s*V/t`` entries of ``B + 8`` bytes (the logits, the cross entropy's
+  fp32 copy, turned into the softmax it keeps, and its gradient beside them: measured, on an H200
+  at 0.9B, micro-batches of 8 and 32). The estimate takes the larger.
   With ``engine.max_tokens_per_micro_batch`` = T a micro-batch is T tokens at width s' = min(s, T)
   (b = T/s', the widest one the budget allows: the scores grow with s' at a given T) and m is at
   most one micro-batch per sequence;
 * with ``actor.lora``: the actor's grads and optimizer state are its adapters' (A parameters)
   alone, its weights ``(P + A)*b/(t*p)``; the reference holds nothing (it is the actor's base);
   in generation the adapted weights' base shards stay beside their merged copies;
-* forward-only passes keep no activations: one layer's worth and the logits, transiently;
+* forward-only passes keep no activations: the logits (``B + 4`` bytes an entry: the cross
+  entropy's fp32 copy beside them) or, without an LM head, one layer's worth, transiently;
 * generation: weights ``P*b/tg`` (the training shard is a slice of them under the 3D engine; the
   naive mode keeps it besides), the KV cache ``2*L*(kv_heads/tg)*head_dim*b`` bytes per token of
   prompt + response for the sequences decoded together: the replica's share of the step's
@@ -116,14 +123,14 @@ def param_count(shape: ModelConfig, head: str = "lm") -> int:
 
 def layer_activation_bytes(shape: ModelConfig, seq: int, micro_batch: int, tp: int,
                            sequence_parallel: bool, dtype: str) -> float:
-    """Stored activations of one transformer layer for one micro-batch (Korthikanti et al.
-    2022, without recomputation; see the module docstring)."""
-    s, b, h, a = seq, micro_batch, shape.hidden_size, shape.num_heads
-    if sequence_parallel:
-        per = s * b * h * (34 + 5 * a * s / h) / tp
-    else:
-        per = s * b * h * (10 + 24 / tp + 5 * a * s / (h * tp))
-    return per * DTYPE_BYTES[dtype] / 2
+    """Stored activations of one transformer layer for one micro-batch (what autograd keeps in
+    the engine's layer; see the module docstring)."""
+    s, b, h, f, a = seq, micro_batch, shape.hidden_size, shape.ffn_hidden_size, shape.num_heads
+    B = DTYPE_BYTES[dtype]
+    qkv = 3 * h if shape.num_heads > shape.num_kv_heads else 5 * h
+    per_token = (B * (4 * h / (tp if sequence_parallel else 1) + (qkv + h + 4 * f) / tp)
+                 + (4 + (B if B < 4 else 0)) * a * s / tp)
+    return s * b * per_token
 
 
 def estimate_memory(cfg: Any, shapes: dict[str, ModelConfig]) -> MemoryEstimate:
@@ -245,13 +252,17 @@ def _training_activations(shape: ModelConfig, part, seq: int, samples: int, lm_h
 def _forward_transient(shape: ModelConfig, part, seq: int, lm_head: bool) -> int:
     lay, eng = part.layout, part.engine
     width, b = _micro_batch_shape(eng, seq, forward=True)
-    layer = layer_activation_bytes(shape, width, b, lay.tp, eng.sequence_parallel, eng.dtype)
-    return int(layer + (_logits(shape, width, b, lay.tp, eng.dtype) if lm_head else 0))
+    if lm_head:
+        return int(_logits(shape, width, b, lay.tp, eng.dtype, training=False))
+    return int(layer_activation_bytes(shape, width, b, lay.tp, eng.sequence_parallel, eng.dtype))
 
 
-def _logits(shape: ModelConfig, seq: int, micro_batch: int, tp: int, dtype: str) -> float:
-    # The logits in the model's dtype and their fp32 log-softmax.
-    return seq * micro_batch * shape.vocab_size / tp * (DTYPE_BYTES[dtype] + 4)
+def _logits(shape: ModelConfig, seq: int, micro_batch: int, tp: int, dtype: str,
+            training: bool = True) -> float:
+    # The logits in the model's dtype, the cross entropy's fp32 copy and, training, the softmax
+    # and gradient it keeps (the module docstring).
+    return seq * micro_batch * shape.vocab_size / tp * (DTYPE_BYTES[dtype] + (8 if training
+                                                                               else 4))
 
 
 def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation, forward,

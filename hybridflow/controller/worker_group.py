@@ -153,6 +153,40 @@ class Worker:
         """This rank's process id (the controller names it when the process dies)."""
         return os.getpid()
 
+    def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
+        """``method``'s result; on a GPU, a Batch's meta gains this process's device memory over
+        the call (``memory_meta``: the allocator's peak during it and what stays allocated)."""
+        import torch
+        if not torch.cuda.is_available():
+            return getattr(self, method)(*args, **kwargs)
+        torch.cuda.reset_peak_memory_stats()
+        out = getattr(self, method)(*args, **kwargs)
+        if isinstance(out, Batch):
+            out.meta.update(memory_meta(method, torch.cuda.max_memory_allocated(),
+                                        torch.cuda.memory_allocated()))
+        return out
+
+
+MEMORY = "memory/"
+
+
+def memory_meta(method: str, peak: int, resident: int) -> dict[str, float]:
+    """``memory/<method>_peak_gib``: the most a process's tensors held during a call of
+    ``method`` (torch's allocator: no CUDA context, no cached free blocks);
+    ``memory/<method>_resident_gib``: what they hold after it."""
+    return {f"{MEMORY}{method}_peak_gib": peak / 2**30,
+            f"{MEMORY}{method}_resident_gib": resident / 2**30}
+
+
+def max_memory_meta(metas: list[dict[str, Any]]) -> dict[str, float]:
+    """The ``memory/`` entries of several ranks' (or rounds') metas, each the largest."""
+    out: dict[str, float] = {}
+    for meta in metas:
+        for k, v in meta.items():
+            if k.startswith(MEMORY):
+                out[k] = max(out.get(k, v), v)
+    return out
+
 
 def _node_address() -> tuple[str, int]:
     """This node's address and a free port on it (runs where rank 0 will run)."""
@@ -360,11 +394,14 @@ class WorkerGroup:
         info = self._info(view)
         shards = batch.split(self.data_parallel_size(view))
         refs = [ray.put(s) for s in shards]
-        futures = [getattr(a, method).remote(refs[group], **kwargs)
+        futures = [a.call.remote(method, refs[group], **kwargs)
                    for a, (group, _) in zip(self.actors, info)]
         results = self._wait(futures, method, self.call_timeout_s, "ray.call_timeout_s")
         outputs = {group: r for r, (group, out) in zip(results, info) if out}
-        return Batch.concat([outputs[g] for g in sorted(outputs)])
+        batch = Batch.concat([outputs[g] for g in sorted(outputs)])
+        # every rank's device memory, not only the output ranks': the fullest one counts
+        batch.meta.update(max_memory_meta([r.meta for r in results if isinstance(r, Batch)]))
+        return batch
 
     def _kill(self) -> None:
         """End every rank's process now (a rank that is already dead is no error)."""

@@ -54,7 +54,9 @@ def _ppo_updates(engine, data: dict[str, torch.Tensor], schedule, agg: str, dp_g
     """``schedule.ppo_epochs`` passes of ``schedule.mini_batches`` optimizer steps over this DP
     rank's ``data``. ``loss_for(denominator)`` gives a mini-batch's loss function, the
     denominator being its global count for ``agg``; ``with_entropy`` hands it the policy's
-    entropy (see ``TrainEngine.train_step``). Returns the metrics averaged over steps."""
+    entropy (see ``TrainEngine.train_step``). Returns the metrics averaged over the optimizer
+    steps, each step's those of its whole mini-batch (every micro-batch and DP rank: the same on
+    every rank whatever the split)."""
     rows, skipped = [], 0
     for _ in range(schedule.ppo_epochs):
         for part in Batch(data).split(schedule.mini_batches):
@@ -188,6 +190,9 @@ class ActorRolloutRefWorker(Worker):
         outputs = self.rollout.generate(batch["prompt_ids"], sampling)
         captured = self.rollout.capture_seconds - captured
         generated = time.perf_counter()
+        # the allocator's peak since the switch released the training state (to_generation)
+        memory = ({"memory/generation_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+                  if torch.cuda.is_available() else {})
         self.rollout.sleep()
         slept = time.perf_counter()
         self.hybrid.to_training()
@@ -199,7 +204,7 @@ class ActorRolloutRefWorker(Worker):
             "timing/rollout_sleep_s": slept - generated,
             "timing/back_to_train_s": time.perf_counter() - slept,
             "reshard/bytes_received": weights.bytes_received,
-            "reshard/naive_bytes": weights.naive_bytes})
+            "reshard/naive_bytes": weights.naive_bytes, **memory})
         return out
 
     def _pack(self, outputs, batch: Batch, sampling) -> Batch:
@@ -235,6 +240,7 @@ class ActorRolloutRefWorker(Worker):
         """PPO epochs over mini-batches of this DP rank's share; metrics averaged."""
         from hybridflow.algorithms import (aggregate_loss, entropy_loss, kl_penalty, masked_mean,
                                            policy_loss, rollout_correction)
+        from hybridflow.algorithms.losses import sequence_slots
         a, rc = self.actor_cfg, self.actor_cfg.rollout_correction
         # Without old log-probs the update is on-policy (RLConfig.old_logprobs_from_update): the
         # training forward's own, detached, are the old ones, and come back with the metrics.
@@ -269,9 +275,14 @@ class ActorRolloutRefWorker(Worker):
                                       a.clip_ratio_low, a.clip_ratio_high, a.dual_clip_c,
                                       a.loss_agg_mode, denom, a.ratio_level,
                                       mb.get("tis_weights"))
-                metrics = {"actor/pg_loss": loss, "actor/clip_frac": m["clip_frac"],
-                           "actor/approx_kl": m["approx_kl"],
-                           "actor/dual_clip_frac": m["dual_clip_frac"]}
+                # Losses are shares of the mini-batch's objective (its global denominator);
+                # the other metrics are means over what policy_loss counts them over: response
+                # tokens, or for the clip fractions at the sequence level, sequences.
+                tokens = mask.bool().sum()
+                slots = tokens if a.ratio_level == "token" else sequence_slots(mask).sum()
+                metrics = {"actor/pg_loss": loss, "actor/clip_frac": (m["clip_frac"], slots),
+                           "actor/approx_kl": (m["approx_kl"], tokens),
+                           "actor/dual_clip_frac": (m["dual_clip_frac"], slots)}
                 if a.kl_loss_coef:
                     kl = aggregate_loss(kl_penalty(logprobs, mb["ref_logprobs"], a.kl_loss_type),
                                         mask, a.loss_agg_mode, denom)
@@ -280,7 +291,7 @@ class ActorRolloutRefWorker(Worker):
                 if a.entropy_coef:
                     loss = loss + a.entropy_coef * entropy_loss(mb["entropy"], mask,
                                                                 a.loss_agg_mode, denom)
-                    metrics["actor/entropy"] = masked_mean(mb["entropy"], mask)
+                    metrics["actor/entropy"] = (masked_mean(mb["entropy"], mask), tokens)
                 return loss, metrics
             return loss_fn
         out = _ppo_updates(self.actor, data, a, a.loss_agg_mode, self.dp_group, loss_for,
@@ -388,9 +399,11 @@ class CriticWorker(Worker):
 
         def loss_for(denom):
             def loss_fn(raw, mb):
-                loss, m = value_loss(self._state_values(raw), mb["values"], mb["returns"],
-                                     mb["response_mask"], c.value_clip, "token-mean", denom)
-                return loss, {"critic/vf_loss": loss, "critic/vf_clip_frac": m["vf_clip_frac"]}
+                mask = mb["response_mask"]
+                loss, m = value_loss(self._state_values(raw), mb["values"], mb["returns"], mask,
+                                     c.value_clip, "token-mean", denom)
+                return loss, {"critic/vf_loss": loss,
+                              "critic/vf_clip_frac": (m["vf_clip_frac"], mask.bool().sum())}
             return loss_fn
         return _ppo_updates(self.engine, _engine_batch(batch, "values", "returns", "response_mask"),
                             c, "token-mean", self.dp_group, loss_for, "critic", loss_key=None)

@@ -120,6 +120,21 @@ def naive_recv_bytes(gen: GenLayout, metas: list[ParamMeta], rank: int, dtype_by
     return total * dtype_bytes
 
 
+def switch_recv_bytes(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int,
+                      mode: str = "3d", bucket_bytes: int = 256 * 2**20) -> list[int]:
+    """Bytes each training rank receives in one switch to ``gen`` (by rank; padding excluded):
+    what the reshard plan of ``bucket_bytes`` buckets gathers into it (mode "3d"), or
+    ``naive_gather``'s TP all-gather and PP broadcast (mode "naive"). What ``hybridflow check``
+    reports and the cost model times, from the layouts alone."""
+    if mode not in MODES:
+        raise ValueError(f"hybrid_engine.mode: unknown mode {mode!r}; use one of {MODES}")
+    ranks = range(gen.train.world_size)
+    if mode == "naive":
+        return [naive_recv_bytes(gen, metas, r, dtype_bytes) for r in ranks]
+    plan = plan_reshard(gen, metas, dtype_bytes, bucket_bytes)
+    return [plan.ranks[r].recv_bytes for r in ranks]
+
+
 def redundant_bytes(tensors: dict[str, torch.Tensor], train_shards: dict[str, torch.Tensor],
                     metas: list[ParamMeta], gen: GenLayout, rank: int) -> int:
     """Bytes of ``rank``'s generation ``tensors`` whose content it also holds elsewhere, in its
@@ -210,6 +225,10 @@ class HybridEngine:
         self._release_grad_buffers()
         if self.offload_optimizer:
             self._move_optimizer_state(torch.device("cpu"))
+        if self.engine.device.type == "cuda":
+            # The allocator's peak from here on is the generation phase's (the worker reports it
+            # before switching back: memory/generation_peak_gib); before, it was training's.
+            torch.cuda.reset_peak_memory_stats()
         shards = self._train_shards()
         # With LoRA, generation gets W + BA: each adapted weight's shard is merged on its rank
         # (a new tensor, freed with the generation weights), the base stays as it is.

@@ -6,7 +6,8 @@ tensors under Megatron names with global layer indices; each rank keeps only its
 Loss convention: ``train_step(batch, loss_fn)`` minimises the SUM of the losses that ``loss_fn``
 returns over every micro-batch of every data-parallel rank (Megatron's per-micro-batch and
 per-DP averaging are switched off), so the caller decides the normalisation, e.g. a token-mean
-over the global batch divides by the global token count.
+over the global batch divides by the global token count. It returns that sum as ``loss``, and the
+loss function's metrics reduced over the same micro-batches and ranks (``LossFn``).
 
 Micro-batches: ``micro_batch_size`` (``forward_micro_batch_size``) consecutive sequences at the
 batch's full width S; or, with ``max_tokens_per_micro_batch``, a token budget: the rank's
@@ -40,7 +41,10 @@ from hybridflow.training.lora import LoraConfig
 
 # A loss function sees this micro-batch's per-token outputs [b, s] -- log-probs for an LM head,
 # values for a value head -- and the micro-batch itself, and returns (loss, metrics): loss is this
-# micro-batch's share of the global objective.
+# micro-batch's share of the global objective. A metric is such a share too (a 0-dim value), or a
+# (mean, count) pair: a mean over ``count`` elements of the micro-batch (its response tokens,
+# say). ``reduce_metrics`` sums the shares and weighs the means by their counts over every
+# micro-batch of every data-parallel rank, so that no metric depends on how the batch was split.
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
 
 
@@ -90,8 +94,9 @@ class EngineConfig:
     """Dynamic batch size: micro-batches of training and forward-only passes hold at most this
     many computed tokens (sequences x the longest one's span of real tokens, padded to a multiple
     of tp under sequence parallelism), sequences grouped by length and padding columns cut, in
-    place of ``micro_batch_size`` and ``forward_micro_batch_size``. Must be at least the longest
-    sequence. None: fixed-size micro-batches at the batch's full width."""
+    place of ``micro_batch_size`` and ``forward_micro_batch_size`` (which are then not read; the
+    run config refuses them set beside it). Must be at least the longest sequence. None:
+    fixed-size micro-batches at the batch's full width."""
     dtype: str = "fp32"
     """Parameter dtype: "fp32" or "bf16" (bf16 keeps fp32 main weights in the optimizer)."""
     sequence_parallel: bool = False
@@ -231,6 +236,23 @@ def global_name(chunk, local_name: str) -> str:
     return f"decoder.layers.{layer.layer_number - 1}." + local_name[m.end():]
 
 
+def fuse_adam(optimizer) -> int:
+    """Make torch's Adam inside a Megatron optimizer (its fallback without Transformer Engine or
+    apex) step with its fused kernel; returns the torch optimizers changed. Its default on CUDA,
+    the multi-tensor path, allocates a temporary list as large as the fp32 state (4 bytes a
+    parameter: 25 GiB at 7B, the step's peak when micro-batches are small) and launches more
+    kernels."""
+    changed = 0
+    for opt in getattr(optimizer, "chained_optimizers", [optimizer]):
+        inner = getattr(opt, "optimizer", None)
+        if isinstance(inner, torch.optim.Adam):  # AdamW is one
+            for group in inner.param_groups:
+                group["foreach"], group["fused"] = False, True
+            inner._step_supports_amp_scaling = True  # what Adam(fused=True) sets
+            changed += 1
+    return changed
+
+
 def shift_right(x: torch.Tensor) -> torch.Tensor:
     """[b, s] -> [b, s]: position i gets ``x[:, i - 1]`` (0 at i = 0), what the model computed
     having read the tokens before token i: its log-prob, the entropy of its prediction, the value
@@ -363,6 +385,35 @@ def to_batch_order(pieces: list[tuple[torch.Tensor, dict]]) -> torch.Tensor:
     return out
 
 
+def metric_pair(metric, device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """A loss function's metric (``LossFn``: a share of a sum, or a (mean, count) pair) as
+    (value, count), detached 0-dim fp32 tensors on ``device``; count None for a share."""
+    value, count = metric if isinstance(metric, tuple) else (metric, None)
+
+    def scalar(x):
+        return torch.as_tensor(x, device=device).detach().float().reshape(())
+    return scalar(value), None if count is None else scalar(count)
+
+
+def reduce_metrics(rows: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]]],
+                   group=None) -> dict[str, float]:
+    """A step's metrics from its micro-batches' ``rows`` (``metric_pair``s, the same keys in
+    each): a share of a sum summed, a mean weighted by its count (0 where nothing was counted),
+    over the rows and, with ``group``, over its ranks -- what one micro-batch holding all of
+    their samples would report. One all-reduce and one device -> host copy in all."""
+    keys = list(rows[0])
+    means = [rows[0][k][1] is not None for k in keys]
+    values = torch.stack([torch.stack([r[k][0] for k in keys]) for r in rows])  # [m, k]
+    counts = torch.stack([torch.stack([r[k][1] if mean else torch.ones_like(r[k][0])
+                                       for k, mean in zip(keys, means)]) for r in rows])
+    totals = torch.stack([(values * counts).sum(0), counts.sum(0)])  # [2, k]
+    if group is not None and dist.get_world_size(group) > 1:
+        dist.all_reduce(totals, group=group)
+    sums, total_counts = totals.tolist()
+    return {k: (v / n if n else 0.0) if mean else v
+            for k, mean, v, n in zip(keys, means, sums, total_counts)}
+
+
 def batch_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     """[B,S] 1=real token -> Megatron's [B,1,S,S] bool mask, True where attention is blocked:
     future keys and padding keys."""
@@ -450,6 +501,11 @@ class TrainEngine:
         self.adapters = None
         if lora is not None and lora.enabled:
             self.adapters = self._attach_adapters(chunks, lora)
+        elif not build_optimizer:
+            # Nothing trains it (a reference, a reward model, a conversion): frozen, DDP gives it
+            # no fp32 grad buffer (4 bytes a parameter, 3.3 GiB of a 0.9B reference).
+            for chunk in chunks:
+                chunk.requires_grad_(False)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=engine.optim.distributed,
@@ -472,6 +528,8 @@ class TrainEngine:
                     bf16=engine.dtype == "bf16", params_dtype=DTYPES[engine.dtype],
                 ),
                 self.chunks, use_gloo_process_groups=False, pg_collection=self.pg)
+            if self.device.type == "cuda":
+                fuse_adam(self.optimizer)
 
     def _attach_adapters(self, chunks, lora):
         """Freeze every parameter and give the targeted linears LoRA adapters (before DDP wraps
@@ -611,9 +669,8 @@ class TrainEngine:
                 value, metrics = loss_fn(per_token, inputs)
                 # Kept on the device: a host sync per micro-batch would idle the GPU while the
                 # host launches the next one; train_step reads them all at once.
-                row = {k: torch.as_tensor(v, device=value.device).detach().float().reshape(())
-                       for k, v in metrics.items()}
-                outputs.append(row | {"loss": value.detach().float()})
+                row = {k: metric_pair(v, value.device) for k, v in metrics.items()}
+                outputs.append(row | {"loss": metric_pair(value, value.device)})
                 return value, torch.tensor(1, dtype=torch.int), {}
             return out, loss
         return step
@@ -688,9 +745,11 @@ class TrainEngine:
         predicted token i; 0 at i = 0) and differentiable; it costs a softmax over this rank's
         vocabulary slice. ``loss_fn`` may see the micro-batches in another order than the batch's
         and cut to fewer columns (``max_tokens_per_micro_batch``); ``to_batch_order`` puts
-        per-token results it keeps, with their ``mb``, back in the batch's order. Returns summed
-        loss and averaged metrics over this rank's micro-batches, grad_norm, ``nonfinite`` (1.0
-        when the gradients were not finite and the step was not applied)."""
+        per-token results it keeps, with their ``mb``, back in the batch's order. Returns, the
+        same on every rank, ``loss`` (the global objective: the sum over every micro-batch of
+        every data-parallel rank) and ``loss_fn``'s metrics reduced alike (``reduce_metrics``),
+        grad_norm, ``nonfinite`` (1.0 when the gradients were not finite and the step was not
+        applied)."""
         if with_entropy and self.head != "lm":
             raise ValueError("with_entropy needs an engine built with head='lm'")
         for chunk in self.chunks:
@@ -699,13 +758,8 @@ class TrainEngine:
         self.optimizer.zero_grad()
         outputs, _ = self._run(batch, loss_fn, forward_only=False, entropy=with_entropy)
         grad_norm, applied = self._step_if_finite()
-        metrics: dict[str, float] = {}
-        if outputs:  # the last stage: one device -> host copy for all micro-batches
-            keys = list(outputs[0])
-            sums = dict(zip(keys, torch.stack([torch.stack([o[k] for k in keys])
-                                               for o in outputs]).sum(0).tolist()))
-            metrics = {k: v / len(outputs) for k, v in sums.items()}
-            metrics["loss"] = sums["loss"]
+        # The last stage's: its data-parallel peers are last stages too.
+        metrics = reduce_metrics(outputs, self.pg.dp) if outputs else {}
         metrics = self._from_last_stage(metrics)
         metrics["grad_norm"] = grad_norm
         metrics["nonfinite"] = 0.0 if applied else 1.0

@@ -297,10 +297,13 @@ def test_memory_estimate_by_hand():
     assert pool.groups == ("actor",) and pool.ranks == 4
     p = 202048
     weights, grads, adam = p * 2 // 2, p * 4 // 2, p * 12 // 2 // 2  # bf16 / tp; fp32; / tp / dp
-    # s = 32, b = 1, h = 64, a = 4, t = 2: s*b*h*(10 + 24/t + 5*a*s/(h*t)) = 2048 * 27 per layer
-    layer = 32 * 64 * (10 + 24 / 2 + 5 * 4 * 32 / (64 * 2))
-    assert layer == layer_activation_bytes(shape, 32, 1, 2, False, "bf16") == 55296
-    logits = 32 * 1000 / 2 * (2 + 4)  # bf16 logits and their fp32 log-softmax, over tp
+    # s = 32 tokens, h = 64, f = 128, a = 4 heads of 2 KV groups, t = 2, 2 bytes: per token the
+    # norms' and linear_qkv's and fc1's inputs 4h (replicated), q and the repeated k, v 3h / t,
+    # linear_proj's input h / t, fc1's output, SiLU's and fc2's input 4f / t, and the attention
+    # probabilities in fp32 and bf16, 6 a s / t bytes
+    layer = 32 * (2 * (4 * 64 + (3 * 64 + 64 + 4 * 128) / 2) + 6 * 4 * 32 / 2)
+    assert layer == layer_activation_bytes(shape, 32, 1, 2, False, "bf16") == 53248
+    logits = 32 * 1000 / 2 * (2 + 8)  # bf16 logits, the fp32 copy, softmax and gradient, over tp
     update = {"actor": {"weights": weights, "grads": grads, "optimizer": adam,
                         "activations": 2 * layer + logits},
               "ref": {"weights": weights}, "rollout": {}}
@@ -311,10 +314,18 @@ def test_memory_estimate_by_hand():
     assert pool.phases["generation"] == {
         "actor": {"weights": 0, "optimizer": adam, "generation weights": p * 2},
         "ref": {"weights": weights}, "rollout": {"kv cache": 2 * 32 * (2 * 2 * 2 * 16 * 2)}}
-    assert pool.phases["inference"]["actor"]["forward transient"] == layer + logits
+    # a forward-only pass: the bf16 logits and the cross entropy's fp32 copy
+    assert pool.phases["inference"]["actor"]["forward transient"] == 32 * 1000 / 2 * (2 + 4)
     assert pool.peak == ("actor update", sum(sum(r.values()) for r in update.values()))
-    # With sequence parallelism: s*b*h*(34 + 5*a*s/h)/t.
-    assert layer_activation_bytes(shape, 32, 1, 2, True, "bf16") == 2048 * (34 + 10) / 2
+    # With sequence parallelism the replicated inputs are split too; in fp32 the probabilities
+    # are kept once (4 bytes); with one query head per KV group k and v keep qkv's output (5h)
+    assert layer_activation_bytes(shape, 32, 1, 2, True, "bf16") == 32 * (
+        2 * (4 * 64 + 3 * 64 + 64 + 4 * 128) / 2 + 6 * 4 * 32 / 2)
+    assert layer_activation_bytes(shape, 32, 1, 2, False, "fp32") == 32 * (
+        4 * (4 * 64 + (3 * 64 + 64 + 4 * 128) / 2) + 4 * 4 * 32 / 2)
+    mha = ModelConfig(**{**shape.__dict__, "num_kv_heads": 4})
+    assert layer_activation_bytes(mha, 32, 1, 2, False, "bf16") == 32 * (
+        2 * (4 * 64 + (5 * 64 + 64 + 4 * 128) / 2) + 6 * 4 * 32 / 2)
 
     # LoRA of rank 4 on qkv and fc2: adapters A = per layer 4*(64 + 128) + 4*(128 + 64); their
     # grads and Adam state alone; no reference copy; the adapted base shards stay in generation.

@@ -51,12 +51,24 @@ def _engine_params(rank: int, world: int, configs: dict) -> dict:
                            p.partition_dim if getattr(p, "tensor_model_parallel", False) else None,
                            getattr(p, "partition_stride", 1))
                     for name, p in engine.named_local_params()}
+        if key == "llama":  # what an engine that nothing trains holds besides its weights
+            out["untrained"] = {
+                "grad_buffer_numel": sum(b.grad_data.numel() for c in engine.chunks
+                                         for b in c.buffers),
+                "trainable": sum(p.numel() for _, p in engine.named_local_params()
+                                 if p.requires_grad)}
     return out
 
 
 @pytest.fixture(scope="module")
 def megatron():
     return spawn(_engine_params, 1, CONFIGS)[0]
+
+
+def test_an_engine_without_optimizer_has_no_grad_buffer(megatron):
+    """A reference or reward model (build_optimizer=False) is frozen: Megatron's DDP would
+    otherwise give it an fp32 grad buffer as large as the actor's (memory.py counts none)."""
+    assert megatron["untrained"] == {"grad_buffer_numel": 0, "trainable": 0}
 
 
 @pytest.mark.parametrize("key", list(CONFIGS))

@@ -1,0 +1,91 @@
+"""bench_rl_step's memory pairs: the GPU's measured peak per phase of the memory estimate, beside
+the estimate (the measured side comes from the workers' ``memory/`` meta, faked here: there is no
+GPU allocator on the CPU)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tools"))
+
+import bench_rl_step  # noqa: E402
+from hybridflow.config.memory import GIB, estimate_memory  # noqa: E402
+from hybridflow.controller.worker_group import max_memory_meta, memory_meta  # noqa: E402
+from hybridflow.models.tiny import tiny_llama_config  # noqa: E402
+
+
+def _ppo_config(tmp_path, colocate=True):
+    extra = [] if colocate else ["--no-colocate"]
+    args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--algorithm", "ppo",
+                                     "--micro-batch", "2", *extra])
+    return bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
+
+
+def _row(**gib):
+    """One iteration's metrics: call -> (peak, resident) GiB."""
+    row = {}
+    for call, (peak, resident) in gib.items():
+        row.update(memory_meta(call, int(peak * GIB), int(resident * GIB)))
+    return row
+
+
+def test_memory_pairs_add_the_colocated_workers_resident_bytes(tmp_path):
+    cfg = _ppo_config(tmp_path)
+    rows = [_row(generation=(3.0, 1.0), compute_ref_log_prob=(2.0, 1.5), compute_values=(0.8, 0.5),
+                 update_critic=(1.2, 0.6), update_actor=(4.0, 1.5)),
+            _row(generation=(3.5, 1.0), compute_ref_log_prob=(2.0, 1.5), compute_values=(0.8, 0.5),
+                 update_critic=(1.2, 0.7), update_actor=(4.0, 1.5))]
+    result = {}
+    bench_rl_step.memory_pairs(result, rows, cfg, tiny_llama_config())
+    (pool,) = estimate_memory(cfg, {"model": tiny_llama_config()}).pools
+    m = result["memory_gib"]
+    assert set(m) == {"generation", "inference", "actor update", "critic update"}
+    # the fullest iteration's actor peak plus what the critic's process keeps between calls
+    assert m["generation"]["measured"] == pytest.approx(3.5 + 0.7, abs=1e-3)
+    assert m["generation"]["workers"] == {"actor": {"measured": 3.5, "predicted": pytest.approx(
+        sum(pool.role_bytes("generation", r) for r in ("actor", "rollout", "ref")) / GIB,
+        abs=1e-3)}, "critic": {"measured": 0.7, "predicted": pytest.approx(
+            pool.role_bytes("generation", "critic") / GIB, abs=1e-3)}}
+    # inference: the fullest pass is the actor's reference pass, plus the critic's resident
+    assert m["inference"]["call"] == "compute_ref_log_prob"
+    assert m["inference"]["measured"] == pytest.approx(2.0 + 0.7, abs=1e-3)
+    # the critic's update: its peak plus the actor's process after its last pass
+    assert m["critic update"]["measured"] == pytest.approx(1.2 + 1.5, abs=1e-3)
+    for phase, pair in m.items():
+        assert pair["predicted"] == pytest.approx(pool.total(phase) / GIB, abs=1e-3)
+        assert pair["error"] == pytest.approx(pair["predicted"] / pair["measured"] - 1, abs=1e-3)
+    assert result["peak_memory_gib"]["phase"] == "actor update"
+    assert result["peak_memory_gib"]["measured"] == pytest.approx(4.0 + 0.7, abs=1e-3)
+
+
+def test_memory_pairs_without_colocation_count_one_process(tmp_path):
+    cfg = _ppo_config(tmp_path, colocate=False)
+    rows = [_row(generation=(3.0, 1.0), compute_ref_log_prob=(2.0, 1.5), compute_values=(0.8, 0.5),
+                 update_critic=(1.2, 0.6), update_actor=(4.0, 1.5))]
+    result = {}
+    bench_rl_step.memory_pairs(result, rows, cfg, tiny_llama_config())
+    m = result["memory_gib"]
+    assert set(m) == {"actor: generation", "actor: inference", "actor: actor update",
+                      "critic: inference", "critic: critic update"}
+    assert m["actor: generation"]["measured"] == pytest.approx(3.0, abs=1e-3)
+    assert m["critic: critic update"]["measured"] == pytest.approx(1.2, abs=1e-3)
+    assert m["critic: inference"]["call"] == "compute_values"
+    assert m["critic: inference"]["workers"] == {"critic": {"measured": 0.8, "predicted":
+                                                            m["critic: inference"]["predicted"]}}
+
+
+def test_memory_pairs_need_the_workers_figures(tmp_path):
+    result = {}  # on the CPU the workers report none
+    bench_rl_step.memory_pairs(result, [{"step_s": 1.0}], _ppo_config(tmp_path),
+                               tiny_llama_config())
+    assert "memory_gib" not in result
+
+
+def test_max_memory_meta_takes_the_fullest_rank_and_leaves_the_rest():
+    metas = [{"memory/generate_peak_gib": 2.0, "timing/generate_s": 1.0},
+             {"memory/generate_peak_gib": 3.0, "memory/generate_resident_gib": 1.0},
+             {}]
+    assert max_memory_meta(metas) == {"memory/generate_peak_gib": 3.0,
+                                      "memory/generate_resident_gib": 1.0}
