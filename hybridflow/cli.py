@@ -54,7 +54,8 @@ def _plan(cfg) -> None:
     print("\n".join(plan_lines(cfg)))
 
 
-def _calibrate(out: str, quick: bool, config: str | None, overrides: list[str]) -> None:
+def _calibrate(out: str, quick: bool, config: str | None, overrides: list[str],
+               configured_only: bool = False) -> None:
     from pathlib import Path
     from hybridflow.mapping.calibrate import calibrate
     directory = Path(out).parent
@@ -72,7 +73,8 @@ def _calibrate(out: str, quick: bool, config: str | None, overrides: list[str]) 
         from hybridflow.mapping.profile import profile_passes
         print(f"profiling {cfg.model}'s passes ({cfg.actor.engine.dtype}, one process)...",
               flush=True)
-        calibration.passes.append(profile_passes(cfg, calibration, quick=quick))
+        calibration.passes.append(profile_passes(cfg, calibration, quick=quick,
+                                                 configured_only=configured_only))
         print(calibration.passes[-1].describe())
     try:
         calibration.to_json(out)
@@ -101,6 +103,10 @@ def main(argv: list[str] | None = None) -> int:
     calibrate_p.add_argument("--config", metavar="CONFIG",
                              help="also measure the efficiencies of this run config's model "
                                   "passes (forward, training step, generate)")
+    calibrate_p.add_argument("--configured-sizes", action="store_true",
+                             help="with --config: profile only its micro-batch sizes, not every "
+                                  "size the planner may pick (minutes on a CPU, not a quarter "
+                                  "hour; other sizes read the nearest measured one)")
     calibrate_p.add_argument("overrides", nargs="*", help="key=value overrides of --config")
     args = parser.parse_args(argv)
 
@@ -111,7 +117,9 @@ def main(argv: list[str] | None = None) -> int:
             print(to_yaml(cls()), end="")
             return 0
         if args.command == "calibrate":
-            _calibrate(args.out, args.quick, args.config, args.overrides)
+            if args.configured_sizes and args.config is None and not args.overrides:
+                parser.error("--configured-sizes profiles a config's passes: give --config")
+            _calibrate(args.out, args.quick, args.config, args.overrides, args.configured_sizes)
             return 0
         cls, run = _jobs()[args.command]
         config, overrides = args.config, list(args.overrides)

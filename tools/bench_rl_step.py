@@ -8,7 +8,8 @@ advantages -> actor update), phase by phase.
 A random Llama-shaped HF checkpoint is written into a temporary directory (``llama-0.9b``: 16
 layers, hidden 2048, 16 heads of 128, 8 KV groups, FFN 5632, vocab 32000, untied, bf16, with the
 tiny byte-level BPE tokenizer; ``llama-7b``: Llama-2-7B's shapes, 32 layers, hidden 4096, 32
-heads, FFN 11008; ``tiny``: hybridflow's tiny Llama). The trainer runs with the actor
+heads, FFN 11008; ``tiny``: hybridflow's tiny Llama; ``smollm2``: not random, SmolLM2-135M-Instruct
+with its own tokenizer, the checkpoint ``model: smollm2`` trains). The trainer runs with the actor
 at ``--tp`` (one Ray actor per rank, ``ray.gpus_per_worker=1`` on GPU), the Megatron rollout
 backend at ``--gen-tp`` (tp / gen_tp micro-DP replicas, the fast decode path on GPU), the given
 ``--algorithm`` and a length-based reward; prompts are made up here (random words, chat template
@@ -110,7 +111,9 @@ _WORDS = ("the quick brown fox jumps over lazy dog answer question step think co
 
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench_rl_step", description=__doc__.split("\n")[0])
-    ap.add_argument("--model", choices=("tiny", *MODELS), default="tiny")
+    ap.add_argument("--model", choices=("tiny", "smollm2", *MODELS), default="tiny",
+                    help="smollm2: SmolLM2-135M-Instruct's real weights (model: smollm2's "
+                    "checkpoint); the others random weights of their shape")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--algorithm", default="grpo", help="grpo, ppo, rloo, ...")
     ap.add_argument("--backend", choices=("megatron", "hf"), default="megatron",
@@ -154,6 +157,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--profile-passes", action="store_true",
                     help="first measure this run's model passes (`hybridflow calibrate "
                          "--config`'s profile) and add them to --calibration's file")
+    ap.add_argument("--configured-sizes", action="store_true",
+                    help="with --profile-passes: only this run's micro-batch sizes, not the "
+                         "planner's whole ladder (`hybridflow calibrate --configured-sizes`)")
     args = ap.parse_args(argv)
     if args.profile_passes and args.calibration is None:
         ap.error("--profile-passes adds to a calibration file: give --calibration FILE")
@@ -188,11 +194,15 @@ def model_config(name: str) -> ModelConfig:
 
 def write_checkpoint(name: str, dtype: str, workdir: Path, device: str, seed: int) -> Path:
     """A random HF checkpoint (weights drawn on ``device``, which is fast on a GPU) with the tiny
-    BPE tokenizer (its ids all fall below the model's vocabulary)."""
+    BPE tokenizer (its ids all fall below the model's vocabulary); for ``smollm2`` the checkpoint
+    ``model: smollm2`` trains (prepared once, in hybridflow's cache)."""
     from hybridflow.models.params import llama_param_metas
     from hybridflow.models.hf import megatron_to_hf, save_hf_checkpoint
     from hybridflow.models.tiny import make_tiny_tokenizer
 
+    if name == "smollm2":
+        from hybridflow.models.source import resolve_model
+        return resolve_model("smollm2")
     cfg = model_config(name)
     dt = DTYPES[dtype]
     gen = torch.Generator(device=device).manual_seed(seed)
@@ -235,32 +245,12 @@ def length_reward(response: str) -> float:
 
 # ------------------------------------------------------------------------------ device rates
 def matmul_rate(device: str, size: int, iters: int) -> float:
-    """FLOP/s of one large bf16 (GPU) / fp32 (CPU, one thread) ``torch.matmul``."""
-    dt = torch.bfloat16 if device.startswith("cuda") else torch.float32
-    a = torch.randn(size, size, device=device, dtype=dt)
-    b = torch.randn(size, size, device=device, dtype=dt)
-    if device.startswith("cuda"):
-        with torch.cuda.device(device):
-            for _ in range(3):
-                torch.matmul(a, b)
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            for _ in range(iters):
-                torch.matmul(a, b)
-            end.record()
-            torch.cuda.synchronize()
-            seconds = start.elapsed_time(end) / 1e3
-    else:
-        threads = torch.get_num_threads()
-        torch.set_num_threads(1)
-        torch.matmul(a, b)
-        t0 = time.perf_counter()
-        for _ in range(iters):
-            torch.matmul(a, b)
-        seconds = time.perf_counter() - t0
-        torch.set_num_threads(threads)
-    del a, b
-    return 2 * size ** 3 * iters / seconds
+    """FLOP/s of one large bf16 (GPU) / fp32 (CPU, one thread) ``torch.matmul``: calibrate's
+    measurement, ``iters`` calls a sample (the median of 5)."""
+    from hybridflow.mapping.calibrate import matmul_rate as measure
+    dev = torch.device(device)
+    return measure(dev, "bf16" if dev.type == "cuda" else "fp32", size, warmup=1, repeats=5,
+                   inner=max(1, iters // 5))
 
 
 def device_rates(device: str, ranks: int) -> dict:
@@ -372,7 +362,6 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     from hybridflow.trainer import RLTrainer
 
-    cfg_model = model_config(args.model)
     replicas = args.tp // args.gen_tp
     result = dict(bench="rl_step", model=args.model, algorithm=args.algorithm,
                   backend=args.backend, dtype=args.dtype, actor_tp=args.tp, gen_tp=args.gen_tp,
@@ -393,6 +382,8 @@ def main(argv=None) -> dict:
     with tempfile.TemporaryDirectory(prefix="bench-rl-", dir=args.workdir) as tmp:
         t = time.perf_counter()
         path = write_checkpoint(args.model, args.dtype, Path(tmp), args.device, args.seed)
+        from hybridflow.models.hf import load_hf_config
+        cfg_model = load_hf_config(path)
         result["checkpoint_s"] = round(time.perf_counter() - t, 2)
         from transformers import AutoTokenizer
         records = make_records(AutoTokenizer.from_pretrained(str(path)), args.batch,
@@ -405,7 +396,8 @@ def main(argv=None) -> dict:
             from hybridflow.mapping.profile import profile_passes
             t = time.perf_counter()
             calib = Calibration.from_json(args.calibration)
-            calib.passes.append(profile_passes(cfg, calib))
+            calib.passes.append(profile_passes(cfg, calib,
+                                               configured_only=args.configured_sizes))
             calib.to_json(args.calibration)
             result["profile"] = dataclasses.asdict(calib.passes[-1]) | {
                 "seconds": round(time.perf_counter() - t, 1)}
@@ -458,10 +450,15 @@ def main(argv=None) -> dict:
     return result
 
 
+def mean_of(rows: list[dict], key: str) -> float | None:
+    """The mean of ``key`` over the timed iterations that have it (None if none has)."""
+    vals = [r[key] for r in rows if key in r]
+    return statistics.mean(vals) if vals else None
+
+
 def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
     def mean(key):
-        vals = [r[key] for r in rows if key in r]
-        return statistics.mean(vals) if vals else None
+        return mean_of(rows, key)
 
     phases = ["reshard_s", "weight_load_s", "generate_s", "graph_capture_s", "rollout_sleep_s",
               "back_to_train_s", "generate_call_s", "reward_s", "old_logprobs_s",
@@ -510,7 +507,7 @@ def floors(result: dict, rows: list[dict], passes: list, n_params: int, peak: fl
     """Each phase's floor at the rates measured in this run, their sum, and ``floor_ratio`` =
     the measured step / that sum (the module docstring defines them)."""
     def mean(key):
-        return statistics.mean(r[key] for r in rows)
+        return mean_of(rows, key)
 
     tokens = mean("tokens_real")
     out = {k: per_token * tokens / peak for k, per_token in passes}
@@ -523,7 +520,7 @@ def floors(result: dict, rows: list[dict], passes: list, n_params: int, peak: fl
                           result.get("gen_roofline_s") or 0.0)
     # the switch: the bytes it received at the all-gather rate of the calibration, if given
     received = mean("reshard/bytes_received")
-    if received == 0:
+    if not received:  # nothing moved (or no switch: the hf backend)
         out["reshard"] = 0.0
     elif args.calibration is not None:
         from hybridflow.mapping.calibrate import Calibration

@@ -176,13 +176,9 @@ def calibrate(quick: bool = False, log: Callable[[str], None] = print) -> Calibr
 
     matmul_flops = {}
     for dtype, n in matmul_n.items():
-        a, b = (torch.randn(n, n, dtype=_torch_dtype(dtype), device=device) for _ in range(2))
-        c = torch.empty_like(a)
-        with _one_thread(on_gpu):
-            seconds = median_seconds(lambda: torch.matmul(a, b, out=c))
-        matmul_flops[dtype] = 2 * n**3 / seconds
+        matmul_flops[dtype] = matmul_rate(device, dtype, n, warmup=warmup, repeats=repeats,
+                                          inner=inner)
         log(f"matmul {dtype} {n}^3{threads}: {_si(matmul_flops[dtype], 'FLOP/s')}")
-        del a, b, c
 
     src = torch.empty(copy_bytes, dtype=torch.uint8, device=device).fill_(1)  # pages touched
     dst = torch.empty_like(src)
@@ -258,6 +254,22 @@ def _time_collectives(rank: int, world_size: int, message: int, warmup: int, rep
             times[name].append(time.perf_counter() - start)
         del times[name][:warmup]
     return times
+
+
+def matmul_rate(device, dtype: str, n: int, *, warmup: int = 3, repeats: int = 10,
+                inner: int = 1) -> float:
+    """FLOP/s of one n x n by n x n ``torch.matmul`` in ``dtype`` ("fp32", "bf16") on ``device``
+    (a torch.device; on CPU with one thread, as each of our CPU workers runs): the median of
+    ``repeats`` samples of ``inner`` calls after ``warmup``."""
+    import torch
+    on_gpu = device.type == "cuda"
+    sync = (lambda: torch.cuda.synchronize(device)) if on_gpu else (lambda: None)
+    a, b = (torch.randn(n, n, dtype=_torch_dtype(dtype), device=device) for _ in range(2))
+    c = torch.empty_like(a)
+    with _one_thread(on_gpu):
+        seconds = timed_median(lambda: torch.matmul(a, b, out=c), sync, warmup=warmup,
+                               repeats=repeats, inner=inner)
+    return 2 * n**3 / seconds
 
 
 def timed_median(fn: Callable[[], object], sync: Callable[[], None], *, warmup: int,

@@ -112,9 +112,13 @@ class PassProfile:
                 f"load {self.weight_load:.1%}")
 
 
-def profile_passes(cfg: Any, calib, quick: bool = False) -> PassProfile:
+def profile_passes(cfg: Any, calib, quick: bool = False, configured_only: bool = False
+                   ) -> PassProfile:
     """Measure the passes of ``cfg``'s actor model (an RLConfig) in one local process; ``calib``
-    (this machine's rates, measured first) gives the floors. ``quick``: one repeat each."""
+    (this machine's rates, measured first) gives the floors. ``quick``: one repeat each.
+    ``configured_only``: only the config's micro-batch sizes (``micro_batch_sizes``), not the
+    search's whole ladder: minutes for a real model on a CPU instead of a quarter of an hour; the
+    cost model then reads the nearest measured size's efficiency for the others."""
     from hybridflow.config.check import model_sources
     from hybridflow.parallel.spawn import spawn
     from hybridflow.rollout.base import rollout_backend
@@ -134,7 +138,7 @@ def profile_passes(cfg: Any, calib, quick: bool = False) -> PassProfile:
         # NCCL on GPU: Megatron's gradient all-reduce (one rank, but still a collective) runs on
         # device tensors, which gloo does not take.
         times = spawn(_measure, 1, cfg, shapes["model"], checkpoints["model"],
-                      1 if quick else 3, timeout=3600,
+                      micro_batch_sizes(cfg, configured_only), 1 if quick else 3, timeout=3600,
                       backend="nccl" if torch.cuda.is_available() else "gloo")[0]
     finally:
         os.environ.clear()
@@ -173,13 +177,14 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict) -> PassProfil
                        weight_load=load / max(times["weight_load"], 1e-9), **out)
 
 
-def micro_batch_sizes(cfg: Any) -> list[int]:
-    """The sizes to measure: the search's candidates and the configured ones, up to the step's
-    samples."""
+def micro_batch_sizes(cfg: Any, configured_only: bool = False) -> list[int]:
+    """The sizes to measure: the search's candidates (unless ``configured_only``) and the
+    configured ones, up to the step's samples."""
     from hybridflow.mapping.search import MICRO_BATCHES
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
     e = cfg.actor.engine
-    return sorted({b for b in (*MICRO_BATCHES, e.micro_batch_size, e.forward_micro_batch_size)
+    search = () if configured_only else MICRO_BATCHES
+    return sorted({b for b in (*search, e.micro_batch_size, e.forward_micro_batch_size)
                    if b is not None and b <= samples})
 
 
@@ -190,9 +195,10 @@ def _share(cfg: Any) -> int:
     return math.ceil(cfg.train_batch_size * cfg.rollout.sampling.n / gen.replicas)
 
 
-def _measure(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir, repeats: int
-             ) -> dict:
-    """Median seconds of each pass (as ``efficiencies`` reads them), in a one-rank group."""
+def _measure(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir,
+             sizes: list[int], repeats: int) -> dict:
+    """Median seconds of each pass (as ``efficiencies`` reads them) at each micro-batch size of
+    ``sizes``, in a one-rank group."""
     import torch
 
     from hybridflow.mapping.calibrate import timed_median
@@ -216,7 +222,6 @@ def _measure(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir
     def median(fn) -> float:  # warmed up once, below
         return timed_median(fn, sync, warmup=0, repeats=repeats, inner=1)
 
-    sizes = micro_batch_sizes(cfg)
     engine = TrainEngine(shape, TrainLayout(), cfg.actor.engine, head="lm")
     times: dict = {"forward": {}, "train": {}}
     for k, b in enumerate(sizes):

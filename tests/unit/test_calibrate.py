@@ -121,6 +121,14 @@ def test_cli_profiles_a_configs_model(tmp_path, capsys):
     shapes = model_sources(cfg)[1]
     assert calib.profile(shapes["model"], "fp32") == profile
     assert predict(cfg, shapes, calib).profiled
+    # --configured-sizes measures the configured micro-batch alone
+    assert main(["calibrate", "--quick", "--out", str(out), "--configured-sizes", "--config",
+                 *run]) == 0
+    (profile,) = Calibration.from_json(out).passes
+    assert profile.micro_batches == [2]
+    with pytest.raises(SystemExit) as e:  # argparse's exit 2: it needs a config to profile
+        main(["calibrate", "--quick", "--out", str(out), "--configured-sizes"])
+    assert e.value.code == 2
 
 
 def test_cli_bad_config_exits_2_before_measuring(tmp_path, capsys):

@@ -188,6 +188,10 @@ def test_profile_fit_recovers_the_efficiencies():
     from hybridflow.mapping.profile import efficiencies, micro_batch_sizes
     cfg = config()
     assert micro_batch_sizes(cfg) == [1, 2, 4]  # the search's sizes up to the 4 samples
+    # --configured-sizes: only the config's (training and forward micro-batch)
+    assert micro_batch_sizes(cfg, configured_only=True) == sorted(
+        {cfg.actor.engine.micro_batch_size} | ({cfg.actor.engine.forward_micro_batch_size}
+                                               - {None}))
     profile = efficiencies(cfg, SHAPE, CALIB, hand_profile(cfg, SHAPE, EFFICIENCY))
     assert (profile.seq, profile.micro_batches, profile.backend) == (12, [1, 2, 4], "megatron")
     for kind in ("forward", "train"):
