@@ -10,9 +10,10 @@ layers, hidden 2048, 16 heads of 128, 8 KV groups, FFN 5632, vocab 32000, untied
 tiny byte-level BPE tokenizer; ``llama-7b``: Llama-2-7B's shapes, 32 layers, hidden 4096, 32
 heads, FFN 11008; ``tiny``: hybridflow's tiny Llama; ``smollm2``: not random, SmolLM2-135M-Instruct
 with its own tokenizer, the checkpoint ``model: smollm2`` trains). The trainer runs with the actor
-at ``--tp`` (one Ray actor per rank, ``ray.gpus_per_worker=1`` on GPU), the Megatron rollout
-backend at ``--gen-tp`` (tp / gen_tp micro-DP replicas, the fast decode path on GPU), the given
-``--algorithm`` and a length-based reward; prompts are made up here (random words, chat template
+at ``--tp``/``--pp``/``--dp`` (one Ray actor per rank, ``ray.gpus_per_worker=1`` on GPU), the
+Megatron rollout backend (``--backend``) at ``--gen-tp`` (tp x pp / gen_tp micro-DP replicas per
+data-parallel rank; the fast decode path on GPU), the given ``--algorithm`` and a length-based
+reward; prompts are made up here (random words, chat template
 applied, ``--prompt-min``..``--prompt-max`` tokens). The steps are driven one by one
 (``trainer.generate``, ``trainer.score``, ``trainer.update_actor``; no tqdm or matplotlib
 needed): ``--warmup`` iterations, then ``--iters`` timed ones; each phase is the mean over the
@@ -116,9 +117,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                     "checkpoint); the others random weights of their shape")
     ap.add_argument("--device", choices=("auto", "cpu", "cuda"), default="auto")
     ap.add_argument("--algorithm", default="grpo", help="grpo, ppo, rloo, ...")
-    ap.add_argument("--backend", choices=("megatron", "hf"), default="megatron",
+    ap.add_argument("--backend", choices=("megatron", "vllm", "hf"), default="megatron",
                     help="rollout backend")
     ap.add_argument("--tp", type=int, default=2, help="actor (and critic) training TP")
+    ap.add_argument("--pp", type=int, default=1, help="actor (and critic) pipeline stages")
+    ap.add_argument("--dp", type=int, default=1, help="actor (and critic) data-parallel ranks")
     ap.add_argument("--gen-tp", type=int, default=1, help="generation TP")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="engine and checkpoint dtype (default: bf16 on GPU, fp32 on CPU)")
@@ -348,7 +351,8 @@ def run_config(args, path: Path, prompts: Path):
               "cluster.calibration": args.calibration}
     roles = ("actor", "critic") if args.algorithm == "ppo" else ("actor",)
     for role in roles:
-        values.update({f"{role}.layout.tp": args.tp, f"{role}.engine.dtype": args.dtype,
+        values.update({f"{role}.layout.tp": args.tp, f"{role}.layout.pp": args.pp,
+                       f"{role}.layout.dp": args.dp, f"{role}.engine.dtype": args.dtype,
                        f"{role}.engine.max_tokens_per_micro_batch":
                            args.max_tokens_per_micro_batch})
         if args.max_tokens_per_micro_batch is None:  # else the budget forms the micro-batches
@@ -362,10 +366,14 @@ def main(argv=None) -> dict:
     args = parse_args(argv)
     from hybridflow.trainer import RLTrainer
 
-    replicas = args.tp // args.gen_tp
+    from hybridflow.parallel.layout import GenLayout, TrainLayout
+    gen = GenLayout(train=TrainLayout(tp=args.tp, pp=args.pp, dp=args.dp), tp=args.gen_tp)
+    replicas, ranks = gen.replicas, gen.train.world_size
     result = dict(bench="rl_step", model=args.model, algorithm=args.algorithm,
-                  backend=args.backend, dtype=args.dtype, actor_tp=args.tp, gen_tp=args.gen_tp,
-                  gen_replicas=replicas, train_batch_size=args.batch, n=args.n,
+                  backend=args.backend, dtype=args.dtype, actor_tp=args.tp, actor_pp=args.pp,
+                  actor_dp=args.dp, gen_tp=args.gen_tp,
+                  gen_replicas=replicas, gen_micro_dp=gen.micro_dp,
+                  train_batch_size=args.batch, n=args.n,
                   max_tokens=args.max_tokens, prompt_tokens=[args.prompt_min, args.prompt_max],
                   micro_batch_size=args.micro_batch,
                   forward_micro_batch_size=args.forward_micro_batch,
@@ -374,7 +382,7 @@ def main(argv=None) -> dict:
                   colocate=not args.no_colocate, warmup=args.warmup, iters=args.iters,
                   torch=torch.__version__)
     start = time.perf_counter()
-    result.update(device_rates(args.device, args.tp))
+    result.update(device_rates(args.device, ranks))
     result["rates_s"] = round(time.perf_counter() - start, 2)
     print(f"device {result['device']}: matmul {result['matmul_tflops']} TFLOP/s per device, "
           f"copy {result['copy_bandwidth_gb_s']} GB/s", flush=True)
@@ -485,7 +493,7 @@ def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
     passes = [(k, f) for k, f in (("update_actor", 6 * n_params), ("old_logprobs", 2 * n_params),
                                   ("ref_logprobs", 2 * n_params), ("values", 2 * n_critic),
                                   ("update_critic", 6 * n_critic)) if mean(f"{k}_s") is not None]
-    peak = args.tp * result["matmul_tflops"] * 1e12
+    peak = args.tp * args.pp * args.dp * result["matmul_tflops"] * 1e12
     result["matmul_params"] = n_params
     result["peak_flops_all_ranks"] = peak
     for tag, key in (("", "tokens_real"), ("padded_", "tokens_padded")):
@@ -525,8 +533,8 @@ def floors(result: dict, rows: list[dict], passes: list, n_params: int, peak: fl
     elif args.calibration is not None:
         from hybridflow.mapping.calibrate import Calibration
         from hybridflow.mapping.cost import gather_rate
-        micro_dp = args.tp // args.gen_tp
-        out["reshard"] = received / gather_rate(Calibration.from_json(args.calibration), micro_dp)
+        out["reshard"] = received / gather_rate(Calibration.from_json(args.calibration),
+                                                result["gen_micro_dp"])
     result["floor_s"] = {k: round(v, 5) for k, v in out.items()}
     result["floor_s"]["step"] = round(sum(out.values()), 5)
     measured = sum(result["phases_s"][k] for k in out)
@@ -598,6 +606,7 @@ def memory_pairs(result: dict, rows: list[dict], cfg, shape: ModelConfig) -> Non
 def print_table(r: dict) -> None:
     p = r["phases_s"]
     print(f"\n{r['algorithm']} on {r['model']} ({r['dtype']}, {r['device']}), actor TP={r['actor_tp']}"
+          f" PP={r['actor_pp']} DP={r['actor_dp']}"
           f", generation TP={r['gen_tp']} x {r['gen_replicas']} replicas, {r['train_batch_size']} "
           f"prompts x {r['n']}, {r['max_tokens']} new tokens; mean of {r['iters']} timed "
           "iterations")
