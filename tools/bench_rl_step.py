@@ -620,7 +620,8 @@ def print_table(r: dict) -> None:
              if "gen_roofline_fraction" in r else ""))
     mfu = ", ".join(f"{k[4:].replace('_', ' ')} {v:.1%}" for k, v in r.items()
                     if k.startswith("mfu_") and not k.startswith(("mfu_padded", "mfu_training")))
-    print(f"training: matmul {r['matmul_tflops']} TFLOP/s per device x {r['actor_tp']}; "
+    print(f"training: matmul {r['matmul_tflops']} TFLOP/s per device x "
+          f"{r['actor_tp'] * r['actor_pp'] * r['actor_dp']} ranks; "
           f"MFU {mfu}; together {r['mfu_training']:.1%} "
           f"(padded tokens: {r['mfu_padded_training']:.1%}); padded tokens "
           f"{r['padded_fraction']:.1%} of {r['tokens_padded_per_step']:.0f} computed "
