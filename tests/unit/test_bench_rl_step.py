@@ -103,3 +103,17 @@ def test_sampling_rounds_sum_their_timings_and_keep_the_largest_memory():
     batch = _take_groups(rounds, [(0, 1), (1, 0)])
     assert batch["x"].tolist() == [0.0, 1.0] and batch["group"] == [0, 1]
     assert batch.meta == {"timing/generate_s": 3.0, "memory/generation_peak_gib": 5.0}
+
+
+def test_bench_layout_backend_and_budget_options_reach_the_run_config(tmp_path):
+    args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--algorithm", "ppo",
+                                     "--tp", "1", "--pp", "2", "--dp", "2", "--backend", "vllm",
+                                     "--max-tokens-per-micro-batch", "64"])
+    cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
+    for part in (cfg.actor, cfg.critic):
+        assert (part.layout.tp, part.layout.pp, part.layout.dp) == (1, 2, 2)
+        # the budget forms every micro-batch: the sizes are left unset, not passed and refused
+        assert part.engine.max_tokens_per_micro_batch == 64
+        assert part.engine.forward_micro_batch_size is None
+    assert cfg.rollout.backend == "vllm"
+    assert args.micro_batch is None and args.forward_micro_batch is None
