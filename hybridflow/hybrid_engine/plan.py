@@ -43,6 +43,17 @@ interleave, and so does fc1 when ``q > 1``: their direct rows land in transient 
 (``storage_offset is None``) and one strided copy per tensor puts them into the storage (mode
 "concat"); packed parameters are copied likewise (fc1 packed with ``q > 1``: "rearrange").
 
+Stacked generation shards (``blocks=True``, for a rollout that computes with them, the fast
+decoder). With ``s > 1`` every TP-split row is direct, each member sending its whole training
+shard, and kept: the ``s`` shards that make one generation shard are then adjacent in the storage,
+so every TP-split parameter is a view, held as its training shards stacked, ``[s, *shard]``, for
+row-parallel weights and fc1 (``models.params.stacked_layout``; their standard layouts would
+interleave the shards) and in its standard layout for the other dim-0 splits, which is the same
+memory. Each rank's own shard is then one whole piece of a kept bucket: every training shard can
+be resident, TP merges included (``resident_offsets``), and the generation weights keep no second
+copy of any. The bytes sent are the same as without; only replicated parameters with ``q > 1``
+and ``s > 1`` (norms, a few KiB per layer) are still copied.
+
 Communication. ``recv_bytes`` of a rank is the payload of the other members' segments: its
 generation shard minus its own training shard (plus, when ``q > 1`` and ``s > 1``, the
 ``(s-1)/s`` of its own stage's replicated parameters that its TP peers send). For a model whose
@@ -61,7 +72,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from hybridflow.models.params import ParamMeta, num_layers_of, owner_stage, stage_layers
+from hybridflow.models.params import (ParamMeta, num_layers_of, owner_stage, stacked_layout,
+                                      stage_layers)
 from hybridflow.parallel.layout import GenLayout, LayoutError
 
 MODES = ("alias", "view", "concat", "rearrange")
@@ -131,7 +143,7 @@ class GenParam:
 
     name: str
     shape: tuple[int, ...]
-    """Generation shard shape."""
+    """Generation shard shape: the standard one, or ``(blocks, *training shard shape)``."""
     mode: str
     """"alias": the rank's own training tensor; "view": a view into the storage; "concat": the
     chunks joined along cat_dim into the storage; "rearrange": the same, but the chunks are not in
@@ -144,6 +156,9 @@ class GenParam:
     """... into this shape (``shape``, or the flat size for replicated pieces), then reshaped."""
     storage_offset: int | None
     """Start of the tensor in the generation storage (None for "alias")."""
+    blocks: int = 1
+    """> 1: the tensor holds the generation shard as that many training shards stacked
+    (``plan_reshard(blocks=True)``; ``models.params.unstack`` gives the standard layout)."""
 
     @property
     def numel(self) -> int:
@@ -194,6 +209,8 @@ class ReshardPlan:
     metas: tuple[ParamMeta, ...]
     dtype_bytes: int
     bucket_bytes: int
+    blocks: bool
+    """Generation shards of TP merges may be stacked training shards (see the module docstring)."""
     stages: tuple[StagePlan, ...]
     """Per generation pipeline stage."""
     ranks: tuple[RankPlan, ...]
@@ -220,13 +237,15 @@ class _Row:
 
 
 def plan_reshard(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int, bucket_bytes: int, *,
-                 min_view_bytes: int | None = None) -> ReshardPlan:
+                 min_view_bytes: int | None = None, blocks: bool = False) -> ReshardPlan:
     """Plan the train -> generation reshard of the parameters ``metas`` (full model, model order).
 
     ``bucket_bytes`` bounds the output of one all-gather of packed rows (all segments, padding
     included); ``min_view_bytes`` (default ``min(bucket_bytes, 1 MiB)``) is the gathered size from
     which a row is direct: an all-gather of its own, straight from the training shards (a view
-    into the storage when the layouts allow, see the module docstring).
+    into the storage when the layouts allow, see the module docstring). ``blocks``: the
+    consumer of the generation weights takes stacked shards (see the module docstring), so that
+    no parameter needs a copy.
     """
     train = gen.train
     if train.vpp not in (None, 1):
@@ -251,7 +270,7 @@ def plan_reshard(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int, bucke
         min_view_bytes = min(bucket_bytes, 1 << 20)
 
     stages = tuple(_plan_stage(gen, metas, stage_of, gp, num_layers, dtype_bytes, bucket_bytes,
-                               min_view_bytes) for gp in range(gen.pp))
+                               min_view_bytes, blocks) for gp in range(gen.pp))
     ranks: list[RankPlan | None] = [None] * train.world_size
     for group in gen.micro_dp_groups():
         for member, rank in enumerate(group):
@@ -266,7 +285,8 @@ def plan_reshard(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int, bucke
                 padding_bytes=dtype_bytes * sum(b.seg_numel - b.payload(k)
                                                 for b in st.buckets for k in others))
     return ReshardPlan(gen=gen, metas=tuple(metas), dtype_bytes=dtype_bytes,
-                       bucket_bytes=bucket_bytes, stages=stages, ranks=tuple(ranks))
+                       bucket_bytes=bucket_bytes, blocks=blocks, stages=stages,
+                       ranks=tuple(ranks))
 
 
 def resident_offsets(plan: ReshardPlan, rank: int) -> dict[str, int]:
@@ -288,6 +308,24 @@ def resident_offsets(plan: ReshardPlan, rank: int) -> dict[str, int]:
                 at = bucket.storage_offset + rp.member * bucket.seg_numel + p.dst
             found.setdefault(p.name, []).append(at)
     return {name: at[0] for name, at in found.items() if len(at) == 1 and at[0] is not None}
+
+
+def copied_own_bytes(plan: ReshardPlan, rank: int, resident: bool = True) -> int:
+    """Bytes of ``rank``'s own training shards that its generation weights hold a second copy of:
+    every shard of its stage that the plan does not alias, less, with ``resident``, those that
+    ``resident_offsets`` places in the storage. What ``redundant_bytes`` measures, planned."""
+    train = plan.gen.train
+    own_stage = train.coords(rank)[1]
+    num_layers = num_layers_of(list(plan.metas))
+    metas = {m.name: m for m in plan.metas}
+    skip = resident_offsets(plan, rank) if resident else {}
+    total = 0
+    for name, gp in plan.ranks[rank].stage.params.items():
+        m = metas[name]
+        if gp.mode == "alias" or name in skip or owner_stage(m, train.pp, num_layers) != own_stage:
+            continue
+        total += math.prod(m.shard_shape(train.tp)) if m.tp_dim is not None else m.numel
+    return total * plan.dtype_bytes
 
 
 def _split(numel: int, parts: int) -> list[tuple[int, int]]:
@@ -333,9 +371,9 @@ def _aligned_rows(metas: list[ParamMeta], stage_of: dict[str, int], stages: list
 
 
 def _row_units(row: dict[int, ParamMeta], t: int, s: int, q: int, dtype_bytes: int,
-               min_view_bytes: int) -> list[_Row]:
+               min_view_bytes: int, blocks: bool) -> list[_Row]:
     """Split one aligned row into packing units: one direct unit (two for fc1 when ``s > 1``: a
-    gate row and an up row), or one packed unit."""
+    gate row and an up row; one with ``blocks``, and for any size), or one packed unit."""
     n = s * q
 
     def member(i: int, j: int) -> int:
@@ -345,6 +383,12 @@ def _row_units(row: dict[int, ParamMeta], t: int, s: int, q: int, dtype_bytes: i
         return math.prod(m.shard_shape(t)) if m.tp_dim is not None else m.numel
 
     split = [m for m in row.values() if m.tp_dim is not None]
+    if blocks and s > 1 and split and len(split) == len(row):  # whole shards, kept: stacked views
+        slices = [[] for _ in range(n)]
+        for i, m in row.items():
+            for j in range(s):
+                slices[member(i, j)].append((m.name, 0, shard_numel(m)))
+        return [_Row(slices, solo=True, keep=True)]
     big = n * max(shard_numel(m) // (s if m.tp_dim is None else 1)
                   for m in row.values()) * dtype_bytes >= min_view_bytes
     if big and s == 1:  # every member sends its stage's tensor whole; every tensor is a view
@@ -381,7 +425,7 @@ def _row_units(row: dict[int, ParamMeta], t: int, s: int, q: int, dtype_bytes: i
 
 def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int], gp: int,
                 num_layers: int, dtype_bytes: int, bucket_bytes: int,
-                min_view_bytes: int) -> StagePlan:
+                min_view_bytes: int, blocks: bool) -> StagePlan:
     t, s, q = gen.train.tp, gen.tp_stride, gen.pp_stride
     n = s * q
     stages = [gp * q + i for i in range(q)]
@@ -389,7 +433,7 @@ def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int]
     units: list[_Row] = []
     if n > 1:
         for row in _aligned_rows(metas, stage_of, stages, num_layers, gen.train.pp):
-            units += _row_units(row, t, s, q, dtype_bytes, min_view_bytes)
+            units += _row_units(row, t, s, q, dtype_bytes, min_view_bytes, blocks)
 
     # Greedy: consecutive rows share a bucket while it stays within bucket_bytes; a solo row is a
     # bucket of its own and leaves the open bucket open, so small rows around it still pack.
@@ -444,7 +488,13 @@ def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int]
         if n == 1 or (m.tp_dim is None and q == 1):
             params[m.name] = GenParam(m.name, m.shard_shape(gen.tp), "alias", (), 0, (), None)
             continue
-        if m.tp_dim is not None:
+        stacked = 1
+        if m.tp_dim is not None and blocks and s > 1:  # the s whole shards, stacked
+            shard_shape = m.shard_shape(t)
+            chunks = tuple(locate(m.name, i * s + j, 0, (1, *shard_shape)) for j in range(s))
+            stacked = s if stacked_layout(m) else 1
+            cat_dim, cat_shape = 0, (s, *shard_shape)
+        elif m.tp_dim is not None:
             shard_shape = m.shard_shape(t)
             piece_shape = list(shard_shape)
             piece_shape[m.tp_dim] //= m.tp_chunks
@@ -466,8 +516,9 @@ def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int]
             in_order = [(c.bucket, c.member, c.offset) for c in chunks]
             mode = "concat" if in_order == sorted(in_order) else "rearrange"
             offset, storage = storage, storage + math.prod(m.shard_shape(gen.tp))
-        params[m.name] = GenParam(m.name, m.shard_shape(gen.tp), mode, chunks, cat_dim,
-                                  tuple(cat_shape), offset)
+        shape = tuple(cat_shape) if stacked > 1 else m.shard_shape(gen.tp)
+        params[m.name] = GenParam(m.name, shape, mode, chunks, cat_dim, tuple(cat_shape), offset,
+                                  blocks=stacked)
     return StagePlan(gen_pp_rank=gp, members=n, buckets=tuple(buckets), params=params,
                      storage_numel=storage)
 

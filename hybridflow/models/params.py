@@ -362,6 +362,29 @@ def unshard(shards: list[torch.Tensor], meta: ParamMeta) -> torch.Tensor:
     return torch.cat(parts, dim=meta.tp_dim) if len(parts) > 1 else parts[0]
 
 
+def stacked_layout(meta: ParamMeta) -> bool:
+    """Whether a generation shard built from ``s > 1`` consecutive training shards is held as
+    those shards stacked, ``[s, *training shard shape]`` (``plan_reshard(blocks=True)``), rather
+    than in the standard layout: row-parallel weights (``tp_dim=1``, whose standard layout puts
+    the shards side by side along dim 1) and SwiGLU ``linear_fc1`` (standard [gate; up], the
+    shards hold [gate_r; up_r]). For the other dim-0 splits the stack is the standard layout."""
+    return meta.tp_dim is not None and (meta.tp_dim != 0 or meta.tp_chunks > 1)
+
+
+def stack(standard: torch.Tensor, meta: ParamMeta, s: int) -> torch.Tensor:
+    """Inverse of ``unstack``: a generation shard in the standard layout -> the ``s`` training
+    shards it is made of, stacked (what the switch gathers with ``blocks=True``)."""
+    chunks = standard.chunk(meta.tp_chunks, dim=meta.tp_dim)
+    pieces = [[c.chunk(s, dim=meta.tp_dim)[j] for c in chunks] for j in range(s)]
+    return torch.stack([torch.cat(p, dim=meta.tp_dim) for p in pieces])
+
+
+def unstack(stacked: torch.Tensor, meta: ParamMeta) -> torch.Tensor:
+    """A stacked generation shard ``[s, *training shard shape]`` -> the standard layout (a
+    copy)."""
+    return unshard(list(stacked.unbind(0)), meta)
+
+
 def init_full_weights(metas: list[ParamMeta], seed: int = 0, std: float = 0.02,
                       dtype: torch.dtype = torch.float32) -> dict[str, torch.Tensor]:
     """Deterministic full weights {name: tensor} for tests and tiny demos: norm weights (1-D,

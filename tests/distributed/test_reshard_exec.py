@@ -3,8 +3,9 @@ shards cut from the full weights, bit for bit, and so do the naive baseline's.
 
 One launch per world size runs several layouts in the same processes (groups are created for each
 layout by all ranks), which keeps the process start-up cost to once per world size. Every layout
-runs three ways: coalesced launches (all buckets in one or a few); one launch per bucket; and
-with the training shards resident in the generation storage (in place).
+runs four ways: coalesced launches (all buckets in one or a few); one launch per bucket; with the
+training shards resident in the generation storage (in place); and resident with stacked shards
+(``blocks=True``), where a TP merge copies no training shard either.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from hybridflow.hybrid_engine.execute import (back_to_training, create_micro_dp_
                                               naive_gather, new_storage)
 from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
 from hybridflow.models.config import ModelConfig
-from hybridflow.models.params import llama_param_metas, num_layers_of, owner_stage, shard
+from hybridflow.hybrid_engine.switch import redundant_bytes
+from hybridflow.models.params import (llama_param_metas, num_layers_of, owner_stage, shard,
+                                      stacked_layout)
 from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.parallel.spawn import spawn
 
@@ -112,6 +115,29 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
             # The storage holds training shards now: going back frees nothing.
             kept = 0 if resident_offsets(plan, rank) else 4 * plan.stages[gen_pp].storage_numel
             assert back_to_training(got, resident) == kept, what
+
+            # Stacked shards, resident: nothing of the rank's own is copied, TP merges included
+            # (but the norms when TP and PP merge at once).
+            s = gen.tp_stride
+            plan = plan_reshard(gen, metas, dtype_bytes=4, bucket_bytes=48 * 1024,
+                                min_view_bytes=min_view_bytes, blocks=True)
+            storage = new_storage(plan, rank, "cpu", torch.float32)
+            resident = dict(shards)
+            for name, at in resident_offsets(plan, rank).items():
+                view = storage.narrow(0, at, shards[name].numel()).view(shards[name].shape)
+                resident[name] = view.copy_(shards[name])
+            got = gather_generation_weights(plan, rank, resident, groups, single=single,
+                                            storage=storage)
+            by_name = {m.name: m for m in metas}
+            stacked = {n: torch.stack([shard(full[n], by_name[n], t, gen_tp * s + j)
+                                       for j in range(s)])
+                       if s > 1 and stacked_layout(by_name[n]) else w for n, w in want.items()}
+            _check(got, stacked, plan, gen_pp, resident, what + " (stacked, resident)")
+            norms = 4 * sum(m.numel for m in metas if m.tp_dim is None
+                            and owner_stage(m, p, num_layers) == pp_rank)
+            assert redundant_bytes(got, resident, metas, gen, rank) == (
+                norms if s > 1 and gen.pp_stride > 1 else 0), what
+            back_to_training(got, resident)
 
             for name, tensor in shards.items():
                 assert torch.equal(tensor, before[name]), f"{what}: training shard {name} changed"

@@ -8,10 +8,11 @@ from fractions import Fraction
 import pytest
 import torch
 
-from hybridflow.hybrid_engine.plan import plan_reshard
+from hybridflow.hybrid_engine.plan import copied_own_bytes, plan_reshard
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import (ParamMeta, llama_param_metas, num_layers_of,
-                                      owner_stage, shard, stage_layers, unshard)
+                                      owner_stage, shard, stack, stacked_layout,
+                                      stage_layers, unshard, unstack)
 from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import GenLayout, LayoutError, TrainLayout
 
@@ -107,18 +108,22 @@ def _check_storage_disjoint(st) -> None:
     assert end == st.storage_numel
 
 
+@pytest.mark.parametrize("blocks", [False, True], ids=["standard", "stacked"])
 @pytest.mark.parametrize("model", sorted(MODELS))
 @pytest.mark.parametrize("gen", LAYOUTS, ids=lambda g: f"t{g.train.tp}p{g.train.pp}d{g.train.dp}"
                                                        f"-tg{g.tp}pg{g.pp}")
-def test_simulated_gather_matches_generation_shards(gen: GenLayout, model: str) -> None:
+def test_simulated_gather_matches_generation_shards(gen: GenLayout, model: str,
+                                                    blocks: bool) -> None:
     metas = llama_param_metas(MODELS[model])
     full = _full_weights(metas)
     shards = _train_shards(gen.train, metas, full)
     # A small bucket (several per stage) and min_view_bytes between the row sizes: both packed
     # and solo buckets occur.
-    plan = plan_reshard(gen, metas, dtype_bytes=4, bucket_bytes=96 * 1024, min_view_bytes=64 * 1024)
+    plan = plan_reshard(gen, metas, dtype_bytes=4, bucket_bytes=96 * 1024, min_view_bytes=64 * 1024,
+                        blocks=blocks)
     results = _simulate(plan, shards)
     num_layers = num_layers_of(metas)
+    s = gen.tp_stride
     for rank, got in enumerate(results):
         _, gen_pp, gen_tp = gen.coords(rank)
         expected = [m for m in metas if owner_stage(m, gen.train.pp, num_layers) // gen.pp_stride
@@ -126,9 +131,60 @@ def test_simulated_gather_matches_generation_shards(gen: GenLayout, model: str) 
         assert list(got) == [m.name for m in expected], f"rank {rank} covers the wrong parameters"
         for m in expected:
             want = shard(full[m.name], m, gen.tp, gen_tp)
+            gp = plan.stages[gen_pp].params[m.name]
+            if blocks and s > 1 and stacked_layout(m):  # the s training shards, stacked
+                assert gp.blocks == s and got[m.name].shape == (s, *m.shard_shape(gen.train.tp))
+                assert torch.equal(got[m.name], torch.stack(
+                    [shard(full[m.name], m, gen.train.tp, gen_tp * s + j) for j in range(s)]))
+                got[m.name] = unstack(got[m.name], m)
+            else:
+                assert gp.blocks == 1
             assert torch.equal(got[m.name], want), f"rank {rank}: {m.name} differs"
     for st in plan.stages:
         _check_storage_disjoint(st)
+
+
+@pytest.mark.parametrize("gen", LAYOUTS, ids=lambda g: f"t{g.train.tp}p{g.train.pp}d{g.train.dp}"
+                                                       f"-tg{g.tp}pg{g.pp}")
+def test_stacked_shards_leave_nothing_to_copy(gen: GenLayout) -> None:
+    """With ``blocks`` every TP-split shard can be resident (its generation tensor a view), at the
+    same traffic: only norms are still copied, where TP and PP merge at once."""
+    metas = llama_param_metas(LLAMA)
+    standard = plan_reshard(gen, metas, dtype_bytes=2, bucket_bytes=96 * 1024)
+    stacked = plan_reshard(gen, metas, dtype_bytes=2, bucket_bytes=96 * 1024, blocks=True)
+    num_layers = num_layers_of(metas)
+    for rank in range(gen.train.world_size):
+        assert stacked.ranks[rank].recv_bytes == standard.ranks[rank].recv_bytes
+        modes = {p.mode for p in stacked.ranks[rank].stage.params.values()}
+        copied = copied_own_bytes(stacked, rank)
+        if gen.tp_stride > 1 and gen.pp_stride > 1:  # the replicated parameters of its stage
+            stage = gen.train.coords(rank)[1]
+            assert copied == 2 * sum(m.numel for m in metas if m.tp_dim is None and owner_stage(
+                m, gen.train.pp, num_layers) == stage)
+        else:
+            assert modes <= {"alias", "view"} and copied == 0
+
+
+def test_llama_7b_tp_and_pp_merges_copy_nothing_when_stacked() -> None:
+    """The issue's figures: a Llama-7B TP=2 -> TP=1 switch copies 6.28 GiB of a rank's own shards
+    without resident parameters, 4.53 GiB with them in the standard layout (fc1 in two halves, row-parallel weights interleaved); stacked, 0; and
+    PP=2 -> TP=1 (one shard per stage, every tensor a view) 0 either way."""
+    cfg = ModelConfig(arch="llama", vocab_size=32000, hidden_size=4096, ffn_hidden_size=11008,
+                      num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128)
+    metas = llama_param_metas(cfg)
+    tp2 = GenLayout(train=TrainLayout(tp=2), tp=1, pp=1)
+    pp2 = GenLayout(train=TrainLayout(pp=2), tp=1, pp=1)
+    copied = {(name, blocks): max(copied_own_bytes(plan_reshard(g, metas, 2, 256 << 20,
+                                                                 blocks=blocks), r)
+                                  for r in range(2))
+              for name, g in (("tp2", tp2), ("pp2", pp2)) for blocks in (False, True)}
+    per_layer = 4096 * 4096 // 2 + 3 * 11008 * 4096 // 2  # linear_proj, fc1, fc2 halves
+    assert copied[("tp2", False)] == 2 * 32 * per_layer
+    assert round(copied[("tp2", False)] / 2**30, 2) == 4.53
+    # not resident at all (the vllm backend's default): the whole shard but the norms (aliases)
+    whole = copied_own_bytes(plan_reshard(tp2, metas, 2, 256 << 20), 0, resident=False)
+    assert round(whole / 2**30, 2) == 6.28
+    assert copied[("tp2", True)] == copied[("pp2", False)] == copied[("pp2", True)] == 0
 
 
 def _even_metas(cfg: ModelConfig) -> list[ParamMeta]:
@@ -239,3 +295,15 @@ def test_bad_layouts_name_the_field() -> None:
         plan_reshard(GenLayout(train=TrainLayout(pp=3)), metas, 2, 1 << 20)
     with pytest.raises(LayoutError, match="layout.vpp"):
         plan_reshard(GenLayout(train=TrainLayout(pp=2, vpp=2)), metas, 2, 1 << 20)
+
+
+def test_stack_is_the_training_shards_and_unstack_its_inverse() -> None:
+    metas = [m for m in llama_param_metas(LLAMA) if stacked_layout(m)]
+    assert {m.name.split(".")[-2] for m in metas} == {"linear_proj", "linear_fc1", "linear_fc2"}
+    full = _full_weights(metas)
+    for m in metas:
+        for s in (2, 4):
+            stacked = stack(full[m.name], m, s)
+            assert torch.equal(stacked, torch.stack([shard(full[m.name], m, s, j)
+                                                     for j in range(s)]))
+            assert torch.equal(unstack(stacked, m), full[m.name])
