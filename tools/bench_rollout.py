@@ -16,7 +16,9 @@ For ``--backend megatron``, ``--fast-decode`` picks the decode path (auto: the b
 the fast path on GPU) and ``--fast-kernels`` its kernels (several: each timed); with the fast
 path on, ``--eager-baseline`` also times Megatron's own eager
 decode on the same model object (``megatron_eager_*``) and reports how many responses of the two
-paths are identical.
+paths are identical. ``--stacked S`` times the fast path again (``stacked_*``) on the same weights
+held as a TP merge of ``S`` training shards gathered uncopied (row-parallel weights and fc1 as
+their shards stacked, ``plan_reshard(blocks=True)``): the decode cost of zero redundancy.
 
 On GPU the same run also measures the device's copy bandwidth (a large device-to-device copy,
 bytes read + written over time) and the HBM roofline of the decode steps: each step must read
@@ -86,6 +88,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--eager-baseline", choices=("auto", "on", "off"), default="auto",
                     help="megatron with the fast path: also time Megatron's eager decode "
                          "(auto: on GPU)")
+    ap.add_argument("--stacked", type=int, default=None, metavar="S",
+                    help="megatron fast path: also time the weights stacked as S training shards")
     ap.add_argument("--kv-cache-mib", type=int, default=None, help="vLLM KV cache size")
     ap.add_argument("--workdir", default=None, help="where random checkpoints are written "
                                                     "(default: a temporary directory)")
@@ -245,6 +249,24 @@ def main(argv=None) -> dict:
     return results[-1]
 
 
+def time_stacked(backend, cfg, args, prompts, sampling, floor, outputs) -> dict:
+    """The fast path on the backend's weights stacked as ``args.stacked`` training shards."""
+    from hybridflow.models.params import llama_param_metas, stack, stacked_layout
+
+    metas = {m.name: m for m in llama_param_metas(cfg)}
+    standard = {n: p.data for n, p in backend.params.items()}
+    backend.load_generation_weights({n: stack(t, metas[n], args.stacked)
+                                     for n, t in standard.items() if stacked_layout(metas[n])})
+    try:
+        timings, out = measure(backend, prompts, sampling, args.repeats, floor, "stacked_")
+    finally:
+        backend.load_generation_weights(standard)
+        backend.sleep()
+    same = [o.response_token_ids == e.response_token_ids for o, e in zip(out, outputs or out)]
+    return dict(timings, stacked=args.stacked,
+                stacked_identical=round(sum(same) / len(same), 4))
+
+
 def bench_batch(args, cfg, backend, hf, eager: bool, batch: int, sampling: SamplingConfig,
                 dtype: str, bandwidth: float | None, startup: float) -> dict:
     """Time ``backend`` (and the baselines) at one batch size; prints and returns the result."""
@@ -282,6 +304,8 @@ def bench_batch(args, cfg, backend, hf, eager: bool, batch: int, sampling: Sampl
             result[prefix + "graph_capture_seconds"] = round(fast.capture_seconds - captured, 3)
             outputs = outputs or out
             backend.sleep()
+        if args.stacked:
+            result.update(time_stacked(backend, cfg, args, prompts, sampling, floor, outputs))
     else:
         timings, outputs = measure(backend, prompts, sampling, args.repeats, floor)
         result.update(timings)
@@ -312,6 +336,8 @@ def bench_batch(args, cfg, backend, hf, eager: bool, batch: int, sampling: Sampl
         print(f"HBM roofline of the decode steps: {result['roofline_decode_seconds']} s at "
               f"{result['copy_bandwidth_gb_s']} GB/s; we reach {result['roofline_fraction']:.1%}")
     others = [(f"fast path, {k} kernels", f"fast_{k}_") for k in args.fast_kernels[1:]]
+    if "stacked_tokens_per_s" in result:
+        others.append((f"fast path, weights stacked as {args.stacked} shards", "stacked_"))
     for name, prefix in others + [("Megatron eager decode", "megatron_eager_"),
                                   ("transformers static-cache generate", "hf_static_")]:
         if prefix + "tokens_per_s" in result and not (prefix == "hf_static_"

@@ -111,6 +111,10 @@ class RolloutBackend(ABC):
     """The architecture generated with; every backend sets it in its constructor."""
     tp: int = 1
     """Generation tensor-parallel size: the TP layout of the shards ``load_from_switch`` takes."""
+    takes_stacked: bool = False
+    """Whether ``load_from_switch`` takes stacked generation shards (``plan_reshard(blocks=True)``:
+    row-parallel weights and fc1 as ``[s, *training shard]``), which the switch then builds
+    without copying any training shard."""
     _calls: int = 0
     """Generate calls so far: with the seed, decides the next call's draws (see call_seed)."""
 

@@ -29,6 +29,15 @@ over the first L slots with a mask (``valid`` [batch, slots]), L the step's slot
 attend as one block of ``heads_per_group`` rows against that group's keys, so grouped-query
 attention needs no copy of K/V per head.
 
+Stacked weights. A generation shard the 3D-HybridEngine builds from ``s`` training shards without
+copying them (``plan_reshard(blocks=True)``) comes as those shards stacked: a row-parallel weight
+``[s, out, in/s]`` (block j = columns j of the standard weight), ``linear_fc1`` ``[s, 2f/s, h]``
+(block j = [gate_j; up_j]). The step computes with them as they are: a row-parallel product is
+the sum of the ``s`` block products (as TP ranks would all-reduce them: for up to 128 rows one
+batched GEMM and a sum, else ``addmm`` into one output, strided inputs and no copy), and fc1's
+output, [gate_0 up_0 gate_1 up_1 ...] per token, goes to SiLU(gate) * up as ``s`` rows of
+[gate_j | up_j], whose products are the standard order.
+
 The graphs hold raw pointers to the cache, the step's input buffers and the parameters: they are
 dropped when the cache is reallocated, when any parameter's storage moved (new weights loaded by
 pointer swap; weights copied in place keep their graphs), and by ``release``.
@@ -50,6 +59,32 @@ from hybridflow.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "triton")
+
+
+def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """``x @ W^T`` for a row-parallel weight, standard ``[out, in]`` or stacked ``[s, out, in/s]``
+    (the sum of the block products)."""
+    if weight.dim() == 2:
+        return F.linear(x, weight)
+    s, out, k = weight.shape
+    flat = x.reshape(-1, s * k)
+    if flat.shape[0] <= 128:  # decode: one batched GEMM and a sum beat s launches (one H200)
+        y = torch.bmm(flat.view(-1, s, k).transpose(0, 1), weight.transpose(1, 2)).sum(0)
+        return y.view(*x.shape[:-1], out)
+    y = flat[:, :k] @ weight[0].t()
+    for j in range(1, s):
+        y.addmm_(flat[:, j * k:(j + 1) * k], weight[j].t())
+    return y.view(*x.shape[:-1], out)
+
+
+def gate_up(x: torch.Tensor, fc1: torch.Tensor) -> torch.Tensor:
+    """``x @ fc1^T`` arranged as rows of [gate | up] for ``silu_mul``: [..., 2f] for a standard
+    fc1 [2f, h]; for a stacked one [s, 2f/s, h], [..., s, 2f/s] (SiLU(gate) * up of it, flattened
+    over the last two dims, is the standard order)."""
+    if fc1.dim() == 2:
+        return F.linear(x, fc1)
+    s = fc1.shape[0]
+    return F.linear(x, fc1.reshape(-1, fc1.shape[-1])).view(*x.shape[:-1], s, -1)
 
 
 def _rotate(t: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -447,10 +482,11 @@ class FastDecoder:
             o = F.scaled_dot_product_attention(q, keys[:, :, :attend], values[:, :, :attend],
                                                attn_mask=mask)
             o = o.view(b, g, w, hpg, hd).permute(0, 2, 1, 3, 4).reshape(b, w, g * hpg * hd)
-            x = x + self._all_reduce(F.linear(o, p[names["proj"]]))
+            x = x + self._all_reduce(row_linear(o, p[names["proj"]]))
             h = F.rms_norm(x, (cfg.hidden_size,), p[names["norm2"]], eps)
-            gate, up = F.linear(h, p[names["fc1"]]).chunk(2, dim=-1)
-            x = x + self._all_reduce(F.linear(F.silu(gate) * up, p[names["fc2"]]))
+            gate, up = gate_up(h, p[names["fc1"]]).chunk(2, dim=-1)
+            act = (F.silu(gate) * up).flatten(-2) if gate.dim() > h.dim() else F.silu(gate) * up
+            x = x + self._all_reduce(row_linear(act, p[names["fc2"]]))
         x = F.rms_norm(x[:, -1], (cfg.hidden_size,), p["decoder.final_layernorm.weight"], eps)
         return self._logits(x)
 
@@ -466,10 +502,11 @@ class FastDecoder:
             qkv = F.linear(h, p[names["qkv"]], p.get(names["qkv_bias"]))
             q = rope_kv_write(qkv, self._cos, self._sin, self._slot, keys, values, hpg)
             o = decode_attention(q, keys, values, self._start, self._slot)
-            attn = self._all_reduce(F.linear(o.view(o.shape[0], -1), p[names["proj"]]))
+            attn = self._all_reduce(row_linear(o.view(o.shape[0], -1), p[names["proj"]]))
             x, h = add_rms_norm(x, attn, p[names["norm2"]], eps)
-            mlp = self._all_reduce(F.linear(silu_mul(F.linear(h, p[names["fc1"]])),
-                                            p[names["fc2"]]))
+            gu = gate_up(h, p[names["fc1"]])
+            act = silu_mul(gu.reshape(-1, gu.shape[-1])).view(h.shape[0], -1)
+            mlp = self._all_reduce(row_linear(act, p[names["fc2"]]))
             nxt = (self._layers[layer + 1]["norm1"] if layer + 1 < len(self._layers)
                    else "decoder.final_layernorm.weight")
             x, h = add_rms_norm(x, mlp, p[nxt], eps)

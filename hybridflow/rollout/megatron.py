@@ -171,6 +171,8 @@ class MegatronRollout(RolloutBackend):
                                       "use pp=1 for the generation layout")
         self.model = self._build()
         self.params = dict(self._named_params())
+        self._shapes = {name: tuple(p.shape) for name, p in self.params.items()}  # standard
+        self._stacked: set[str] = set()  # parameters that hold stacked shards now
         # Sampling never touches the global RNG: its state here is per rank, ours per replica.
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._calls = 0  # generate calls so far: with the seed, decides the next call's draws
@@ -231,26 +233,50 @@ class MegatronRollout(RolloutBackend):
             yield name, param
 
     # ------------------------------------------------------------------------------ weights
+    @property
+    def takes_stacked(self) -> bool:
+        """The fast decoder computes with stacked shards (see ``fast_decode``); Megatron's own
+        forward needs the standard layout."""
+        return self.fast_decode
+
     @torch.no_grad()
     def load_generation_weights(self, tensors: dict[str, torch.Tensor]) -> None:
         """Set parameters from this rank's generation shards, Megatron names with global layer
         indices (any subset). A tensor of the parameter's dtype and device becomes the parameter
         (``param.data = tensor``: no copy; the caller must not change it while generating, and
         must load again after freeing it, as ``HybridEngine.to_training`` does); others are
-        converted. Everything is checked before anything is set."""
+        converted. With ``fast_decode``, row-parallel weights and fc1 may come stacked,
+        ``[s, *shard at tp*s]`` (``takes_stacked``). Everything is checked before anything is
+        set."""
+        from hybridflow.models.params import llama_param_metas, stacked_layout
+
+        metas = None
         for name, t in tensors.items():
             if name not in self.params:
                 hint = (" (tied embeddings: there is no output_layer)"
                         if name == "output_layer.weight" else "")
                 raise ArgumentError(f"weights[{name}]", f"not a parameter of the generation model"
                                                         f"{hint}")
-            want = tuple(self.params[name].shape)
-            if tuple(t.shape) != want:
-                raise ArgumentError(f"weights[{name}]", f"shard of shape {list(t.shape)}, the "
-                                    f"model holds {list(want)} at generation tp={self.tp}")
+            want = tuple(self._shapes[name])
+            if tuple(t.shape) == want:
+                continue
+            if self.fast_decode and t.dim() == len(want) + 1 and t.shape[0] > 1:
+                metas = metas or {m.name: m for m in llama_param_metas(self.model_config)}
+                m = metas.get(name)
+                if (m is not None and stacked_layout(m)
+                        and tuple(t.shape[1:]) == m.shard_shape(self.tp * t.shape[0])):
+                    continue
+            raise ArgumentError(f"weights[{name}]", f"shard of shape {list(t.shape)}, the "
+                                f"model holds {list(want)} at generation tp={self.tp}"
+                                + ("" if self.fast_decode else
+                                   " (stacked shards need fast_decode)"))
         for name, t in tensors.items():
             self.params[name].data = t.to(device=self.device, dtype=self.dtype)
             self._unloaded.discard(name)
+            if tuple(t.shape) == tuple(self._shapes[name]):
+                self._stacked.discard(name)
+            else:
+                self._stacked.add(name)
 
     def load_from_switch(self, tensors: dict[str, torch.Tensor]) -> None:
         """The switch's shards are this model's own layout: they become its parameters."""
@@ -331,6 +357,10 @@ class MegatronRollout(RolloutBackend):
                 generator: torch.Generator | None):
         ids, mask = left_pad(prompts, self.pad_token_id, self.device)
         batch = ids.shape[0]
+        if self._stacked and not self.fast_decode:
+            raise RuntimeError(f"{len(self._stacked)} parameters hold stacked shards (e.g. "
+                               f"{sorted(self._stacked)[0]}), which only fast_decode computes "
+                               "with; set fast_decode back on or load standard shards")
         steps_impl = self.fast_decoder() if self.fast_decode else _MegatronSteps(self)
         tokens, logprobs, lengths, stopped = decode(
             steps_impl, ids, mask, sampling, generator, sampling.stop_ids(self.eos_token_ids),

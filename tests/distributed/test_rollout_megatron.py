@@ -88,6 +88,23 @@ def megatron_checks(rank, world, ckpt):
     r["aliased"] = all(rollout.params[n].data_ptr() == t.data_ptr() for n, t in shards.items())
     rollout.load_generation_weights(hf_to_megatron(new, CFG))
 
+    # Stacked shards (a TP merge of training shards, as the switch gathers them uncopied): the
+    # fast path decodes them as the standard ones; Megatron's own forward refuses them.
+    rollout.fast_decode = True
+    r["stacked"] = [summary(rollout.generate(PROMPTS, GREEDY))]
+    for s in (2, 4):
+        rollout.load_generation_weights(stacked(hf_to_megatron(new, CFG), s))
+        r["stacked"].append(summary(rollout.generate(PROMPTS, GREEDY)))
+    rollout.fast_decode = False
+    try:
+        rollout.generate(PROMPTS, GREEDY)
+        r["stacked_refused"] = "no error"
+    except RuntimeError as e:
+        r["stacked_refused"] = str(e)
+    r["stacked_shape_refused"] = _errors(lambda: rollout.load_generation_weights(
+        stacked(hf_to_megatron(new, CFG), 2)))
+    rollout.load_generation_weights(hf_to_megatron(new, CFG))
+
     bad_shape = {**new, "model.layers.1.self_attn.q_proj.weight": torch.zeros(3, CFG.hidden_size)}
     no_partner = {n: t for n, t in new.items() if n != "model.layers.0.mlp.up_proj.weight"}
     bad_shard = {"decoder.layers.0.mlp.linear_fc2.weight": torch.zeros(2, 2)}
@@ -99,6 +116,16 @@ def megatron_checks(rank, world, ckpt):
                                     global_seed)
                      for seed, global_seed in ((7, 100), (7, 200), (8, 100))]
     return r
+
+
+def stacked(tensors, s):
+    """Full Megatron tensors -> what ``plan_reshard(blocks=True)`` gathers for a TP merge of
+    ``s`` training shards into tg = 1: row-parallel weights and fc1 as their shards stacked."""
+    from hybridflow.models.params import llama_param_metas, stack, stacked_layout
+
+    metas = {m.name: m for m in llama_param_metas(CFG)}
+    return {n: stack(t, metas[n], s)
+            if stacked_layout(metas[n]) else t for n, t in tensors.items()}
 
 
 def unseeded_calls(rollout, global_seed: int):
@@ -208,6 +235,13 @@ def test_failed_update_names_the_tensor_and_changes_nothing(results):
     assert "model.layers.0.mlp.up_proj.weight" in partner and "together" in partner
     assert "decoder.layers.0.mlp.linear_fc2.weight" in shard and "tp=1" in shard
     assert results["after_errors"] == results["updated"][0]
+
+
+def test_stacked_shards_decode_as_standard_on_the_fast_path_only(results):
+    standard, *stacked_runs = results["stacked"]
+    assert all(run == standard for run in stacked_runs)
+    assert "stacked shards" in results["stacked_refused"]
+    assert "need fast_decode" in results["stacked_shape_refused"]
 
 
 def test_fast_path_matches_megatron_path(results):

@@ -111,6 +111,43 @@ def test_new_weights_are_seen(device):
     assert torch.equal(after, expected)
 
 
+def stacked(params, cfg, s):
+    """The weights as the switch gathers a TP merge of ``s`` training shards uncopied
+    (``plan_reshard(blocks=True)``): row-parallel weights and fc1 as their shards stacked."""
+    from hybridflow.models.params import llama_param_metas, stack, stacked_layout
+
+    metas = {m.name: m for m in llama_param_metas(cfg)}
+    return {n: stack(p.detach(), metas[n], s)
+            if stacked_layout(metas[n]) else p for n, p in params.items()}
+
+
+@pytest.mark.parametrize("rows", [5, 300])  # a batched GEMM and a sum; addmm per block
+def test_row_linear_of_stacked_weights(rows):
+    from hybridflow.models.params import llama_param_metas, stack
+    from hybridflow.rollout.fast_decode import row_linear
+
+    cfg = CONFIGS["llama"]
+    m = next(m for m in llama_param_metas(cfg) if m.name.endswith("linear_fc2.weight"))
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(m.shape, generator=g), torch.randn(2, rows, m.shape[1], generator=g)
+    for s in (2, 4):
+        torch.testing.assert_close(row_linear(x, stack(w, m, s)), torch.nn.functional.linear(x, w),
+                                   atol=1e-4, rtol=1e-5)  # the sums differ in order only
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("s", [2, 4])
+def test_stacked_weights_decode_as_the_standard_ones(device, s):
+    cfg, hf, params, fast = setup("llama", device)
+    _, _, tokens, logprobs = run(fast)
+    blocks = FastDecoder(cfg, stacked(params, cfg, s), dtype=torch.float32,
+                         device=torch.device(device), inv_freq=inv_freq(cfg), block=4)
+    assert blocks.params["decoder.layers.0.mlp.linear_fc2.weight"].dim() == 3
+    _, _, got, got_logprobs = run(blocks)
+    assert torch.equal(got, tokens)
+    torch.testing.assert_close(got_logprobs, logprobs, atol=1e-5, rtol=0)
+
+
 @pytest.mark.parametrize("device", DEVICES)
 def test_release_frees_and_decoding_starts_again(device):
     cfg, hf, params, fast = setup("llama", device)
@@ -174,8 +211,15 @@ def triton_checks(device: str) -> dict:
         cfg, hf, params, plain = setup("qwen2", device, dtype, kernels="torch")
         fused = FastDecoder(cfg, params, dtype=dtype, device=torch.device(device),
                             inv_freq=inv_freq(cfg), block=4, kernels="triton")
+        stacked_fused = FastDecoder(cfg, stacked(params, cfg, 2), dtype=dtype,
+                                    device=torch.device(device), inv_freq=inv_freq(cfg), block=4,
+                                    kernels="triton")
         _, _, t_plain, lp_plain = run(plain)
         _, _, t_fused, lp_fused = run(fused)
+        _, _, t_stacked, lp_stacked = run(stacked_fused)
+        common = (t_stacked != t_fused).long().cumsum(dim=1) == 0
+        out[f"{dtype} stacked"] = (t_stacked.tolist() == t_fused.tolist(),
+                                   (lp_stacked - lp_fused)[common].abs().max().item())
         # Log-probs compared up to each row's first differing token (bf16 near-ties may part).
         common = (t_plain != t_fused).long().cumsum(dim=1) == 0
         out[str(dtype)] = (t_plain.tolist() == t_fused.tolist(),
@@ -205,6 +249,8 @@ def test_triton_kernels(device):
     for dtype, err in out["attention"]:
         assert err < (1e-5 if dtype == "torch.float32" else 2e-2), (dtype, err)
     same, lp_err, graphs = out["torch.float32"]
+    assert same and lp_err < 1e-5
+    same, lp_err = out["torch.float32 stacked"]  # fc1 rows as s rows of [gate_j | up_j]
     assert same and lp_err < 1e-5
     if device == "cuda":
         assert graphs == 1
