@@ -11,9 +11,11 @@ time:
 * ``transition_s``: ours, ``gather_generation_weights`` (direct and packed all-gathers in the
   micro-DP groups, coalesced launches, the generation storage allocated inside), and ``back_s``:
   ``back_to_training``;
-* ``resident_s``: the same with the training shards that can live in the generation storage
-  placed there (``resident_offsets``) and that storage kept across switches: their all-gathers
-  are in place;
+* ``resident_s``: the HybridEngine's resident switch (the megatron backend's default): the plan
+  with stacked shards (``blocks=True``), the storage allocated, the training shards that can live
+  in it (``resident_offsets``: every TP-split one with stacked shards) copied there and their
+  all-gathers in place; ``resident_back_s``: the shards copied out into memory of their own and
+  the storage freed;
 * ``floor_s``: one all-gather, in the same micro-DP groups, of as many bytes as our buckets carry
   (padding included), from a ready buffer into a ready buffer: no packing, no allocation;
 * ``per_tensor_s``: verl's path (``naive_gather``): all-gather every tensor over the training TP
@@ -33,9 +35,10 @@ allocated before the switch (the generation storage plus the transient ring);
 on CPU, whose allocator keeps no statistics, it is the storage plus the executor's transient
 ring. ``redundant_bytes`` are the bytes of generation tensors that repeat this rank's
 own training shard (a copy of it, while the training shard lives on); ``resident_*`` are the same
-figures with the resident storage, which, allocated before the switch, is not in its peak:
-``resident_train_extra_bytes`` is what that storage holds beyond the training shards, i.e. what
-the resident layout costs during training. Byte figures are the maximum over ranks.
+figures for the resident switch (whose peak counts the storage and, for a moment, the shards
+beside it), and ``resident_train_extra_bytes`` what it leaves allocated once back in training
+beyond the training shards (CUDA: measured; CPU: 0 by construction). Byte figures are the maximum
+over ranks.
 
 Only rank 0 prints: readable lines, then, as the last lines of stdout, one JSON object per layout.
 """
@@ -61,13 +64,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridflow.hybrid_engine.execute import (  # noqa: E402
     back_to_training, create_micro_dp_groups, create_train_groups, gather_generation_weights,
-    naive_gather, new_storage)
+    naive_gather, new_storage, place_shards)
 from hybridflow.hybrid_engine.plan import ReshardPlan, plan_reshard, resident_offsets  # noqa: E402
 from hybridflow.hybrid_engine.switch import (TIED_OUTPUT, generation_metas,  # noqa: E402
                                              naive_recv_bytes, redundant_bytes)
 from hybridflow.models.config import ModelConfig  # noqa: E402
 from hybridflow.models.params import (  # noqa: E402
-    DTYPES, ParamMeta, llama_param_metas, num_layers_of, owner_stage)
+    DTYPES, ParamMeta, llama_param_metas, num_layers_of, owner_stage, unstack)
 from hybridflow.parallel.layout import GenLayout, TrainLayout  # noqa: E402
 
 PRESETS = {
@@ -335,32 +338,37 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
             ref = fill_shard(m, gen.tp, gen_tp, salt_of(m.name, args.seed, cfg.tie_embeddings),
                              dtype, device)
             got = tensors[m.name]
+            if got.dim() == ref.dim() + 1:  # stacked training shards
+                got = unstack(got, m)
             if got.shape != ref.shape:
                 return math.inf
             err = max(err, float((got.float() - ref.float()).abs().max()))
         return err
 
-    def instrumented(train_shards, storage=None) -> tuple[float, int, int, int]:
-        """(max_abs_err, peak bytes, redundant bytes, launches) of one switch."""
+    def instrumented(switch, back) -> tuple[float, int, int, int, int]:
+        """(max_abs_err, peak bytes, redundant bytes, launches, bytes left after the switch
+        back) of one switch: ``switch(stats)`` -> (weights, training shards), ``back``."""
         timer.barrier()
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats(device)
             base = torch.cuda.memory_allocated(device)
         stats: dict = {}
-        weights = gather_generation_weights(plan, rank, train_shards, groups, storage=storage,
-                                            stats=stats, **knobs)
+        weights, train_shards = switch(stats)
         timer.sync()
         if device.type == "cuda":
             peak = torch.cuda.max_memory_allocated(device) - base
         else:
-            peak = stats["transient_bytes"] + (0 if storage is not None
-                                               else st.storage_numel * esz)
+            peak = stats["transient_bytes"] + st.storage_numel * esz
         err = check(weights)
         redundant = redundant_bytes(weights, train_shards, metas, gen, rank)
-        back_to_training(weights, train_shards)
-        return err, peak, redundant, stats["launches"]
+        back(weights, train_shards)
+        timer.sync()
+        left = torch.cuda.memory_allocated(device) - base if device.type == "cuda" else 0
+        return err, peak, redundant, stats["launches"], left
 
-    err, peak, redundant, launches = instrumented(shards)
+    err, peak, redundant, launches, _ = instrumented(
+        lambda stats: (gather_generation_weights(plan, rank, shards, groups, stats=stats,
+                                                 **knobs), shards), back_to_training)
     gen_bytes = sum(math.prod(p.shape) for p in st.params.values()) * esz
 
     # ---- ours
@@ -377,28 +385,45 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
             back_times.append(dt)
     back_s = statistics.median(back_times)
 
-    # ---- resident: the shards that can live in the storage are placed there, once
+    # ---- resident: stacked shards; the training shards move into the storage and out again
     resident = {}
-    offsets = resident_offsets(plan, rank)
+    rplan = plan_reshard(gen, metas, esz, bucket_bytes=_mb(args.bucket_mb),
+                         min_view_bytes=_mb(args.min_view_mb), blocks=True)
+    offsets = resident_offsets(rplan, rank)
     if "resident" not in skip and all_max(len(offsets), device):
-        storage = new_storage(plan, rank, device, dtype)
-        placed = dict(shards)
-        for name, at in offsets.items():
-            t = shards[name]
-            placed[name] = storage.narrow(0, at, t.numel()).view(t.shape).copy_(t)
-        r_err, r_peak, r_redundant, _ = instrumented(placed, storage)
-        r_s = median_of(timer, lambda: gather_generation_weights(
-            plan, rank, placed, groups, storage=storage, **knobs), args.warmup, args.iters,
-            after=lambda w: back_to_training(w, placed))
+        home = {"shards": shards}  # where the training shards live between switches
+
+        def resident_switch(stats=None):
+            storage = new_storage(rplan, rank, device, dtype)
+            placed = place_shards(home["shards"], offsets, storage)
+            home["shards"] = placed
+            return gather_generation_weights(rplan, rank, placed, groups, storage=storage,
+                                             stats=stats, **knobs), placed
+
+        def resident_back(weights, placed):
+            home["shards"] = place_shards(placed, offsets, None)
+            back_to_training(weights, home["shards"])
+
+        r_err, r_peak, r_redundant, _, r_left = instrumented(resident_switch, resident_back)
+        r_s = median_of(timer, resident_switch, args.warmup, args.iters,
+                        after=lambda w: resident_back(*w))
+        r_back = []
+        for i in range(args.warmup + args.iters):
+            w = resident_switch()
+            dt, _ = timer(lambda: resident_back(*w))
+            if i >= args.warmup:
+                r_back.append(dt)
         resident = {
-            "resident_s": r_s, "resident_max_abs_err": all_max(r_err, device),
+            "resident_s": r_s, "resident_back_s": statistics.median(r_back),
+            "resident_max_abs_err": all_max(r_err, device),
             "resident_peak_weight_bytes": int(all_max(r_peak, device)),
             "resident_redundant_bytes": int(all_max(r_redundant, device)),
-            "resident_train_extra_bytes": int(all_max(
-                (st.storage_numel - sum(placed[n].numel() for n in offsets)) * esz, device)),
+            "resident_train_extra_bytes": int(all_max(r_left, device)),
             "resident_params": int(all_max(len(offsets), device)),
+            "resident_moved_bytes": int(all_max(sum(shards[n].numel() for n in offsets) * esz,
+                                                device)),
         }
-        del storage, placed
+        del home
 
     # ---- floor: the same bytes, one all-gather, ready buffers
     floor_s = 0.0
@@ -483,7 +508,8 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
         f"{launches} launches)")
     if resident:
         say(f"  train->gen  resident    {s(resident['resident_s'])}   "
-            f"({vs_floor(resident['resident_s'])}, {resident['resident_params']} shards in place)")
+            f"({vs_floor(resident['resident_s'])}, {resident['resident_params']} shards "
+            f"({b(resident['resident_moved_bytes'])}) moved in, gathered in place)")
     say(f"  floor       all-gather  {s(floor_s)}")
     if per_tensor_s is not None:
         say(f"  per-tensor  (verl)      {s(per_tensor_s)}   "
@@ -497,8 +523,9 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
     if resident:
         say(f"  resident: max_abs_err {resident['resident_max_abs_err']:g}, peak "
             f"{b(resident['resident_peak_weight_bytes'])}, redundant "
-            f"{b(resident['resident_redundant_bytes'])}, storage beyond the shards "
-            f"{b(resident['resident_train_extra_bytes'])} (held during training)")
+            f"{b(resident['resident_redundant_bytes'])}, left beyond the shards in training "
+            f"{b(resident['resident_train_extra_bytes'])}; gen->train "
+            f"{s(resident['resident_back_s'])}")
     return result
 
 

@@ -62,6 +62,7 @@ buffers, the reshard's buckets, embedding and output layers sitting on one pipel
 
 from __future__ import annotations
 
+import functools
 import inspect
 import math
 from dataclasses import dataclass
@@ -274,8 +275,12 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
     resident["ref"] = {"weights": resident["actor"]["weights"]}
     gen = GenLayout(train=actor.layout, tp=r.tp)
     gen_weights = {"generation weights": int(n * b / (gen.tp * gen.pp))}
-    if cfg.hybrid_engine.mode == "3d":  # the training shard is a slice of the generation one
-        gen_weights["weights"] = 0
+    if cfg.hybrid_engine.mode == "3d":  # the training shards the generation ones copy stay
+        # Stacked shards where MegatronRollout decodes fast by default (on GPU: tp = 1).
+        blocks = r.backend == "megatron" and r.tp == 1
+        gen_weights["weights"] = _copied_shard_bytes(
+            tuple(vars(shape).items()), actor.layout.tp, actor.layout.pp, r.tp, b,
+            cfg.hybrid_engine.resident_for(actor, r), blocks)
     if actor.lora.enabled:
         # The frozen base holds no grads or optimizer state, the adapters do; the reference is
         # the base itself. Generation takes merged copies of the adapted weights' shards, so
@@ -305,6 +310,24 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
                                                * (b + 4))}
     forward["actor"] = _forward_transient(shape, actor, seq, lm_head=True)
     updates["actor update"] = ("actor", _training_activations(shape, actor, seq, samples, True))
+
+
+@functools.lru_cache(maxsize=256)
+def _copied_shard_bytes(fields: tuple, t: int, p: int, tg: int, b: int, resident: bool,
+                        blocks: bool) -> int:
+    """The most bytes of its own training shards a rank keeps beside its generation weights (the
+    reshard plan's ``copied_own_bytes``): 0 with every shard resident. ``fields``: the model
+    shape's (name, value) pairs, hashable for the cache."""
+    from hybridflow.hybrid_engine.plan import copied_own_bytes, plan_reshard
+    from hybridflow.hybrid_engine.switch import generation_metas
+    from hybridflow.models.params import llama_param_metas
+    from hybridflow.parallel.layout import GenLayout, TrainLayout
+
+    shape = ModelConfig(**dict(fields))
+    gen = GenLayout(train=TrainLayout(tp=t, pp=p), tp=tg)
+    metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings, gen)
+    plan = plan_reshard(gen, metas, b, 256 << 20, blocks=blocks)
+    return max(copied_own_bytes(plan, rank, resident) for rank in range(gen.train.world_size))
 
 
 def _critic_side(cfg, group: str, shape: ModelConfig, seq: int, samples: int, resident, forward,

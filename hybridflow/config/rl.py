@@ -156,9 +156,25 @@ class HybridEngineConfig:
     the training TP group and broadcast over PP, verl's path) -- the A/B baseline."""
     offload_optimizer: bool = False
     """Move optimizer state to host memory during generation (GPU)."""
+    resident: bool | None = None
+    """The actor's training shards move into the generation storage at each switch (and out at
+    the switch back), so generation holds no weight twice (HybridFlow's zero redundancy) and
+    training nothing beyond its shards. null: on where it can be (mode 3d, no LoRA,
+    actor.engine.optim.distributed false) with the megatron backend, whose fast decoder takes
+    the shards of a TP merge uncopied; the vllm and hf backends load the weights into their own
+    storage, so they default to off."""
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, ("3d", "naive"))
+        if self.resident is not None and not isinstance(self.resident, bool):
+            raise ConfigError("resident", f"{self.resident!r}: use true, false or null")
+
+    def resident_for(self, actor: "ActorConfig", rollout: RolloutConfig) -> bool:
+        """Whether this run's switch keeps the shards resident (``resident``, null resolved)."""
+        if self.resident is not None:
+            return self.resident
+        return (rollout.backend == "megatron" and self.mode == "3d" and not actor.lora.enabled
+                and not actor.engine.optim.distributed)
 
 
 @dataclass(kw_only=True)
@@ -368,6 +384,17 @@ class RLConfig:
         if self.actor.lora.enabled and self.actor.engine.sequence_parallel:
             raise ConfigError("actor.lora", "LoRA adapters need the full sequence on every TP "
                                             "rank; set actor.engine.sequence_parallel=false")
+        if self.hybrid_engine.resident:
+            why = [(self.hybrid_engine.mode != "3d", "hybrid_engine.mode=3d (the naive path "
+                    "gathers every tensor anew)"),
+                   (self.actor.lora.enabled, "actor.lora.rank=0 (generation computes with the "
+                    "merged LoRA weights, which cannot live where the frozen base does)"),
+                   (self.actor.engine.optim.distributed, "actor.engine.optim.distributed=false "
+                    "(the distributed optimizer keeps the parameters in its own buffer)")]
+            for bad, fix in why:
+                if bad:
+                    raise ConfigError("hybrid_engine.resident", f"cannot act here; set it to "
+                                                                f"null or false, or {fix}")
         self._check_no_inert_options()
 
     def _check_no_inert_options(self) -> None:

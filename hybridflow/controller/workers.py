@@ -114,6 +114,7 @@ class ActorRolloutRefWorker(Worker):
         super().__init__(rank, world_size, rendezvous)
         from hybridflow.hybrid_engine.switch import HybridEngine
         from hybridflow.models.hf import load_hf_config
+        from hybridflow.parallel.layout import GenLayout
         from hybridflow.training.engine import TrainEngine
         from hybridflow.training.loading import load_hf_into_engine
 
@@ -132,10 +133,13 @@ class ActorRolloutRefWorker(Worker):
             load_hf_into_engine(self.ref, model_dir)
             if ref.offload:
                 self.ref.offload_weights()
+        self.gen = GenLayout(train=actor.layout, tp=rollout.tp)
+        self.rollout = self._make_rollout()
         self.hybrid = HybridEngine(self.actor, gen_tp=rollout.tp, bucket_mb=rollout.bucket_mb,
                                    mode=hybrid_engine.mode,
-                                   offload_optimizer=hybrid_engine.offload_optimizer)
-        self.rollout = self._make_rollout()
+                                   offload_optimizer=hybrid_engine.offload_optimizer,
+                                   resident=hybrid_engine.resident_for(actor, rollout),
+                                   blocks=self.rollout.takes_stacked)
         self.dp_group = self.actor.pg.dp
 
     def _make_rollout(self):
@@ -145,14 +149,14 @@ class ActorRolloutRefWorker(Worker):
         max_len = self.max_prompt_tokens + r.sampling.max_tokens
         # One seed per generation replica (the ranks of its TP group must sample alike), mixed
         # with the run's seed so that runs and replicas never share a stream.
-        seed = call_seed(self.seed, self.hybrid.replica)
+        seed = call_seed(self.seed, self.gen.coords(self.rank)[0])  # per generation replica
         if r.backend == "megatron":
             from hybridflow.parallel.groups import generation_process_groups
             # Weights arrive from the switch; the model is built at the generation layout.
             return backend(self.model_config, dtype=self.actor_cfg.engine.dtype,
                            max_model_len=max_len, seed=seed,
                            eos_token_ids=eos_token_ids(self.model_dir),
-                           pg_collection=generation_process_groups(self.hybrid.gen))
+                           pg_collection=generation_process_groups(self.gen))
         kwargs = dict(dtype=self.actor_cfg.engine.dtype, max_model_len=max_len,
                       seed=seed)
         if r.backend == "vllm":
@@ -204,7 +208,9 @@ class ActorRolloutRefWorker(Worker):
             "timing/rollout_sleep_s": slept - generated,
             "timing/back_to_train_s": time.perf_counter() - slept,
             "reshard/bytes_received": weights.bytes_received,
-            "reshard/naive_bytes": weights.naive_bytes, **memory})
+            "reshard/naive_bytes": weights.naive_bytes,
+            # own training shards the generation weights hold a second copy of (0: resident)
+            "reshard/redundant_bytes": weights.redundant_bytes, **memory})
         return out
 
     def _pack(self, outputs, batch: Batch, sampling) -> Batch:

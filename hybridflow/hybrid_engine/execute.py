@@ -118,6 +118,22 @@ def new_storage(plan: ReshardPlan, rank: int, device: torch.device | str,
     return torch.empty(numel, dtype=dtype, device=device)
 
 
+def place_shards(shards: Mapping[str, torch.Tensor], offsets: Mapping[str, int],
+                 storage: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    """The shards named in ``offsets`` (``resident_offsets``) copied into ``storage`` at those
+    element offsets, as views of it, or, with ``storage`` None, each into memory of its own
+    (out of the storage again); the others as they are. The caller drops the sources: the
+    resident switch moves the training shards in before the all-gathers and out after."""
+    out = dict(shards)
+    with torch.no_grad():
+        for name, at in offsets.items():
+            src = shards[name]
+            dst = (torch.empty_like(src, memory_format=torch.contiguous_format) if storage is None
+                   else storage.narrow(0, at, src.numel()).view(src.shape))
+            out[name] = dst.copy_(src)
+    return out
+
+
 def back_to_training(gen_weights: dict[str, torch.Tensor],
                      train_shards: Mapping[str, torch.Tensor]) -> int:
     """Free the generation storage and return the bytes released.

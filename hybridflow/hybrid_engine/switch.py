@@ -12,16 +12,24 @@ every rank in the same order), and the memory handoff:
   verl's per-tensor TP all-gather + PP broadcast (mode ``"naive"``, the A/B baseline).
 * ``to_training()`` frees the generation storage (tensors that alias the training parameters are
   left alone), gives the grad buffers back zeroed and brings the optimizer state home. The
-  training parameters are only ever read, so nothing is copied back.
+  switch only reads the training parameters, so nothing is copied back (resident parameters,
+  below, move out of the storage first).
 
-Resident parameters (``resident=True``, the paper's zero redundancy). The training parameters that
-the plan can place in the generation storage (``plan.resident_offsets``: every one when only
-pipeline stages merge, ``t == tg``) are moved there once, at construction (``param.data`` becomes
-a view of the storage), so their all-gathers are in place and the generation weights hold no
-second copy of them. The price: the storage stays allocated during training, the other stages'
-part of it idle. Megatron's distributed optimizer keeps the parameters in its own contiguous
-buffer, which they cannot leave: resident needs it off. Without it, Megatron reads ``param.data``
-afresh at every step (the fp16 optimizer copies its fp32 main weights into it), so the move is safe.
+Resident parameters (``resident=True``, the paper's zero redundancy). At every switch to generation
+the training parameters that the plan can place in the generation storage
+(``plan.resident_offsets``) move there (``param.data`` becomes a view of the storage; their own
+memory is freed), so their all-gathers are in place and the generation weights hold no second copy
+of them; at the switch back they move out again, into memory of their own, and the storage is
+freed. Training holds its shards only, generation the storage only; the price is one local copy
+of the rank's shards each way (device bandwidth, against the all-gather's link bandwidth), and
+for a moment at the start of the switch the storage and the shards together (as the copying path
+holds them for the whole of generation). Which shards can move: every one when only pipeline
+stages merge (``t == tg``); with TP merges too, every TP-split one if the rollout computes with
+stacked shards (``blocks=True``: row-parallel weights and fc1 as ``[s, *training shard]``, see
+``plan.py``; the fast decoder does), else the dim-0 splits but fc1. Megatron's distributed
+optimizer keeps the parameters in its own contiguous buffer, which they cannot leave: resident
+needs it off. Without it, Megatron reads ``param.data`` afresh at every step (the fp16 optimizer
+copies its fp32 main weights into it), so the move is safe.
 
 LoRA. With adapters (``engine.adapters``) generation computes with ``W + BA``: each rank merges
 its own shards (``Adapters.merged``, no communication) and the merged tensors are what the switch
@@ -50,7 +58,7 @@ import torch.distributed as dist
 
 from hybridflow.hybrid_engine.execute import (back_to_training, create_micro_dp_groups,
                                               gather_generation_weights, naive_gather,
-                                              new_storage)
+                                              new_storage, place_shards)
 from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
 from hybridflow.models.params import ParamMeta, num_layers_of, owner_stage
 from hybridflow.parallel.layout import GenLayout
@@ -170,7 +178,7 @@ class HybridEngine:
 
     def __init__(self, engine: TrainEngine, gen_tp: int = 1, gen_pp: int = 1,
                  bucket_mb: float = 256, mode: str = "3d", offload_optimizer: bool = False,
-                 resident: bool = False):
+                 resident: bool = False, blocks: bool = False):
         if mode not in MODES:
             raise ValueError(f"hybrid_engine.mode: unknown mode {mode!r}; use one of {MODES}")
         if resident and mode != "3d":
@@ -194,19 +202,20 @@ class HybridEngine:
         self.dtype = dtypes.pop()
         self.dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.plan = plan_reshard(self.gen, self.metas, self.dtype_bytes,
-                                 bucket_bytes=max(1, int(bucket_mb * 2**20)))
+                                 bucket_bytes=max(1, int(bucket_mb * 2**20)), blocks=blocks)
         # Collective over the whole world: every rank builds the same groups in the same order,
         # once; the naive path reuses Megatron's TP and PP groups.
         self.groups = create_micro_dp_groups(self.gen) if mode == "3d" else None
         self.replica, self.gen_pp_rank, self.gen_tp_rank = self.gen.coords(self.rank)
         self.naive_bytes = naive_recv_bytes(self.gen, self.metas, self.rank, self.dtype_bytes)
         self._grad_buffers: list[tuple[object, int]] = []  # (Megatron grad buffer, bytes)
-        self._storage = self._make_resident() if resident else None
+        self._offsets = self._resident_offsets() if resident else {}
         self._weights: GenerationWeights | None = None
         self._host: dict[tuple, torch.Tensor] = {}  # pinned homes of offloaded optimizer state
         self.summary = (f"HybridEngine: train view ({engine.layout}) -> generation view "
                         f"({self.gen}); mode {mode}, buckets of {bucket_mb:g} MB"
-                        + (", resident parameters" if resident else ""))
+                        + (", resident parameters" if resident else "")
+                        + (", stacked shards" if blocks and self.gen.tp_stride > 1 else ""))
         if self.rank == 0:
             log.info(self.summary)
 
@@ -229,6 +238,10 @@ class HybridEngine:
             # The allocator's peak from here on is the generation phase's (the worker reports it
             # before switching back: memory/generation_peak_gib); before, it was training's.
             torch.cuda.reset_peak_memory_stats()
+        storage = None
+        if self._offsets:
+            storage = new_storage(self.plan, self.rank, self.engine.device, self.dtype)
+            self._place(storage)
         shards = self._train_shards()
         # With LoRA, generation gets W + BA: each adapted weight's shard is merged on its rank
         # (a new tensor, freed with the generation weights), the base stays as it is.
@@ -236,12 +249,14 @@ class HybridEngine:
         try:
             if self.mode == "3d":
                 tensors = gather_generation_weights(self.plan, self.rank, source, self.groups,
-                                                    storage=self._storage)
+                                                    storage=storage)
                 received = self.plan.ranks[self.rank].recv_bytes
             else:
                 tensors = naive_gather(self.gen, self.metas, self.rank, source, self._train_group)
                 received = self.naive_bytes
         except BaseException:
+            if storage is not None:
+                self._place(None)
             self._restore_training_memory()  # stay a consistent training engine
             raise
         redundant = redundant_bytes(tensors, shards, self.metas, self.gen, self.rank)
@@ -261,33 +276,34 @@ class HybridEngine:
 
     def to_training(self) -> int:
         """Drop the generation weights, give back grads (zeroed) and optimizer state. Returns the
-        generation bytes freed (none with resident parameters: their storage stays)."""
+        generation bytes freed (resident parameters moved out of the storage first)."""
         if self._weights is None:
             raise RuntimeError("HybridEngine.to_training: not in the generation layout; call "
                                "to_generation() first")
         _sync(self.engine.device)
+        if self._offsets:
+            self._place(None)
         freed = back_to_training(self._weights.tensors, self._train_shards())
         self._weights = None
         self._restore_training_memory()
         return freed
 
     # ----------------------------------------------------------------------------- helpers
-    def _make_resident(self) -> torch.Tensor:
-        """Allocate the generation storage for good and move the training parameters that can
-        live in it there (see the module docstring)."""
+    def _resident_offsets(self) -> dict[str, int]:
         for buf in self.grad_buffers():
             if getattr(buf, "param_data", None) is not None:
                 raise ValueError("hybrid_engine.resident: the parameters live in Megatron's "
                                  "contiguous param buffer (distributed optimizer) and cannot move; "
-                                 "set resident to false or actor.optim.distributed to false")
-        offsets = resident_offsets(self.plan, self.rank)
-        storage = new_storage(self.plan, self.rank, self.engine.device, self.dtype)
-        with torch.no_grad():
-            for name, param in self.engine.named_local_params():
-                if name in offsets:
-                    view = storage.narrow(0, offsets[name], param.numel()).view(param.shape)
-                    param.data = view.copy_(param.data)
-        return storage
+                                 "set it to false, or actor.engine.optim.distributed to false")
+        return resident_offsets(self.plan, self.rank)
+
+    def _place(self, storage: torch.Tensor | None) -> None:
+        """Move the resident parameters into ``storage`` at their offsets, or (None) out of it,
+        each into memory of its own; the memory they leave is freed."""
+        moved = place_shards(self._train_shards(), self._offsets, storage)
+        for name, param in self.engine.named_local_params():
+            if name in self._offsets:
+                param.data = moved[name]
 
     def _train_shards(self) -> dict[str, torch.Tensor]:
         # Every local parameter, also those outside the plan (the last stage's tied output layer

@@ -3,8 +3,10 @@
 For each case: train one step, switch to generation, and the generation weights must equal the
 UPDATED training weights cut at the generation layout, bit for bit; the grad buffers must be
 released meanwhile; back in training, a second step must equal that of a run that never switched.
-Where pipeline stages merge, the 3d mode also runs with resident parameters (moved into the
-generation storage at construction): training must go on exactly as without.
+The 3d mode also runs with resident parameters and stacked shards (the parameters move into the
+generation storage at each switch and out at the switch back): while generating they are views of
+it and no shard of the rank's own is copied (but the norms where TP and PP merge at once), and
+training must go on exactly as without.
 The workers collect mismatches instead of raising, so that every rank finishes every collective
 and each case reports on its own.
 """
@@ -21,7 +23,7 @@ pytestmark = pytest.mark.slow  # one 4-process launch, about a minute on two cor
 MODEL = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=4, num_heads=8,
              num_kv_heads=4, head_dim=8, max_position_embeddings=64)
 BATCH, SEQ = 4, 8
-MODES = ("3d", "naive", "resident")  # resident: mode 3d, parameters in the generation storage
+MODES = ("3d", "naive", "resident")  # resident: mode 3d, stacked shards, parameters moved
 # (train (tp, pp, dp), generation (tg, pg), qwen2-shaped with tied embeddings?)
 CASES = [
     ((2, 2, 1), (1, 1), False),
@@ -65,7 +67,7 @@ def _run_case(rank: int, case) -> dict:
     from hybridflow.hybrid_engine.switch import TIED_OUTPUT, HybridEngine, naive_recv_bytes
     from hybridflow.models.config import ModelConfig
     from hybridflow.models.params import (init_full_weights, llama_param_metas,
-                                          num_layers_of, owner_stage, shard)
+                                          num_layers_of, owner_stage, shard, unstack)
     from hybridflow.parallel.layout import TrainLayout
 
     (t, p, d), (tg, pg), tied = case
@@ -88,7 +90,7 @@ def _run_case(rank: int, case) -> dict:
 
     errors: list[str] = []
     facts: dict = {}
-    for mode in MODES if p > pg else MODES[:2]:
+    for mode in MODES:
         what = f"{case_id(case)} {mode} rank {rank}"
         resident = mode == "resident"
         mode = "3d" if resident else mode
@@ -96,19 +98,22 @@ def _run_case(rank: int, case) -> dict:
         engine.train_step(b1, loss_fn)
         updated = engine.full_weights()
         hybrid = HybridEngine(engine, gen_tp=tg, gen_pp=pg, bucket_mb=0.05, mode=mode,
-                              offload_optimizer=(mode == "3d"), resident=resident)
-        if resident:
+                              offload_optimizer=(mode == "3d"), resident=resident,
+                              blocks=resident)
+        if not resident:
+            facts["summary"] = hybrid.summary
+        params = {n: p.detach() for n, p in engine.named_local_params()}
+        homes = {n: prm.data_ptr() for n, prm in engine.named_local_params()}
+        gw = hybrid.to_generation()
+        if resident:  # the parameters now live in the generation storage, at their offsets
             from hybridflow.hybrid_engine.plan import resident_offsets
             offsets = resident_offsets(hybrid.plan, rank)
-            base = hybrid._storage.data_ptr()
+            base = next(x.untyped_storage().data_ptr() for n, x in gw.tensors.items()
+                        if hybrid.plan.stages[gw.gen_pp_rank].params[n].mode != "alias")
             moved = {n: prm.data_ptr() - base for n, prm in engine.named_local_params()
                      if n in offsets}
             if not offsets or moved != {n: 4 * at for n, at in offsets.items()}:
                 errors.append(f"{what}: parameters not moved into the storage: {moved}")
-        if not resident:
-            facts["summary"] = hybrid.summary
-        params = {n: p.detach() for n, p in engine.named_local_params()}
-        gw = hybrid.to_generation()
 
         # grads were really released
         buffers = list(hybrid.grad_buffers())
@@ -132,6 +137,8 @@ def _run_case(rank: int, case) -> dict:
         for name, tensor in gw.tensors.items():
             source = "embedding.word_embeddings.weight" if name == TIED_OUTPUT and tied else name
             want = shard(updated[source], metas[name], tg, gen_tp)
+            if hybrid.plan.stages[gen_pp].params[name].blocks > 1:  # stacked training shards
+                tensor = unstack(tensor, metas[name])
             if tensor.shape != want.shape or not torch.equal(tensor, want):
                 errors.append(f"{what}: {name} differs from the updated training weight")
         if tied and pg > 1 and gen_pp == pg - 1 and TIED_OUTPUT not in gw.tensors:
@@ -152,10 +159,18 @@ def _run_case(rank: int, case) -> dict:
         facts["naive_bytes"] = gw.naive_bytes
         facts["micro_dp"] = gen.micro_dp
 
-        if resident and t == tg and gw.redundant_bytes:  # every shard is resident
-            errors.append(f"{what}: {gw.redundant_bytes} redundant bytes with resident params")
+        if resident:  # every shard is resident, but the norms where TP and PP merge at once
+            stage = layout.coords(rank)[1]
+            norms = 4 * sum(m.numel for m in hybrid.metas if m.tp_dim is None
+                            and owner_stage(m, p, num_layers) == stage)
+            if gw.redundant_bytes != (norms if t > tg and p > pg else 0):
+                errors.append(f"{what}: {gw.redundant_bytes} redundant bytes with resident "
+                              f"params")
         freed = hybrid.to_training()
-        want_freed = 0 if resident else 4 * hybrid.plan.stages[gen_pp].storage_numel
+        want_freed = 4 * hybrid.plan.stages[gen_pp].storage_numel
+        if resident and any(prm.data_ptr() != homes[n] and n not in offsets
+                            for n, prm in engine.named_local_params()):
+            errors.append(f"{what}: a parameter that is not resident moved")
         if mode == "3d" and freed != want_freed:
             errors.append(f"{what}: freed {freed} bytes, expected {want_freed}")
         if gw.tensors:

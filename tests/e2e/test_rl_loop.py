@@ -115,35 +115,45 @@ def test_grpo_lora_and_its_export(tmp_path):
 @pytest.mark.parametrize("use_3d_hybrid", [True, False], ids=["3d", "naive"])
 def test_python_api_and_stepwise(tmp_path, capsys, use_3d_hybrid):
     from hybridflow.hybrid_engine.switch import generation_metas, naive_recv_bytes
-    from hybridflow.hybrid_engine.plan import plan_reshard
+    from hybridflow.hybrid_engine.plan import copied_own_bytes, plan_reshard
     from hybridflow.models.tiny import tiny_llama_config
     from hybridflow.models.params import llama_param_metas
     from hybridflow.parallel.layout import GenLayout, TrainLayout
 
     # ReMax in the naive mode: its greedy baseline is one more generation (and switch) per step.
+    # The 3d mode at PP=2 with resident parameters (the hf backend's default is off): every shard
+    # lives in the generation storage, none is copied; the naive mode at TP=2 copies them all.
     algorithm = "grpo" if use_3d_hybrid else "remax"
+    t, p = (1, 2) if use_3d_hybrid else (2, 1)
+    resident = {"hybrid_engine.resident": True} if use_3d_hybrid else {}
     trainer = RLTrainer(model="tiny-llama", reward_fn=length_reward, algorithm=algorithm,
                         max_steps=2, per_device_train_batch_size=1,
                         gradient_accumulation_steps=2, learning_rate=1e-3,
                         use_3d_hybrid=use_3d_hybrid, num_generations=2, max_new_tokens=8,
-                        config=None, **{"actor.layout.tp": 2, "rollout.backend": "hf",
+                        config=None, **{"actor.layout.tp": t, "actor.layout.pp": p,
+                                        "rollout.backend": "hf",
                                         "train_batch_size": 2, "data.max_prompt_tokens": 32,
-                                        "ray.num_cpus": 2, "tracking.out_dir": str(tmp_path)})
+                                        "ray.num_cpus": 2, "tracking.out_dir": str(tmp_path),
+                                        **resident})
     try:
         assert trainer.config.actor.mini_batches == 2  # 4 samples / (1 x 2 x dp 1)
         history = trainer.train([{"messages": [{"role": "user", "content": "hi"},
                                                {"role": "assistant", "content": "hello"}]},
                                  {"messages": [{"role": "user", "content": "2+2?"}]}])
-        assert "train view (tp=2, pp=1, dp=1) -> generation view (tp=1, pp=1, micro-dp=2)" \
-            in capsys.readouterr().out
+        assert (f"train view (tp={t}, pp={p}, dp=1) -> generation view (tp=1, pp=1, micro-dp=2)"
+                in capsys.readouterr().out)
         # The bytes each switch moved, beside the naive path's, as the plan says.
-        gen = GenLayout(train=TrainLayout(tp=2), tp=1)
+        gen = GenLayout(train=TrainLayout(tp=t, pp=p), tp=1)
         metas = generation_metas(llama_param_metas(tiny_llama_config()), False, gen)
-        planned = plan_reshard(gen, metas, 4, 64 << 20).ranks[0].recv_bytes
+        plan = plan_reshard(gen, metas, 4, 64 << 20)
+        planned = plan.ranks[0].recv_bytes
         naive = naive_recv_bytes(gen, metas, 0, 4)
+        copied = copied_own_bytes(plan, 0, resident=use_3d_hybrid)
+        assert (copied == 0) is use_3d_hybrid and copied_own_bytes(plan, 0, resident=False) > 0
         for row in history:
             assert row["reshard/bytes_received"] == (planned if use_3d_hybrid else naive)
             assert row["reshard/naive_bytes"] == naive
+            assert row["reshard/redundant_bytes"] == copied
         # Step-wise on the same controller and workers.
         batch = trainer.generate(["tell me a story", "2+2?"])
         assert len(batch) == 4 and len(batch["response_text"]) == 4

@@ -147,6 +147,12 @@ PROBES = [  # (overrides, the key the error must name, a piece of its message)
     (["name="], "name", "Incompatible value 'None'"),
     (["steps=abc"], "steps", "abc"),
     (["hybrid_engine.mode=fast"], "hybrid_engine.mode", "3d, naive"),
+    (["hybrid_engine.mode=naive", "hybrid_engine.resident=true"], "hybrid_engine.resident",
+     "hybrid_engine.mode=3d"),
+    (["actor.lora.rank=4", "hybrid_engine.resident=true"], "hybrid_engine.resident",
+     "actor.lora.rank=0"),
+    (["actor.engine.optim.distributed=true", "hybrid_engine.resident=true"],
+     "hybrid_engine.resident", "optim.distributed=false"),
     (["reward=nosuchreward"], "reward", "nosuchreward"),
     (["data.source=missing.jsonl"], "data.source", "not found"),
     (["data.source=prompts.csv"], "data.source", ".jsonl"),
@@ -255,3 +261,17 @@ def test_component_errors_name_the_full_key():
     with pytest.raises(ConfigError) as e:
         load_config(LMDemoConfig, None, ["model.num_kv_heads=3"])
     assert e.value.field == "model.num_kv_heads"
+
+
+@pytest.mark.parametrize("args, resident", [
+    (["rollout.backend=megatron"], True),  # the default where it can act
+    (["rollout.backend=hf"], False),  # the engine keeps its own copy anyway
+    (["rollout.backend=megatron", "hybrid_engine.mode=naive"], False),
+    (["rollout.backend=megatron", "actor.lora.rank=4"], False),
+    (["rollout.backend=megatron", "actor.engine.optim.distributed=true"], False),
+    (["rollout.backend=megatron", "hybrid_engine.resident=false"], False),
+    (["rollout.backend=hf", "hybrid_engine.resident=true"], True),
+])
+def test_resident_switch_is_on_by_default_where_it_can_act(args, resident):
+    cfg = load_config(RLConfig, None, ["model=tiny-llama", *args])
+    assert cfg.hybrid_engine.resident_for(cfg.actor, cfg.rollout) is resident
