@@ -93,9 +93,13 @@ class Calibration:
             raise ArgumentError("measured_at", f"must be an ISO 8601 date-time, got "
                                              f"{self.measured_at!r}") from None
 
-    def profile(self, shape, dtype: str) -> PassProfile | None:
-        """The pass profile of a model shape (``ModelConfig``) in ``dtype``, or None."""
-        return next((p for p in reversed(self.passes) if p.matches(shape, dtype)), None)
+    def profile(self, shape, dtype: str, tp: int = 1) -> PassProfile | None:
+        """The pass profile of a model shape (``ModelConfig``) in ``dtype`` measured at ``tp``,
+        else the one at tp = 1 (the cost model scales it and adds TP's communication), else
+        None. The newest first."""
+        found = [p for p in reversed(self.passes) if p.matches(shape, dtype)]
+        return next((p for p in found if p.tp == tp), None) or next(
+            (p for p in found if p.tp == 1), None)
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Write to ``path`` atomically: a reader sees the old file or the new one, never half."""
@@ -218,7 +222,7 @@ def calibrate(quick: bool = False, log: Callable[[str], None] = print) -> Calibr
 def _profile_from(data) -> PassProfile:
     """A PassProfile from its JSON object; ArgumentError naming the field when it is not one."""
     names = {f.name for f in dataclasses.fields(PassProfile)}
-    if not isinstance(data, dict) or set(data) != names:
+    if not isinstance(data, dict) or not names - {"tp"} <= set(data) <= names:  # tp: optional
         raise ArgumentError("passes", f"each entry must have exactly the fields "
                                       f"{', '.join(sorted(names))}, got {data!r}"[:300])
     return PassProfile(**data)

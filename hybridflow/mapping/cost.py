@@ -34,7 +34,9 @@ Alone these are floors: no kernel reaches R or B, and the host works per micro-b
 profile of the model in the calibration (``hybridflow.mapping.profile``, measured by
 ``hybridflow calibrate --config``), the compute and bubble terms are divided by the forward's or
 the training step's measured efficiency at the pass's micro-batch size (the host's work per
-micro-batch included), and the optimizer, ``generate`` and ``weight_load`` by theirs. Not
+micro-batch included), and the optimizer, ``generate`` and ``weight_load`` by theirs. A
+profile measured at the layout's tp holds what a TP rank adds per micro-batch (its all-reduces
+and the waits for its peers): it replaces the TP all-reduce term. Not
 modelled: the controller's own work between phases, the PP point-to-point
 transfers and the switch's packing of its buckets (docs/planner.md has the measured gaps).
 ``Prediction`` keeps each phase apart so that the trainer can log them beside what it measures.
@@ -138,8 +140,9 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
              head: str, micro_batch: int, kind: str = "forward") -> dict[str, float]:
     """Seconds of one forward pass of a model over the step's samples, by term; with a profile
     of the model in ``calib``, over ``kind``'s (forward or train) efficiency at the rank's
-    micro-batch size (looked up at b / tp sequences: a TP rank's matmuls are 1/tp of the
-    whole's)."""
+    micro-batch size: a profile measured at the layout's tp at b sequences, with the TP
+    all-reduces inside it (no ``tp_comm`` term); one at tp = 1 at b / tp sequences (a TP rank's
+    matmuls are 1/tp of the whole's), the TP all-reduces added."""
     lay, eng = part.layout, part.engine
     b, rate = DTYPE_BYTES[eng.dtype], _rate(calib, eng.dtype)
     per_rank_samples = samples / lay.dp
@@ -149,9 +152,14 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
     terms = {"compute": compute, "bubble": (lay.pp - 1) / m * compute,
              "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / gather_rate(calib, lay.tp)
                          if lay.tp > 1 else 0.0)}
-    profile = calib.profile(shape, eng.dtype)
+    profile = calib.profile(shape, eng.dtype, lay.tp)
     if profile is not None:
-        efficiency = profile.efficiency(kind, min(micro_batch, per_rank_samples) / lay.tp)
+        rows = min(micro_batch, per_rank_samples)
+        if profile.tp == lay.tp:  # measured at this tp: its all-reduces are in the efficiency
+            efficiency = profile.efficiency(kind, rows)
+            terms["tp_comm"] = 0.0
+        else:
+            efficiency = profile.efficiency(kind, rows / lay.tp)
         terms["compute"] /= efficiency
         terms["bubble"] /= efficiency
     return terms
@@ -168,7 +176,7 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
     grads = 4 * trained / (lay.tp * lay.pp)
     dp = (2 * (lay.dp - 1) / lay.dp * grads / (gather_rate(calib, lay.dp) / 2)
           if lay.dp > 1 else 0.0)
-    profile = calib.profile(shape, eng.dtype)
+    profile = calib.profile(shape, eng.dtype, lay.tp)
     adam = ADAM_BYTES * trained / (lay.tp * lay.pp) / calib.memory_bandwidth
     return {"compute": 3 * steps * fwd["compute"], "bubble": 3 * steps * fwd["bubble"],
             "tp_comm": 2 * steps * fwd["tp_comm"],
@@ -203,7 +211,7 @@ def _weight_load(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, 
     """The rollout backend taking the switch's tensors: their bytes at the copy bandwidth, over
     the profile's efficiency."""
     dtype = cfg.actor.engine.dtype
-    profile = calib.profile(shape, dtype)
+    profile = calib.profile(shape, dtype, cfg.actor.layout.tp)
     return {"copy": weights_bytes(shape, dtype, cfg.rollout.tp) / calib.memory_bandwidth
             / (profile.weight_load if profile is not None else 1.0)}
 
@@ -221,7 +229,7 @@ def _generate(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, flo
     terms = generation_floor(shape, dtype, calib,
                              math.ceil(cfg.train_batch_size * cfg.rollout.sampling.n / gen.replicas),
                              cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_tokens, gen.tp)
-    profile = calib.profile(shape, dtype)
+    profile = calib.profile(shape, dtype, cfg.actor.layout.tp)
     if profile is not None:
         terms = {k: v / profile.generate for k, v in terms.items()}
     return terms
@@ -289,4 +297,5 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
                                     param_count(model))
     return Prediction(phases={k: sum(v.values()) for k, v in terms.items()},
                       memory=estimate_memory(cfg, shapes), terms=terms,
-                      profiled=calib.profile(model, cfg.actor.engine.dtype) is not None)
+                      profiled=calib.profile(model, cfg.actor.engine.dtype,
+                                             cfg.actor.layout.tp) is not None)

@@ -5,16 +5,19 @@ The floors (``hybridflow.mapping.cost``) assume every matmul at the rate of one 
 product and every decode step at the copy bandwidth. Real passes are slower, by a factor that
 depends on the model's shapes (many small matmuls, the attention, the vocabulary's softmax), on
 the micro-batch size (a GPU's matmuls of a few thousand tokens run far below its peak) and on the
-host's work per micro-batch (Python, kernel launches, the schedule). They are measured here, in
-one process at tp = pp = dp = 1 (one thread on CPU, as each worker runs), with the config's
-model, dtype and sequence length and random tokens:
+host's work per micro-batch (Python, kernel launches, the schedule). They are measured here, at
+the config's actor tp (spawned ranks, one thread each on CPU, as each worker runs; tp = 1 on a
+GPU node with fewer devices) and pp = dp = 1, with the config's model, dtype and sequence length
+and random tokens. At tp > 1 the times include what a TP rank adds per micro-batch (the
+all-reduces of every layer, the waits for its peers), which a one-process profile never sees; the
+cost model uses such a profile for that tp only, in place of its TP communication term:
 
 * for each micro-batch size b the planner may choose (``MICRO_BATCHES`` up to the step's samples,
   and the configured sizes), a forward-only pass (the engine's ``compute_logprobs``) and a
   training step (``train_step``) over one micro-batch of b sequences and over two: the
   difference is one micro-batch's seconds T(b), host work included, and the efficiency at b is
-  the floor's seconds for b sequences over T(b) (a training micro-batch's floor being three
-  forwards). What remains of a training step of one micro-batch, t(b) - T(b), is the
+  the floor's seconds for b sequences (1/tp of their FLOPs on each rank) over T(b) (a training
+  micro-batch's floor being three forwards). What remains of a training step of one micro-batch, t(b) - T(b), is the
   optimizer's step: its efficiency is Adam's floor (28 bytes per parameter at the copy
   bandwidth) over the median of those;
 * one ``generate`` call of the config's rollout backend over one generation replica's share of
@@ -64,6 +67,8 @@ class PassProfile:
     weight_load: float
     """The weights' bytes at the copy bandwidth / the measured ``load_from_switch`` of the whole
     model (above 1 where the backend takes the tensors without a copy)."""
+    tp: int = 1
+    """The tensor-parallel size the passes were measured at (generation always at tp = 1)."""
 
     def __post_init__(self):
         if not isinstance(self.shape, dict):
@@ -86,6 +91,7 @@ class PassProfile:
                 check_float(name, v, low=0, low_open=True)
         for name in ("optimizer", "generate", "weight_load"):
             check_float(name, getattr(self, name), low=0, low_open=True)
+        check_int("tp", self.tp)
 
     def efficiency(self, kind: str, micro_batch: float) -> float:
         """``kind``'s (forward or train) efficiency at ``micro_batch`` sequences: linear in
@@ -106,7 +112,7 @@ class PassProfile:
         def table(kind):
             return ", ".join(f"{b}: {e:.0%}" for b, e in zip(self.micro_batches,
                                                              getattr(self, kind)))
-        return (f"efficiencies at tp=pp=dp=1, {self.seq} tokens per sequence, by micro-batch "
+        return (f"efficiencies at tp={self.tp}, pp=dp=1, {self.seq} tokens per sequence, by micro-batch "
                 f"size: forward {table('forward')}; training {table('train')}; optimizer "
                 f"{self.optimizer:.1%}, generate ({self.backend}) {self.generate:.1%}, weight "
                 f"load {self.weight_load:.1%}")
@@ -114,8 +120,9 @@ class PassProfile:
 
 def profile_passes(cfg: Any, calib, quick: bool = False, configured_only: bool = False
                    ) -> PassProfile:
-    """Measure the passes of ``cfg``'s actor model (an RLConfig) in one local process; ``calib``
-    (this machine's rates, measured first) gives the floors. ``quick``: one repeat each.
+    """Measure the passes of ``cfg``'s actor model (an RLConfig) in local processes, at its actor
+    tp (see the module docstring); ``calib`` (this machine's rates, measured first) gives the
+    floors. ``quick``: one repeat each.
     ``configured_only``: only the config's micro-batch sizes (``micro_batch_sizes``), not the
     search's whole ladder: minutes for a real model on a CPU instead of a quarter of an hour; the
     cost model then reads the nearest measured size's efficiency for the others."""
@@ -134,27 +141,36 @@ def profile_passes(cfg: Any, calib, quick: bool = False, configured_only: bool =
     saved = dict(os.environ)
     os.environ.update(quiet_engines_env())
     import torch
+    on_gpu = torch.cuda.is_available()
+    tp = cfg.actor.layout.tp
+    if on_gpu and tp > torch.cuda.device_count():
+        tp = 1  # one rank per GPU: the cost model reads this profile with its TP term
+    repeats = 1 if quick else 3
     try:
         # NCCL on GPU: Megatron's gradient all-reduce (one rank, but still a collective) runs on
         # device tensors, which gloo does not take.
-        times = spawn(_measure, 1, cfg, shapes["model"], checkpoints["model"],
-                      micro_batch_sizes(cfg, configured_only), 1 if quick else 3, timeout=3600,
-                      backend="nccl" if torch.cuda.is_available() else "gloo")[0]
+        backend = "nccl" if on_gpu else "gloo"
+        times = spawn(_measure_passes, tp, cfg, shapes["model"],
+                      micro_batch_sizes(cfg, configured_only), repeats, timeout=3600,
+                      backend=backend)[0]
+        times["generate"], times["weight_load"] = spawn(
+            _measure_generate, 1, cfg, shapes["model"], checkpoints["model"], repeats,
+            timeout=3600, backend=backend)[0]
     finally:
         os.environ.clear()
         os.environ.update(saved)
-    return efficiencies(cfg, shapes["model"], calib, times)
+    return efficiencies(cfg, shapes["model"], calib, times, tp)
 
 
-def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict) -> PassProfile:
-    """A PassProfile from the seconds ``_measure`` took: ``times[kind][b]`` = (one micro-batch
+def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) -> PassProfile:
+    """A PassProfile from the seconds measured at ``tp``: ``times[kind][b]`` = (one micro-batch
     of b sequences, two), ``times["generate"]``, ``times["weight_load"]`` (module docstring)."""
     from hybridflow.config.memory import param_count
     from hybridflow.mapping.cost import (ADAM_BYTES, forward_flops, generation_floor,
                                          weights_bytes)
     rate = calib.matmul_flops[cfg.actor.engine.dtype]
     seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
-    floor = forward_flops(shape, "lm", seq) / rate  # one sequence's forward
+    floor = forward_flops(shape, "lm", seq) / (tp * rate)  # one sequence's forward, per TP rank
     sizes = sorted(times["forward"])
     out, optimizer = {}, []
     for kind, flops in (("forward", 1), ("train", 3)):
@@ -165,7 +181,7 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict) -> PassProfil
             out[kind].append(min(1.0, flops * floor * b / per_micro_batch))
             if kind == "train":
                 optimizer.append(one - per_micro_batch)
-    adam = ADAM_BYTES * param_count(shape) / calib.memory_bandwidth
+    adam = ADAM_BYTES * param_count(shape) / (tp * calib.memory_bandwidth)
     gen = sum(generation_floor(shape, cfg.actor.engine.dtype, calib, _share(cfg),
                                cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_tokens,
                                tg=1).values())
@@ -174,7 +190,7 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict) -> PassProfil
                        micro_batches=sizes, backend=cfg.rollout.backend,
                        optimizer=min(1.0, adam / max(statistics.median(optimizer), 1e-9)),
                        generate=min(1.0, gen / times["generate"]),
-                       weight_load=load / max(times["weight_load"], 1e-9), **out)
+                       weight_load=load / max(times["weight_load"], 1e-9), tp=tp, **out)
 
 
 def micro_batch_sizes(cfg: Any, configured_only: bool = False) -> list[int]:
@@ -195,10 +211,10 @@ def _share(cfg: Any) -> int:
     return math.ceil(cfg.train_batch_size * cfg.rollout.sampling.n / gen.replicas)
 
 
-def _measure(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir,
-             sizes: list[int], repeats: int) -> dict:
+def _measure_passes(rank: int, world_size: int, cfg: Any, shape: ModelConfig, sizes: list[int],
+                    repeats: int) -> dict:
     """Median seconds of each pass (as ``efficiencies`` reads them) at each micro-batch size of
-    ``sizes``, in a one-rank group."""
+    ``sizes``, at tp = the world size (every rank the same tokens)."""
     import torch
 
     from hybridflow.mapping.calibrate import timed_median
@@ -207,9 +223,7 @@ def _measure(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir
 
     torch.manual_seed(0)
     seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
-    on_gpu = torch.cuda.is_available()
-    device = torch.device("cuda" if on_gpu else "cpu")
-    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
+    sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
     def batch(n: int) -> dict[str, torch.Tensor]:
         ids = torch.randint(0, shape.vocab_size, (n, seq))
@@ -222,7 +236,7 @@ def _measure(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir
     def median(fn) -> float:  # warmed up once, below
         return timed_median(fn, sync, warmup=0, repeats=repeats, inner=1)
 
-    engine = TrainEngine(shape, TrainLayout(), cfg.actor.engine, head="lm")
+    engine = TrainEngine(shape, TrainLayout(tp=world_size), cfg.actor.engine, head="lm")
     times: dict = {"forward": {}, "train": {}}
     for k, b in enumerate(sizes):
         # Both kinds of pass split by micro_batch_size here, forward_micro_batch_size unset.
@@ -236,21 +250,20 @@ def _measure(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir
                                median(lambda: engine.compute_logprobs(two)))
         times["train"][b] = (median(lambda: engine.train_step(one, loss_fn)),
                              median(lambda: engine.train_step(two, loss_fn)))
-    del engine
-    if on_gpu:
-        torch.cuda.empty_cache()
-    times["generate"], times["weight_load"] = _time_generate(cfg, shape, model_dir, device, sync,
-                                                             repeats)
     return times
 
 
-def _time_generate(cfg, shape, model_dir, device, sync, repeats: int) -> tuple[float, float]:
+def _measure_generate(rank: int, world_size: int, cfg: Any, shape: ModelConfig, model_dir,
+                      repeats: int) -> tuple[float, float]:
     """Median seconds of the rollout backend's ``generate`` over one replica's share, and of its
-    ``load_from_switch`` of the whole model."""
+    ``load_from_switch`` of the whole model, in a one-rank group."""
     import torch
 
     from hybridflow.mapping.calibrate import timed_median
     from hybridflow.rollout.base import SamplingConfig, rollout_backend
+    on_gpu = torch.cuda.is_available()
+    device = torch.device("cuda" if on_gpu else "cpu")
+    sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     r = cfg.rollout
     backend = rollout_backend(r.backend)
     max_len = cfg.data.max_prompt_tokens + r.sampling.max_tokens

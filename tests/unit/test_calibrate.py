@@ -98,7 +98,7 @@ def test_cli_bad_out_directory_exits_2_and_writes_nothing(tmp_path, capsys):
 
 
 def test_cli_profiles_a_configs_model(tmp_path, capsys):
-    # --config: the model's passes measured in one process; the cost model then uses them.
+    # --config: the model's passes measured at the actor's tp; the cost model then uses them.
     from hybridflow.config import RLConfig, load_config
     from hybridflow.config.check import model_sources
     from hybridflow.mapping.cost import predict
@@ -108,8 +108,8 @@ def test_cli_profiles_a_configs_model(tmp_path, capsys):
            "actor.engine.micro_batch_size=2", f"tracking.out_dir={tmp_path}"]
     assert main(["calibrate", "--quick", "--out", str(out), "--config", *run]) == 0
     lines = capsys.readouterr().out.strip().splitlines()
-    assert lines[-3] == "profiling tiny-llama's passes (fp32, one process)..."
-    assert lines[-2].startswith("efficiencies at tp=pp=dp=1, 24 tokens per sequence, by "
+    assert lines[-3] == "profiling tiny-llama's passes (fp32, tp=1)..."
+    assert lines[-2].startswith("efficiencies at tp=1, pp=dp=1, 24 tokens per sequence, by "
                                 "micro-batch size: forward 1: ")
     calib = Calibration.from_json(out)
     (profile,) = calib.passes
@@ -121,11 +121,12 @@ def test_cli_profiles_a_configs_model(tmp_path, capsys):
     shapes = model_sources(cfg)[1]
     assert calib.profile(shapes["model"], "fp32") == profile
     assert predict(cfg, shapes, calib).profiled
-    # --configured-sizes measures the configured micro-batch alone
+    # --configured-sizes measures the configured micro-batch alone; at tp=2 in two ranks
     assert main(["calibrate", "--quick", "--out", str(out), "--configured-sizes", "--config",
-                 *run]) == 0
+                 *run, "actor.layout.tp=2"]) == 0
     (profile,) = Calibration.from_json(out).passes
-    assert profile.micro_batches == [2]
+    assert profile.micro_batches == [2] and profile.tp == 2
+    assert "efficiencies at tp=2, pp=dp=1" in capsys.readouterr().out
     with pytest.raises(SystemExit) as e:  # argparse's exit 2: it needs a config to profile
         main(["calibrate", "--quick", "--out", str(out), "--configured-sizes"])
     assert e.value.code == 2

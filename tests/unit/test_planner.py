@@ -156,13 +156,14 @@ def test_plan_cli(tmp_path, capsys):
     assert "cluster.calibration" in err and "hybridflow calibrate" in err
 
 
-def hand_profile(cfg, shape, efficiency):
-    """The seconds ``_measure`` would take if every pass ran at ``efficiency[kind][b]`` of its
-    floor at micro-batch size b, and Adam at ``efficiency["optimizer"]`` of its."""
+def hand_profile(cfg, shape, efficiency, tp=1):
+    """The seconds the profile's passes would take at ``tp`` if every pass ran at
+    ``efficiency[kind][b]`` of its floor at micro-batch size b, and Adam at
+    ``efficiency["optimizer"]`` of its."""
     from hybridflow.config.memory import param_count
     from hybridflow.mapping.cost import ADAM_BYTES, forward_flops, generation_floor, weights_bytes
-    floor = forward_flops(shape, "lm", 12) / 1e9
-    adam = ADAM_BYTES * param_count(shape) / 1e9 / efficiency["optimizer"]
+    floor = forward_flops(shape, "lm", 12) / 1e9 / tp
+    adam = ADAM_BYTES * param_count(shape) / 1e9 / efficiency["optimizer"] / tp
     times = {}
     for kind, flops in (("forward", 1), ("train", 3)):
         extra = adam if kind == "train" else 0.0
@@ -234,6 +235,36 @@ def test_profile_scales_the_prediction_of_its_model_only(tmp_path):
     other = dataclasses.replace(SHAPE, num_layers=4)
     assert again.profile(other, "fp32") is None and again.profile(SHAPE, "bf16") is None
     assert not predict(cfg, {"model": other}, again).profiled
+
+
+def test_a_profile_at_the_layouts_tp_replaces_its_tp_communication(tmp_path):
+    import dataclasses
+    import json
+
+    from hybridflow.mapping.profile import efficiencies
+    cfg = config("actor.layout.tp=2", "rollout.tp=1", "actor.layout.dp=1")
+    at_1 = efficiencies(cfg, SHAPE, CALIB, hand_profile(cfg, SHAPE, EFFICIENCY))
+    at_2 = efficiencies(cfg, SHAPE, CALIB, hand_profile(cfg, SHAPE, EFFICIENCY, tp=2), tp=2)
+    assert at_2.tp == 2 and at_2.train == pytest.approx(at_1.train)
+    floors = predict(cfg, {"model": SHAPE}, CALIB)
+    one = predict(cfg, {"model": SHAPE}, dataclasses.replace(CALIB, passes=[at_1]))
+    both = dataclasses.replace(CALIB, passes=[at_2, at_1])
+    two = predict(cfg, {"model": SHAPE}, both)
+    u0, u1, u2 = (x.terms["update_actor"] for x in (floors, one, two))
+    assert u0["tp_comm"] > 0 and u1["tp_comm"] == u0["tp_comm"] and u2["tp_comm"] == 0
+    # tp=1's profile is read at b/tp = 1 sequence a rank (4 samples, micro-batches of 2), tp=2's
+    # at the rank's micro-batch of 2 itself
+    assert u1["compute"] == pytest.approx(u0["compute"] / 0.1)
+    assert u2["compute"] == pytest.approx(u0["compute"] / 0.25)
+    # the profile of the layout's tp is preferred, the tp=1 one serves the others; a file
+    # written before profiles had a tp reads as tp=1
+    assert both.profile(SHAPE, "fp32", 2) is at_2 and both.profile(SHAPE, "fp32", 4) is at_1
+    assert CALIB.profile(SHAPE, "fp32", 2) is None
+    dataclasses.replace(CALIB, passes=[at_1]).to_json(tmp_path / "c.json")
+    data = json.loads((tmp_path / "c.json").read_text())
+    del data["passes"][0]["tp"]
+    (tmp_path / "c.json").write_text(json.dumps(data))
+    assert Calibration.from_json(tmp_path / "c.json").passes == [at_1]
 
 
 def test_calibration_without_passes_loads_and_a_bad_profile_is_named(tmp_path):
