@@ -8,7 +8,9 @@ phase of an iteration. The phases run one after another, so a GPU's peak is the 
 total, not the sum of the phases:
 
 * ``generation``: the actor at the generation layout (its weights gathered by the
-  3D-HybridEngine to tp = rollout.tp, pp = 1) and the KV cache; the actor's grads are released,
+  3D-HybridEngine to tp = rollout.tp, pp = 1; beside them the rank's training shards that the
+  switch copies instead of keeping resident: ``plan.copied_own_bytes``, none with
+  ``hybrid_engine.resident`` and stacked shards) and the KV cache; the actor's grads are released,
   its optimizer state stays unless ``hybrid_engine.offload_optimizer``, the reference's weights
   unless ``ref.offload``;
 * ``inference``: the forward-only passes (old and reference log-probs, values, reward and cost
