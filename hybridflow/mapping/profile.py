@@ -17,8 +17,8 @@ cost model uses such a profile for that tp only, in place of its TP communicatio
   training step (``train_step``) over one micro-batch of b sequences and over two: the
   difference is one micro-batch's seconds T(b), host work included, and the efficiency at b is
   the floor's seconds for b sequences (1/tp of their FLOPs on each rank) over T(b) (a training
-  micro-batch's floor being three forwards). What remains of a training step of one micro-batch, t(b) - T(b), is the
-  optimizer's step: its efficiency is Adam's floor (28 bytes per parameter at the copy
+  micro-batch's floor being three forwards). What remains of a training step of one
+  micro-batch, t(b) - T(b), is the optimizer's step: its efficiency is Adam's floor (28 bytes per parameter at the copy
   bandwidth) over the median of those;
 * one ``generate`` call of the config's rollout backend over one generation replica's share of
   the step's samples, every response the full ``max_tokens`` long (EOS ignored), after one
@@ -112,8 +112,8 @@ class PassProfile:
         def table(kind):
             return ", ".join(f"{b}: {e:.0%}" for b, e in zip(self.micro_batches,
                                                              getattr(self, kind)))
-        return (f"efficiencies at tp={self.tp}, pp=dp=1, {self.seq} tokens per sequence, by micro-batch "
-                f"size: forward {table('forward')}; training {table('train')}; optimizer "
+        return (f"efficiencies at tp={self.tp}, pp=dp=1, {self.seq} tokens per sequence, by "
+                f"micro-batch size: forward {table('forward')}; training {table('train')}; optimizer "
                 f"{self.optimizer:.1%}, generate ({self.backend}) {self.generate:.1%}, weight "
                 f"load {self.weight_load:.1%}")
 

@@ -167,7 +167,8 @@ def test_stacked_shards_leave_nothing_to_copy(gen: GenLayout) -> None:
 
 def test_llama_7b_tp_and_pp_merges_copy_nothing_when_stacked() -> None:
     """The issue's figures: a Llama-7B TP=2 -> TP=1 switch copies 6.28 GiB of a rank's own shards
-    without resident parameters, 4.53 GiB with them in the standard layout (fc1 in two halves, row-parallel weights interleaved); stacked, 0; and
+    without resident parameters, 4.53 GiB with them in the standard layout (fc1 in two halves,
+    row-parallel weights interleaved); stacked, 0; and
     PP=2 -> TP=1 (one shard per stage, every tensor a view) 0 either way."""
     cfg = ModelConfig(arch="llama", vocab_size=32000, hidden_size=4096, ffn_hidden_size=11008,
                       num_layers=32, num_heads=32, num_kv_heads=32, head_dim=128)
