@@ -308,12 +308,19 @@ def test_memory_estimate_by_hand():
                         "activations": 2 * layer + logits},
               "ref": {"weights": weights}, "rollout": {}}
     assert pool.phases["actor update"] == update
-    # generation: the weights gathered to tg=1 (the training shard is a slice of them), the
-    # optimizer state stays, grads are released; KV cache: 4 replicas (2 per tp=2 group, dp=2)
-    # share 8 samples, 2 each, of 32 tokens, 2 (k, v) * 2 layers * 2 KV heads * 16 * 2 bytes.
+    # generation: the weights gathered to tg=1; beside them the training shard but its norms
+    # (those are the generation tensors themselves), since the distributed optimizer keeps the
+    # parameters where they are (no resident switch); the optimizer state stays, grads are
+    # released; KV cache: 4 replicas (2 per tp=2 group, dp=2) share 8 samples, 2 each, of 32
+    # tokens, 2 (k, v) * 2 layers * 2 KV heads * 16 * 2 bytes.
+    norms = 2 * 2 * 64 + 64
     assert pool.phases["generation"] == {
-        "actor": {"weights": 0, "optimizer": adam, "generation weights": p * 2},
+        "actor": {"weights": (p - norms) * 2 // 2, "optimizer": adam, "generation weights": p * 2},
         "ref": {"weights": weights}, "rollout": {"kv cache": 2 * 32 * (2 * 2 * 2 * 16 * 2)}}
+    # Without it the resident switch (the megatron backend's default) keeps no shard beside.
+    (plain,) = estimate_memory(load_config(RLConfig, None, [
+        *cfg_args, "actor.engine.optim.distributed=false"]), {"model": shape}).pools
+    assert plain.phases["generation"]["actor"]["weights"] == 0
     # a forward-only pass: the bf16 logits and the cross entropy's fp32 copy
     assert pool.phases["inference"]["actor"]["forward transient"] == 32 * 1000 / 2 * (2 + 4)
     assert pool.peak == ("actor update", sum(sum(r.values()) for r in update.values()))
