@@ -172,6 +172,18 @@ def median_of(timer: Timer, fn: Callable[[], object], warmup: int, iters: int,
     return statistics.median(times)
 
 
+def median_back_of(timer: Timer, switch: Callable[[], object], back: Callable[[object], None],
+                   warmup: int, iters: int) -> float:
+    """Median seconds of ``back(out)`` after each untimed ``out = switch()``."""
+    times = []
+    for i in range(warmup + iters):
+        out = switch()
+        dt, _ = timer(lambda: back(out))
+        if i >= warmup:
+            times.append(dt)
+    return statistics.median(times)
+
+
 def all_max(value: float, device) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
@@ -377,13 +389,8 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
 
     transition_s = median_of(timer, ours, args.warmup, args.iters,
                              after=lambda w: back_to_training(w, shards))
-    back_times = []
-    for i in range(args.warmup + args.iters):
-        w = ours()
-        dt, _ = timer(lambda: back_to_training(w, shards))
-        if i >= args.warmup:
-            back_times.append(dt)
-    back_s = statistics.median(back_times)
+    back_s = median_back_of(timer, ours, lambda w: back_to_training(w, shards), args.warmup,
+                            args.iters)
 
     # ---- resident: stacked shards; the training shards move into the storage and out again
     resident = {}
@@ -407,14 +414,9 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
         r_err, r_peak, r_redundant, _, r_left = instrumented(resident_switch, resident_back)
         r_s = median_of(timer, resident_switch, args.warmup, args.iters,
                         after=lambda w: resident_back(*w))
-        r_back = []
-        for i in range(args.warmup + args.iters):
-            w = resident_switch()
-            dt, _ = timer(lambda: resident_back(*w))
-            if i >= args.warmup:
-                r_back.append(dt)
         resident = {
-            "resident_s": r_s, "resident_back_s": statistics.median(r_back),
+            "resident_s": r_s, "resident_back_s": median_back_of(
+                timer, resident_switch, lambda w: resident_back(*w), args.warmup, args.iters),
             "resident_max_abs_err": all_max(r_err, device),
             "resident_peak_weight_bytes": int(all_max(r_peak, device)),
             "resident_redundant_bytes": int(all_max(r_redundant, device)),

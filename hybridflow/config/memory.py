@@ -278,8 +278,9 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
     gen = GenLayout(train=actor.layout, tp=r.tp)
     gen_weights = {"generation weights": int(n * b / (gen.tp * gen.pp))}
     if cfg.hybrid_engine.mode == "3d":  # the training shards the generation ones copy stay
-        # Stacked shards where MegatronRollout decodes fast by default (on GPU: tp = 1).
-        blocks = r.backend == "megatron" and r.tp == 1
+        # Stacked shards where MegatronRollout decodes fast by default (the estimate is a GPU's).
+        from hybridflow.rollout.megatron import fast_decode_default
+        blocks = r.backend == "megatron" and fast_decode_default(True, r.tp)
         gen_weights["weights"] = _copied_shard_bytes(
             tuple(vars(shape).items()), actor.layout.tp, actor.layout.pp, r.tp, b,
             cfg.hybrid_engine.resident_for(actor, r), blocks)

@@ -128,6 +128,12 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
     return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1)
 
 
+def fast_decode_default(cuda: bool, tp: int) -> bool:
+    """Whether ``MegatronRollout`` decodes with ``FastDecoder`` unless told: on a CUDA device at
+    TP = 1 (its TP graphs have not been run on GPUs yet)."""
+    return cuda and tp == 1
+
+
 class MegatronRollout(RolloutBackend):
     """A Megatron-Core GPTModel that generates (static batching, KV cache)."""
 
@@ -176,8 +182,8 @@ class MegatronRollout(RolloutBackend):
         # Sampling never touches the global RNG: its state here is per rank, ours per replica.
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
         self._calls = 0  # generate calls so far: with the seed, decides the next call's draws
-        self.fast_decode = (self.device.type == "cuda" and self.tp == 1) if fast_decode is None \
-            else bool(fast_decode)
+        self.fast_decode = (fast_decode_default(self.device.type == "cuda", self.tp)
+                            if fast_decode is None else bool(fast_decode))
         self._fast = None  # the FastDecoder, built on first use
         self._unloaded = set(self.params)
         self._warned_sleep = False

@@ -14,7 +14,7 @@ import torch
 
 from hybridflow.hybrid_engine.execute import (back_to_training, create_micro_dp_groups,
                                               create_train_groups, gather_generation_weights,
-                                              naive_gather, new_storage)
+                                              naive_gather, new_storage, place_shards)
 from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
 from hybridflow.models.config import ModelConfig
 from hybridflow.hybrid_engine.switch import redundant_bytes
@@ -101,10 +101,7 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
 
             # Resident: the shards that can live in the storage do; they are gathered in place.
             storage = new_storage(plan, rank, "cpu", torch.float32)
-            resident = dict(shards)
-            for name, at in resident_offsets(plan, rank).items():
-                view = storage.narrow(0, at, shards[name].numel()).view(shards[name].shape)
-                resident[name] = view.copy_(shards[name])
+            resident = place_shards(shards, resident_offsets(plan, rank), storage)
             got = gather_generation_weights(plan, rank, resident, groups, single=single,
                                             storage=storage)
             _check(got, want, plan, gen_pp, resident, what + " (resident)")
@@ -119,20 +116,17 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
             # Stacked shards, resident: nothing of the rank's own is copied, TP merges included
             # (but the norms when TP and PP merge at once).
             s = gen.tp_stride
-            plan = plan_reshard(gen, metas, dtype_bytes=4, bucket_bytes=48 * 1024,
-                                min_view_bytes=min_view_bytes, blocks=True)
-            storage = new_storage(plan, rank, "cpu", torch.float32)
-            resident = dict(shards)
-            for name, at in resident_offsets(plan, rank).items():
-                view = storage.narrow(0, at, shards[name].numel()).view(shards[name].shape)
-                resident[name] = view.copy_(shards[name])
-            got = gather_generation_weights(plan, rank, resident, groups, single=single,
+            stacked_plan = plan_reshard(gen, metas, dtype_bytes=4, bucket_bytes=48 * 1024,
+                                        min_view_bytes=min_view_bytes, blocks=True)
+            storage = new_storage(stacked_plan, rank, "cpu", torch.float32)
+            resident = place_shards(shards, resident_offsets(stacked_plan, rank), storage)
+            got = gather_generation_weights(stacked_plan, rank, resident, groups, single=single,
                                             storage=storage)
             by_name = {m.name: m for m in metas}
             stacked = {n: torch.stack([shard(full[n], by_name[n], t, gen_tp * s + j)
                                        for j in range(s)])
                        if s > 1 and stacked_layout(by_name[n]) else w for n, w in want.items()}
-            _check(got, stacked, plan, gen_pp, resident, what + " (stacked, resident)")
+            _check(got, stacked, stacked_plan, gen_pp, resident, what + " (stacked, resident)")
             norms = 4 * sum(m.numel for m in metas if m.tp_dim is None
                             and owner_stage(m, p, num_layers) == pp_rank)
             assert redundant_bytes(got, resident, metas, gen, rank) == (
