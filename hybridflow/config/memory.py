@@ -46,7 +46,9 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   most one micro-batch per sequence;
 * with ``actor.lora``: the actor's grads and optimizer state are its adapters' (A parameters)
   alone, its weights ``(P + A)*b/(t*p)``; the reference holds nothing (it is the actor's base);
-  in generation the adapted weights' base shards stay beside their merged copies;
+  in generation the adapted weights' base shards stay beside their merged copies, unless
+  ``hybrid_engine.lora_merge`` is in_place (the merge overwrites them; their copy is in host
+  memory, which this estimate does not count);
 * forward-only passes keep no activations: the logits (``B + 4`` bytes an entry: the cross
   entropy's fp32 copy beside them) or, without an LM head, one layer's worth, transiently;
 * generation: weights ``P*b/tg`` (the training shard is a slice of them under the 3D engine; the
@@ -287,15 +289,17 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
     if actor.lora.enabled:
         # The frozen base holds no grads or optimizer state, the adapters do; the reference is
         # the base itself. Generation takes merged copies of the adapted weights' shards, so
-        # those base shards stay beside the generation storage.
+        # those base shards stay beside the generation storage (lora_merge copy).
         from hybridflow.training.lora import lora_param_counts
         adapted, a = lora_param_counts(shape, actor.lora)
         mp = actor.layout.tp * actor.layout.pp
         adapters = _train_state(a, actor.layout, actor.engine)
         resident["actor"] = dict(adapters, weights=int(n * b / mp) + adapters["weights"])
         resident["ref"] = {}
-        if cfg.hybrid_engine.mode == "3d":
+        if cfg.hybrid_engine.mode == "3d" and cfg.hybrid_engine.lora_merge == "copy":
             gen_weights["weights"] = int(adapted * b / mp) + adapters["weights"]
+        elif cfg.hybrid_engine.mode == "3d":  # merged in place: the base is in host memory
+            gen_weights["weights"] += adapters["weights"]
     generation["actor"] = gen_weights
     share = math.ceil(samples / gen.replicas)
     per_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // gen.tp) * shape.head_dim * b

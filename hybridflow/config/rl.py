@@ -162,10 +162,17 @@ class HybridEngineConfig:
     training nothing beyond its shards. null: on where it can be (mode 3d, no LoRA,
     actor.engine.optim.distributed false) with the megatron backend, whose fast decoder takes
     the shards of a TP merge uncopied; the vllm and hf backends load the weights into their own
-    storage, so they default to off."""
+    storage, so they default to off. With LoRA it needs lora_merge in_place."""
+    lora_merge: str = "copy"
+    """With actor.lora, how generation gets W + BA. copy: merged into new tensors beside the
+    frozen base (a second copy of the adapted weights while generating). in_place: merged into
+    the base shards themselves, the base written back from a host copy (pinned) at the switch
+    back: no second copy on the device, and the resident switch works as without LoRA; costs
+    host memory of the adapted weights and one host-to-device copy of them per step."""
 
     def __post_init__(self) -> None:
         check_choice("mode", self.mode, ("3d", "naive"))
+        check_choice("lora_merge", self.lora_merge, ("copy", "in_place"))
         if self.resident is not None and not isinstance(self.resident, bool):
             raise ConfigError("resident", f"{self.resident!r}: use true, false or null")
 
@@ -173,7 +180,8 @@ class HybridEngineConfig:
         """Whether this run's switch keeps the shards resident (``resident``, null resolved)."""
         if self.resident is not None:
             return self.resident
-        return (rollout.backend == "megatron" and self.mode == "3d" and not actor.lora.enabled
+        return (rollout.backend == "megatron" and self.mode == "3d"
+                and (not actor.lora.enabled or self.lora_merge == "in_place")
                 and not actor.engine.optim.distributed)
 
 
@@ -387,8 +395,9 @@ class RLConfig:
         if self.hybrid_engine.resident:
             why = [(self.hybrid_engine.mode != "3d", "hybrid_engine.mode=3d (the naive path "
                     "gathers every tensor anew)"),
-                   (self.actor.lora.enabled, "actor.lora.rank=0 (generation computes with the "
-                    "merged LoRA weights, which cannot live where the frozen base does)"),
+                   (self.actor.lora.enabled and self.hybrid_engine.lora_merge != "in_place",
+                    "hybrid_engine.lora_merge=in_place (generation computes with the merged LoRA "
+                    "weights, which a copying merge keeps apart from the frozen base)"),
                    (self.actor.engine.optim.distributed, "actor.engine.optim.distributed=false "
                     "(the distributed optimizer keeps the parameters in its own buffer)")]
             for bad, fix in why:
@@ -424,6 +433,9 @@ class RLConfig:
               for k in ("alpha", "dropout", "target_modules")),
             ("ref.offload", self.actor.lora.enabled, "set actor.lora.rank=0 (with LoRA the "
                                                      "reference is the actor's own frozen base)"),
+            ("hybrid_engine.lora_merge", not self.actor.lora.enabled, "set actor.lora.rank > 0"),
+            ("ray.gpu_memory_gib", not self.ray.gpus_per_worker, "set ray.gpus_per_worker > 0 "
+                                                                "(it caps each worker's GPU)"),
             *((f"actor.rollout_correction.{k}", self.actor.rollout_correction.mode == "none",
                "set actor.rollout_correction.mode=tis or mis") for k in ("level", "cap")),
             *((f"critic.{k}", not ppo, "algorithm.name=ppo (reward and cost models only read "

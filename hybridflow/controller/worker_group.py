@@ -53,6 +53,11 @@ class RayConfig:
     collective_timeout_s: float = 600.0
     """Seconds a torch.distributed collective inside a worker waits for the other ranks before
     it fails (a rank died or went astray); the run then stops naming the rank."""
+    gpu_memory_gib: float | None = None
+    """Cap each worker process's CUDA allocator at this many GiB
+    (``torch.cuda.set_per_process_memory_fraction``): the run behaves as on a GPU of that size,
+    running out of memory where that GPU would. Per process: colocated worker groups (a critic,
+    reward models) get the cap each. null: the whole GPU."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.address, str) or not self.address:
@@ -63,6 +68,7 @@ class RayConfig:
         check_float("start_timeout_s", self.start_timeout_s, low=0)
         check_float("call_timeout_s", self.call_timeout_s, low=0)
         check_float("collective_timeout_s", self.collective_timeout_s, low=0, low_open=True)
+        check_float("gpu_memory_gib", self.gpu_memory_gib, low=0, low_open=True, none_ok=True)
 
 
 def quiet_engines_env() -> dict[str, str]:
@@ -116,13 +122,16 @@ def _start_reaper() -> None:
 
 @dataclass(frozen=True)
 class Rendezvous:
-    """How a group's ranks form their torch.distributed world: the WorkerGroup makes it, every
-    worker's constructor passes it on to ``Worker.__init__`` unchanged."""
+    """How a group's ranks form their torch.distributed world (and what each rank's process is
+    allowed): the WorkerGroup makes it, every worker's constructor passes it on to
+    ``Worker.__init__`` unchanged."""
 
     init_method: str
     """torch.distributed's init_method: file:// (a local run) or tcp://host:port."""
     timeout_s: float
     """The world's collective timeout (RayConfig.collective_timeout_s)."""
+    gpu_memory_gib: float | None = None
+    """The cap of each rank's CUDA allocator (RayConfig.gpu_memory_gib)."""
 
 
 class Worker:
@@ -141,6 +150,8 @@ class Worker:
             torch.cuda.set_device(0)  # Ray gives each actor its own GPU, visible as device 0
         else:
             torch.set_num_threads(1)
+        if rendezvous.gpu_memory_gib is not None:
+            cap_gpu_memory(rendezvous.gpu_memory_gib)
         dist.init_process_group(backend, init_method=rendezvous.init_method, rank=rank,
                                 world_size=world_size,
                                 timeout=datetime.timedelta(seconds=rendezvous.timeout_s))
@@ -165,6 +176,20 @@ class Worker:
             out.meta.update(memory_meta(method, torch.cuda.max_memory_allocated(),
                                         torch.cuda.memory_allocated()))
         return out
+
+
+def cap_gpu_memory(gib: float) -> None:
+    """Limit this process's CUDA allocator to ``gib`` GiB of the current device (an allocation
+    beyond it raises torch's out-of-memory error, as on a GPU of that size)."""
+    import torch
+    if not torch.cuda.is_available():
+        raise ConfigError("ray.gpu_memory_gib", "this worker has no GPU; set it to null, or give "
+                          "the workers GPUs (ray.gpus_per_worker)")
+    total = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+    if gib * 2**30 > total:
+        raise ConfigError("ray.gpu_memory_gib", f"{gib:g} GiB is more than this GPU's "
+                          f"{total / 2**30:.1f} GiB; lower it or set it to null")
+    torch.cuda.set_per_process_memory_fraction(gib * 2**30 / total)
 
 
 MEMORY = "memory/"
@@ -289,7 +314,7 @@ class WorkerGroup:
             addr, port = self._wait([probe.remote()], "finding rank 0's address",
                                     cfg.start_timeout_s, "ray.start_timeout_s")[0]
             init_method = f"tcp://{addr}:{port}"
-        rendezvous = Rendezvous(init_method, cfg.collective_timeout_s)
+        rendezvous = Rendezvous(init_method, cfg.collective_timeout_s, cfg.gpu_memory_gib)
         actor_cls = ray.remote(worker_cls)
         tag = uuid.uuid4().hex[:8]  # actor names are global in a Ray cluster
         self.actors = [actor_cls.options(name=f"{name}-{r}-{tag}", **placement[r]).remote(

@@ -139,7 +139,8 @@ class ActorRolloutRefWorker(Worker):
                                    mode=hybrid_engine.mode,
                                    offload_optimizer=hybrid_engine.offload_optimizer,
                                    resident=hybrid_engine.resident_for(actor, rollout),
-                                   blocks=self.rollout.takes_stacked)
+                                   blocks=self.rollout.takes_stacked,
+                                   lora_merge=hybrid_engine.lora_merge)
         self.dp_group = self.actor.pg.dp
 
     def _make_rollout(self):
@@ -324,6 +325,7 @@ class ActorRolloutRefWorker(Worker):
     def load_state(self, ckpt_dir: str) -> None:
         from hybridflow.training.megatron_ckpt import load_train_state
         load_train_state(self.actor, Path(ckpt_dir) / "actor")
+        self.hybrid.drop_base_copy()  # the LoRA base may differ from the one copied
         _load_rank_state(Path(ckpt_dir) / f"actor-rank{self.rank:04d}.pt", self.rollout)
 
 

@@ -33,8 +33,14 @@ copies its fp32 main weights into it), so the move is safe.
 
 LoRA. With adapters (``engine.adapters``) generation computes with ``W + BA``: each rank merges
 its own shards (``Adapters.merged``, no communication) and the merged tensors are what the switch
-gathers; the frozen base is left as it is, so the merged shards are a second copy of the adapted
-weights while generating (``redundant_bytes`` counts them) and resident parameters are refused.
+gathers. ``lora_merge="copy"`` merges into new tensors and leaves the frozen base as it is, so
+the merged shards are a second copy of the adapted weights while generating (``redundant_bytes``
+counts them) and resident parameters are refused. ``lora_merge="in_place"`` merges into the base
+shards themselves and, at the switch back, writes the base back from a host copy (pinned on a
+GPU) taken at the first switch -- the base is frozen, so one copy serves every switch until
+``drop_base_copy`` (a checkpoint load). Generation then holds no second copy of any weight and
+the resident switch works as without LoRA; the price is host memory for the adapted shards and
+one host-to-device copy of them per switch back (exact: the base's own bytes come back).
 
 Tied embeddings. With ``tie_embeddings`` the vLLM model ties ``lm_head`` to ``embed_tokens``, so a
 generation pipeline of one stage needs only the embedding. With a generation pipeline of several
@@ -69,6 +75,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 MODES = ("3d", "naive")
+LORA_MERGES = ("copy", "in_place")
 TIED_OUTPUT = "output_layer.weight"
 
 
@@ -91,7 +98,8 @@ class GenerationWeights:
     redundant_bytes: int
     """Bytes of the generation tensors that duplicate this rank's own training shards (its own
     pieces copied into the gathered buffers); tensors that alias the training shards count 0.
-    With LoRA every adapted weight's merged shard counts: it is a second copy beside the base."""
+    With LoRA merged by copy every adapted weight's merged shard counts: it is a second copy
+    beside the base (merged in place it is the base's own memory)."""
     seconds: float
     """Wall time of the switch, release of grads/optimizer state included."""
 
@@ -178,19 +186,27 @@ class HybridEngine:
 
     def __init__(self, engine: TrainEngine, gen_tp: int = 1, gen_pp: int = 1,
                  bucket_mb: float = 256, mode: str = "3d", offload_optimizer: bool = False,
-                 resident: bool = False, blocks: bool = False):
+                 resident: bool = False, blocks: bool = False, lora_merge: str = "copy"):
         if mode not in MODES:
             raise ValueError(f"hybrid_engine.mode: unknown mode {mode!r}; use one of {MODES}")
+        if lora_merge not in LORA_MERGES:
+            raise ValueError(f"hybrid_engine.lora_merge: unknown {lora_merge!r}; use one of "
+                             f"{LORA_MERGES}")
+        if lora_merge == "in_place" and engine.adapters is None:
+            raise ValueError("hybrid_engine.lora_merge: in_place merges LoRA adapters, and this "
+                             "engine has none; leave it at copy")
         if resident and mode != "3d":
             raise ValueError("hybrid_engine.resident: needs mode '3d' (the naive path gathers "
                              "every tensor anew); set resident to false or mode to '3d'")
-        if resident and engine.adapters is not None:
+        if resident and engine.adapters is not None and lora_merge != "in_place":
             raise ValueError("hybrid_engine.resident: generation computes with the merged LoRA "
-                             "weights, which cannot live where the frozen base does; set resident "
-                             "to false")
+                             "weights, which a copying merge keeps apart from the frozen base; "
+                             "set resident to false or lora_merge to in_place")
         if not bucket_mb > 0:
             raise ValueError(f"hybrid_engine.bucket_mb: must be > 0, got {bucket_mb}")
         self.engine, self.mode, self.offload_optimizer = engine, mode, offload_optimizer
+        self.lora_merge = lora_merge
+        self._base: dict[str, torch.Tensor] = {}  # host copies of the adapted base shards
         self.rank = dist.get_rank()
         self.gen = GenLayout(train=engine.layout, tp=gen_tp, pp=gen_pp)
         self.metas = generation_metas(list(engine.metas.values()),
@@ -215,6 +231,7 @@ class HybridEngine:
         self.summary = (f"HybridEngine: train view ({engine.layout}) -> generation view "
                         f"({self.gen}); mode {mode}, buckets of {bucket_mb:g} MB"
                         + (", resident parameters" if resident else "")
+                        + (", LoRA merged in place" if lora_merge == "in_place" else "")
                         + (", stacked shards" if blocks and self.gen.tp_stride > 1 else ""))
         if self.rank == 0:
             log.info(self.summary)
@@ -243,10 +260,8 @@ class HybridEngine:
             storage = new_storage(self.plan, self.rank, self.engine.device, self.dtype)
             self._place(storage)
         shards = self._train_shards()
-        # With LoRA, generation gets W + BA: each adapted weight's shard is merged on its rank
-        # (a new tensor, freed with the generation weights), the base stays as it is.
-        source = shards if self.engine.adapters is None else self.engine.adapters.merged(shards)
         try:
+            source = self._merge_adapters(shards)
             if self.mode == "3d":
                 tensors = gather_generation_weights(self.plan, self.rank, source, self.groups,
                                                     storage=storage)
@@ -257,6 +272,7 @@ class HybridEngine:
         except BaseException:
             if storage is not None:
                 self._place(None)
+            self._restore_base()
             self._restore_training_memory()  # stay a consistent training engine
             raise
         redundant = redundant_bytes(tensors, shards, self.metas, self.gen, self.rank)
@@ -285,8 +301,47 @@ class HybridEngine:
             self._place(None)
         freed = back_to_training(self._weights.tensors, self._train_shards())
         self._weights = None
+        self._restore_base()
         self._restore_training_memory()
         return freed
+
+    def drop_base_copy(self) -> None:
+        """Forget the host copy of the LoRA base (``lora_merge="in_place"``): the base weights
+        were loaded anew, and the next switch copies them again."""
+        self._base = {}
+
+    @property
+    def base_copy_bytes(self) -> int:
+        """Host bytes of the LoRA base kept for ``lora_merge="in_place"`` (0 before the first
+        switch and without it)."""
+        return sum(t.numel() * t.element_size() for t in self._base.values())
+
+    # ----------------------------------------------------------------------------- LoRA
+    def _merge_adapters(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """What the switch gathers: ``shards``, with LoRA's ``W + BA`` for the adapted weights
+        (see the module docstring: new tensors, or the shards themselves overwritten after their
+        host copy was taken)."""
+        adapters = self.engine.adapters
+        if adapters is None:
+            return shards
+        if self.lora_merge == "copy":
+            return adapters.merged(shards)
+        if not self._base:
+            pin = self.engine.device.type == "cuda"
+            # Same stream as the merge below, so each copy is taken before the overwrite.
+            self._base = {name: torch.empty(shards[name].shape, dtype=shards[name].dtype,
+                                            pin_memory=pin).copy_(shards[name], non_blocking=pin)
+                          for name in adapters.adapted()}
+        return adapters.merged(shards, in_place=True)
+
+    def _restore_base(self) -> None:
+        """Write the LoRA base back over its merged shards (in-place merges only)."""
+        if self.lora_merge != "in_place":
+            return
+        shards = self._train_shards()
+        for name, host in self._base.items():
+            shards[name].copy_(host, non_blocking=True)
+        _sync(self.engine.device)
 
     # ----------------------------------------------------------------------------- helpers
     def _resident_offsets(self) -> dict[str, int]:

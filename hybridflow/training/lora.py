@@ -184,11 +184,18 @@ class Adapters:
         finally:
             self.enabled = True
 
-    def merged(self, shards: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-        """``shards`` (this rank's training shards by name) with each adapted weight replaced by a
-        new tensor, its shard of ``W + (alpha / rank) B A``: a column-parallel shard takes its
-        rows of B, a row-parallel one its columns of A, so no rank needs another's."""
-        return merge_adapters(shards, dict(self.named_parameters()), self.config.scaling)
+    def merged(self, shards: dict[str, torch.Tensor], in_place: bool = False
+               ) -> dict[str, torch.Tensor]:
+        """``shards`` (this rank's training shards by name) with each adapted weight replaced by
+        its shard of ``W + (alpha / rank) B A``: a column-parallel shard takes its rows of B, a
+        row-parallel one its columns of A, so no rank needs another's. A new tensor, or with
+        ``in_place`` the shard itself overwritten (the base is then gone until restored)."""
+        return merge_adapters(shards, dict(self.named_parameters()), self.config.scaling,
+                              in_place)
+
+    def adapted(self) -> list[str]:
+        """Global names of the base weights the adapters change."""
+        return list(self.modules)
 
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """(global name, local shard) of every adapter this rank holds."""
@@ -200,15 +207,19 @@ class Adapters:
 
 @torch.no_grad()
 def merge_adapters(weights: dict[str, torch.Tensor], adapters: dict[str, torch.Tensor],
-                   scaling: float) -> dict[str, torch.Tensor]:
+                   scaling: float, in_place: bool = False) -> dict[str, torch.Tensor]:
     """``weights`` with each weight that ``adapters`` adapt replaced by ``W + scaling * B A``
-    (computed in fp32, stored in W's dtype). Full tensors or one rank's shards alike."""
+    (computed in fp32, stored in W's dtype). Full tensors or one rank's shards alike.
+    ``in_place``: written into the weights' own memory (the same numbers), one fp32 transient
+    of one weight at a time."""
     out = dict(weights)
     for name, a in adapters.items():
         if name.endswith("lora_A"):
             w = weights[base_weight(name)]
-            delta = adapters[name.removesuffix("A") + "B"].float() @ a.float()
-            out[base_weight(name)] = (w.float() + scaling * delta).to(w.dtype)
+            # One fp32 transient: scaling * (B A) + W, the same sum as W + scaling * (B A).
+            merged = (adapters[name.removesuffix("A") + "B"].float() @ a.float()).mul_(
+                scaling).add_(w)
+            out[base_weight(name)] = w.copy_(merged) if in_place else merged.to(w.dtype)
     return out
 
 

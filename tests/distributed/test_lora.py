@@ -93,6 +93,22 @@ def lora_checks(rank, world, layouts, ckpt_dir):
         r["switch_redundant"] = gen.redundant_bytes
         hybrid.to_training()
         r["after_switch"] = _gather_dp(engine, layout, engine.compute_logprobs, mine)
+        # Merged in place (with the resident switch; small buckets, so that some shards are whole
+        # pieces of them and can move): the same generation weights, the base written back after
+        # each switch (the second from the host copy the first took).
+        hybrid = HybridEngine(engine, gen_tp=1, lora_merge="in_place", resident=True,
+                              bucket_mb=0.05)
+        for round_ in range(2):
+            gen = hybrid.to_generation()
+            r[f"in_place_diff{round_}"] = max((t - merged[n]).abs().max().item()
+                                              for n, t in gen.tensors.items())
+            r["in_place_redundant"] = gen.redundant_bytes
+            hybrid.to_training()
+            base = engine.full_weights()
+            r[f"in_place_base_equal{round_}"] = all(torch.equal(base[n], w)
+                                                    for n, w in r["weights"].items())
+        r["base_copy_bytes"] = hybrid.base_copy_bytes
+        r["in_place_after"] = _gather_dp(engine, layout, engine.compute_logprobs, mine)
         if ckpt_dir is not None and layout_kw == LAYOUTS_4[0]:
             save_train_state(engine, ckpt_dir)
         if rank == 0:
@@ -173,6 +189,18 @@ def test_merged_weights_compute_the_adapted_policy(runs):
         torch.testing.assert_close(r["after_switch"], r["logprobs"], atol=0, rtol=0)
 
 
+def test_merge_in_place_gives_the_same_weights_and_the_base_back(runs):
+    ref, multi, _, _ = runs
+    for r in [ref, *multi]:
+        assert r["in_place_diff0"] == r["in_place_diff1"] == 0.0
+        assert r["in_place_base_equal0"] and r["in_place_base_equal1"]
+        assert r["base_copy_bytes"] > 0
+        torch.testing.assert_close(r["in_place_after"], r["logprobs"], atol=0, rtol=0)
+        assert r["in_place_redundant"] < r["switch_redundant"]
+    # One process: every generation tensor is a training tensor, merged where it lies.
+    assert ref["in_place_redundant"] == 0
+
+
 def test_checkpoint_at_another_layout_and_peft_export(runs):
     import transformers
     peft = pytest.importorskip("peft")
@@ -187,3 +215,40 @@ def test_checkpoint_at_another_layout_and_peft_export(runs):
         base = transformers.AutoModelForCausalLM.from_pretrained(tmp / "base").eval()
         adapted = peft.PeftModel.from_pretrained(base, tmp / "hf" / "lora").eval()
         torch.testing.assert_close(adapted(ids).logits, exported["logits"], atol=1e-4, rtol=1e-4)
+
+
+def in_place_on_gpu(rank, world):
+    """bf16 on a GPU: the merge in place and the base back through pinned host memory."""
+    from hybridflow.hybrid_engine.switch import HybridEngine
+    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.lora import merge_adapters
+
+    engine = TrainEngine(ModelConfig(**MODEL), TrainLayout(),
+                         EngineConfig(micro_batch_size=2, dtype="bf16",
+                                      optim=OptimConfig(name="adam", lr=1e-2)), lora=_lora())
+    engine.load_full_weights(_full())
+    for _ in range(STEPS):  # B away from zero
+        engine.train_step(make_batch(), loss_fn)
+    base = {n: p.detach().clone() for n, p in engine.named_local_params()}
+    merged = merge_adapters(base, dict(engine.adapters.named_parameters()),
+                            engine.adapters.config.scaling)
+    hybrid = HybridEngine(engine, gen_tp=1, lora_merge="in_place", resident=True)
+    out = {"changed": sum(not torch.equal(merged[n], base[n]) for n in base)}
+    for round_ in range(2):
+        gen = hybrid.to_generation()
+        out[f"diff{round_}"] = max((t - merged[n]).abs().max().item()
+                                   for n, t in gen.tensors.items())
+        hybrid.to_training()
+        out[f"base_equal{round_}"] = all(torch.equal(p, base[n])
+                                         for n, p in engine.named_local_params())
+    out["pinned"] = all(t.is_pinned() for t in hybrid._base.values())
+    return out
+
+
+@pytest.mark.gpu
+def test_merge_in_place_on_gpu():
+    out = spawn(in_place_on_gpu, 1, backend="nccl")[0]
+    assert out["changed"] > 0  # the adapters trained, so the merge changes weights
+    assert out["diff0"] == out["diff1"] == 0.0
+    assert out["base_equal0"] and out["base_equal1"]
+    assert out["pinned"]
