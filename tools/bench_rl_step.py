@@ -40,7 +40,8 @@ unpacking are in the denominator, so this is below ``bench_rollout``'s decode-on
 
 Training MFU: achieved FLOPs / (ranks x the bf16 matmul rate measured here with one large
 ``torch.matmul`` per GPU). FLOPs = 6 x N x tokens for ``update_actor`` (forward + backward, per
-PPO epoch), 2 x N x tokens for each forward-only pass (old and ref log-probs); N = the parameters
+PPO epoch; 4 x N with ``--lora-rank``: the frozen base computes no weight gradients, and the
+adapters' FLOPs are left out), 2 x N x tokens for each forward-only pass (old and ref log-probs); N = the parameters
 that take part in matmuls (all but the input embedding table); the critic's passes (``values``,
 ``update_critic``) count N less the output layer plus the value head; attention's score/value
 FLOPs are not counted. ``tokens`` are the real (unpadded) prompt + response tokens (``mfu_*``);
@@ -145,6 +146,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--offload-optimizer", action="store_true",
                     help="hybrid_engine.offload_optimizer: Adam state in host memory while "
                     "generating")
+    ap.add_argument("--lora-rank", type=int, default=0, metavar="R",
+                    help="actor.lora.rank: LoRA adapters of rank R on every linear, the base "
+                    "frozen (the reference is the base)")
+    ap.add_argument("--lora-merge", choices=("copy", "in_place"), default=None,
+                    help="hybrid_engine.lora_merge (with --lora-rank): merged copies beside "
+                    "the base, or the base overwritten and restored from host memory")
+    ap.add_argument("--gpu-memory-gib", type=float, default=None, metavar="G",
+                    help="ray.gpu_memory_gib: cap each worker's CUDA allocator at G GiB, as on "
+                    "a GPU of that size")
     ap.add_argument("--no-colocate", action="store_true",
                     help="ray.colocate=false: the critic gets GPUs of its own")
     ap.add_argument("--gpus-per-worker", type=float, default=None,
@@ -341,6 +351,8 @@ def run_config(args, path: Path, prompts: Path):
     values = {"name": f"bench-{args.algorithm}", "model": str(path),
               "algorithm.name": args.algorithm, "ref.offload": args.ref_offload,
               "hybrid_engine.offload_optimizer": args.offload_optimizer,
+              "actor.lora.rank": args.lora_rank, "ray.gpu_memory_gib": args.gpu_memory_gib,
+              **({"hybrid_engine.lora_merge": args.lora_merge} if args.lora_merge else {}),
               "rollout.backend": args.backend, "rollout.tp": args.gen_tp,
               "rollout.sampling": {"temperature": 1.0, "max_tokens": args.max_tokens,
                                    "n": args.n},
@@ -379,6 +391,8 @@ def main(argv=None) -> dict:
                   forward_micro_batch_size=args.forward_micro_batch,
                   max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                   ref_offload=args.ref_offload, offload_optimizer=args.offload_optimizer,
+                  lora_rank=args.lora_rank, lora_merge=args.lora_merge,
+                  gpu_memory_gib=args.gpu_memory_gib,
                   colocate=not args.no_colocate, warmup=args.warmup, iters=args.iters,
                   torch=torch.__version__)
     start = time.perf_counter()
@@ -490,7 +504,9 @@ def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
     # replaces the output layer
     n_params = matmul_params(cfg)
     n_critic = n_params - cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
-    passes = [(k, f) for k, f in (("update_actor", 6 * n_params), ("old_logprobs", 2 * n_params),
+    # a LoRA update's frozen base computes no weight gradients: forward + the input gradients
+    update = (4 if args.lora_rank else 6) * n_params
+    passes = [(k, f) for k, f in (("update_actor", update), ("old_logprobs", 2 * n_params),
                                   ("ref_logprobs", 2 * n_params), ("values", 2 * n_critic),
                                   ("update_critic", 6 * n_critic)) if mean(f"{k}_s") is not None]
     peak = args.tp * args.pp * args.dp * result["matmul_tflops"] * 1e12
@@ -504,7 +520,7 @@ def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
         result[f"mfu_{tag}training"] = round(
             sum(f for _, f in passes) * tokens / sum(mean(f"{k}_s") for k, _ in passes) / peak, 4)
         result[f"tflops_{tag}update_actor"] = round(
-            6 * n_params * tokens / mean("update_actor_s") / 1e12, 2)
+            update * tokens / mean("update_actor_s") / 1e12, 2)
     result["padded_fraction"] = round(1 - mean("tokens_real") / mean("tokens_padded"), 4)
     result["reward_mean"] = round(mean("reward_mean"), 4)
     floors(result, rows, passes, n_params, peak, args)
