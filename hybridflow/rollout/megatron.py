@@ -178,6 +178,11 @@ class MegatronRollout(RolloutBackend):
         self.model = self._build()
         self.params = dict(self._named_params())
         self._shapes = {name: tuple(p.shape) for name, p in self.params.items()}  # standard
+        # Every parameter stays empty until its weights arrive (they replace it, uncopied where
+        # they can): the model never holds a set of weights of its own.
+        for p in self.params.values():
+            p.data = torch.empty(0, dtype=self.dtype)
+        self.model.to(self.device)  # its buffers (rotary frequencies)
         self._stacked: set[str] = set()  # parameters that hold stacked shards now
         # Sampling never touches the global RNG: its state here is per rank, ours per replica.
         self._generator = torch.Generator(device=self.device).manual_seed(seed)
@@ -217,9 +222,11 @@ class MegatronRollout(RolloutBackend):
         engine = EngineConfig(dtype="bf16" if self.dtype == torch.bfloat16 else "fp32")
         check_model_fits_layout(self.model_config, layout, engine)
         tf_config = transformer_config(self.model_config, layout, engine)
-        # Weights always come from outside: skip the random init (and its RNG-tracker needs).
+        # Weights always come from outside: skip the random init (and its RNG-tracker needs),
+        # and build in host memory, which torch.empty never touches (the parameters are emptied
+        # next), instead of taking a model's worth of device memory.
         tf_config.perform_initialization = False
-        tf_config.use_cpu_initialization = self.device.type == "cpu"
+        tf_config.use_cpu_initialization = True
         model = GPTModel(
             config=tf_config,
             transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
@@ -228,7 +235,7 @@ class MegatronRollout(RolloutBackend):
             share_embeddings_and_output_weights=self.model_config.tie_embeddings,
             position_embedding_type="rope", rotary_base=int(self.model_config.rope_theta),
             pg_collection=self.pg)
-        return model.to(self.device).eval()
+        return model.eval()
 
     def _named_params(self):
         for name, param in self.model.named_parameters():
