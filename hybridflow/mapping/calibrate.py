@@ -222,7 +222,10 @@ def calibrate(quick: bool = False, log: Callable[[str], None] = print) -> Calibr
 def _profile_from(data) -> PassProfile:
     """A PassProfile from its JSON object; ArgumentError naming the field when it is not one."""
     names = {f.name for f in dataclasses.fields(PassProfile)}
-    if not isinstance(data, dict) or not names - {"tp"} <= set(data) <= names:  # tp: optional
+    # Those with a default came later: files written before them lack them.
+    required = {f.name for f in dataclasses.fields(PassProfile)
+                if f.default is dataclasses.MISSING}
+    if not isinstance(data, dict) or not required <= set(data) <= names:
         raise ArgumentError("passes", f"each entry must have exactly the fields "
                                       f"{', '.join(sorted(names))}, got {data!r}"[:300])
     return PassProfile(**data)

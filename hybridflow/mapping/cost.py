@@ -36,7 +36,12 @@ profile of the model in the calibration (``hybridflow.mapping.profile``, measure
 the training step's measured efficiency at the pass's micro-batch size (the host's work per
 micro-batch included), and the optimizer, ``generate`` and ``weight_load`` by theirs. A
 profile measured at the layout's tp holds what a TP rank adds per micro-batch (its all-reduces
-and the waits for its peers): it replaces the TP all-reduce term. Not
+and the waits for its peers): it replaces the TP all-reduce term. A profile's seconds a pass
+costs however many micro-batches it has (``forward_fixed_s``, ``train_fixed_s``) are added once
+per pass (``fixed``): once per forward-only phase, once per optimizer step of an update. From a
+profile at tp = 1 serving another tp they are a lower bound (every rank does that host work;
+at tp > 1 the TP ranks' collectives and waits outside the micro-batches come on top, which one
+process does not see: ``calibrate --config`` profiles at the config's tp). Not
 modelled: the controller's own work between phases, the PP point-to-point
 transfers and the switch's packing of its buckets (docs/planner.md has the measured gaps).
 ``Prediction`` keeps each phase apart so that the trainer can log them beside what it measures.
@@ -142,7 +147,8 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
     of the model in ``calib``, over ``kind``'s (forward or train) efficiency at the rank's
     micro-batch size: a profile measured at the layout's tp at b sequences, with the TP
     all-reduces inside it (no ``tp_comm`` term); one at tp = 1 at b / tp sequences (a TP rank's
-    matmuls are 1/tp of the whole's), the TP all-reduces added."""
+    matmuls are 1/tp of the whole's), the TP all-reduces added. Either's fixed seconds of such
+    a pass are ``fixed`` (module docstring)."""
     lay, eng = part.layout, part.engine
     b, rate = DTYPE_BYTES[eng.dtype], _rate(calib, eng.dtype)
     per_rank_samples = samples / lay.dp
@@ -151,7 +157,8 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
     tp_bytes = 2 * shape.num_layers * per_rank_samples * seq * shape.hidden_size * b / lay.pp
     terms = {"compute": compute, "bubble": (lay.pp - 1) / m * compute,
              "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / gather_rate(calib, lay.tp)
-                         if lay.tp > 1 else 0.0)}
+                         if lay.tp > 1 else 0.0),
+             "fixed": 0.0}
     profile = calib.profile(shape, eng.dtype, lay.tp)
     if profile is not None:
         rows = min(micro_batch, per_rank_samples)
@@ -160,6 +167,7 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
             terms["tp_comm"] = 0.0
         else:
             efficiency = profile.efficiency(kind, rows / lay.tp)
+        terms["fixed"] = getattr(profile, f"{kind}_fixed_s")
         terms["compute"] /= efficiency
         terms["bubble"] /= efficiency
     return terms
@@ -168,7 +176,8 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
 def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration, head: str,
             trained: int) -> dict[str, float]:
     """Seconds of a model's update (``part.ppo_epochs`` passes of ``part.mini_batches`` optimizer
-    steps), by term. ``trained``: its trained parameters (all of them, or LoRA's adapters)."""
+    steps, each a training pass of its own), by term. ``trained``: its trained parameters (all
+    of them, or LoRA's adapters)."""
     lay, eng = part.layout, part.engine
     per_step = samples / part.mini_batches
     fwd = _forward(shape, part, per_step, seq, calib, head, eng.micro_batch_size, "train")
@@ -180,7 +189,7 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
     adam = ADAM_BYTES * trained / (lay.tp * lay.pp) / calib.memory_bandwidth
     return {"compute": 3 * steps * fwd["compute"], "bubble": 3 * steps * fwd["bubble"],
             "tp_comm": 2 * steps * fwd["tp_comm"],
-            "dp_allreduce": steps * dp,
+            "dp_allreduce": steps * dp, "fixed": steps * fwd["fixed"],
             "optimizer": steps * adam / (profile.optimizer if profile is not None else 1.0)}
 
 

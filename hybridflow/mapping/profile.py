@@ -17,9 +17,16 @@ cost model uses such a profile for that tp only, in place of its TP communicatio
   training step (``train_step``) over one micro-batch of b sequences and over two: the
   difference is one micro-batch's seconds T(b), host work included, and the efficiency at b is
   the floor's seconds for b sequences (1/tp of their FLOPs on each rank) over T(b) (a training
-  micro-batch's floor being three forwards). What remains of a training step of one
-  micro-batch, t(b) - T(b), is the optimizer's step: its efficiency is Adam's floor (28 bytes per parameter at the copy
-  bandwidth) over the median of those;
+  micro-batch's floor being three forwards);
+* what remains of a pass of one micro-batch, t(b) - T(b), is what a pass costs however many
+  micro-batches it has: the call's setup, the batch's copy to the device, the schedule's start,
+  the outputs put back in order and off the device, the metrics' reduction. For a forward-only
+  pass it is ``forward_fixed_s``; for a training step the optimizer's step is timed on its own
+  (``TrainEngine._step_if_finite`` on the gradients a step left: grad norm, clipping, Adam) and
+  is taken out: the optimizer's efficiency is Adam's floor (28 bytes per parameter at the copy
+  bandwidth) over it, the rest is ``train_fixed_s``. Each is the median over the sizes: the
+  part does not depend on b (per-row work is in T(b)), and a difference of two timings is
+  noisy where the pass is short;
 * one ``generate`` call of the config's rollout backend over one generation replica's share of
   the step's samples, every response the full ``max_tokens`` long (EOS ignored), after one
   warm-up call: the efficiency is the cost model's generation floor for that share over the
@@ -61,7 +68,8 @@ class PassProfile:
     train: list[float]
     """The same for a training micro-batch's forward + backward."""
     optimizer: float
-    """Adam's floor / the optimizer step measured."""
+    """Adam's floor / the optimizer step measured (in files without ``train_fixed_s``: / the
+    whole of t(b) - T(b), the training step's fixed cost included)."""
     generate: float
     """The generation floor / the measured ``generate`` call."""
     weight_load: float
@@ -69,6 +77,12 @@ class PassProfile:
     model (above 1 where the backend takes the tensors without a copy)."""
     tp: int = 1
     """The tensor-parallel size the passes were measured at (generation always at tp = 1)."""
+    forward_fixed_s: float = 0.0
+    """Seconds of a forward-only pass that do not grow with its micro-batches (module
+    docstring), at ``tp``; 0 in files written before it was measured."""
+    train_fixed_s: float = 0.0
+    """The same for a training step, the optimizer's step left out; 0 in files written before it
+    was measured (their ``optimizer`` holds it)."""
 
     def __post_init__(self):
         if not isinstance(self.shape, dict):
@@ -92,6 +106,8 @@ class PassProfile:
         for name in ("optimizer", "generate", "weight_load"):
             check_float(name, getattr(self, name), low=0, low_open=True)
         check_int("tp", self.tp)
+        for name in ("forward_fixed_s", "train_fixed_s"):
+            check_float(name, getattr(self, name), low=0)
 
     def efficiency(self, kind: str, micro_batch: float) -> float:
         """``kind``'s (forward or train) efficiency at ``micro_batch`` sequences: linear in
@@ -115,7 +131,8 @@ class PassProfile:
         return (f"efficiencies at tp={self.tp}, pp=dp=1, {self.seq} tokens per sequence, by "
                 f"micro-batch size: forward {table('forward')}; training {table('train')}; optimizer "
                 f"{self.optimizer:.1%}, generate ({self.backend}) {self.generate:.1%}, weight "
-                f"load {self.weight_load:.1%}")
+                f"load {self.weight_load:.1%}; fixed seconds a pass: forward "
+                f"{self.forward_fixed_s:.3g}, training {self.train_fixed_s:.3g}")
 
 
 def profile_passes(cfg: Any, calib, quick: bool = False, configured_only: bool = False
@@ -164,7 +181,8 @@ def profile_passes(cfg: Any, calib, quick: bool = False, configured_only: bool =
 
 def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) -> PassProfile:
     """A PassProfile from the seconds measured at ``tp``: ``times[kind][b]`` = (one micro-batch
-    of b sequences, two), ``times["generate"]``, ``times["weight_load"]`` (module docstring)."""
+    of b sequences, two), ``times["optimizer"]`` (the optimizer's step alone),
+    ``times["generate"]``, ``times["weight_load"]`` (module docstring)."""
     from hybridflow.config.memory import param_count
     from hybridflow.mapping.cost import (ADAM_BYTES, forward_flops, generation_floor,
                                          weights_bytes)
@@ -172,15 +190,15 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) 
     seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
     floor = forward_flops(shape, "lm", seq) / (tp * rate)  # one sequence's forward, per TP rank
     sizes = sorted(times["forward"])
-    out, optimizer = {}, []
-    for kind, flops in (("forward", 1), ("train", 3)):
-        out[kind] = []
+    out, fixed = {}, {}
+    for kind, flops, other in (("forward", 1, 0.0), ("train", 3, times["optimizer"])):
+        out[kind], rest = [], []
         for b in sizes:
             one, two = times[kind][b]
             per_micro_batch = max(two - one, 1e-9)
             out[kind].append(min(1.0, flops * floor * b / per_micro_batch))
-            if kind == "train":
-                optimizer.append(one - per_micro_batch)
+            rest.append(one - per_micro_batch - other)
+        fixed[f"{kind}_fixed_s"] = max(0.0, statistics.median(rest))
     adam = ADAM_BYTES * param_count(shape) / (tp * calib.memory_bandwidth)
     gen = sum(generation_floor(shape, cfg.actor.engine.dtype, calib, _share(cfg),
                                cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_tokens,
@@ -188,9 +206,9 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) 
     load = weights_bytes(shape, cfg.actor.engine.dtype, tg=1) / calib.memory_bandwidth
     return PassProfile(shape=dataclasses.asdict(shape), dtype=cfg.actor.engine.dtype, seq=seq,
                        micro_batches=sizes, backend=cfg.rollout.backend,
-                       optimizer=min(1.0, adam / max(statistics.median(optimizer), 1e-9)),
+                       optimizer=min(1.0, adam / max(times["optimizer"], 1e-9)),
                        generate=min(1.0, gen / times["generate"]),
-                       weight_load=load / max(times["weight_load"], 1e-9), tp=tp, **out)
+                       weight_load=load / max(times["weight_load"], 1e-9), tp=tp, **out, **fixed)
 
 
 def micro_batch_sizes(cfg: Any, configured_only: bool = False) -> list[int]:
@@ -214,7 +232,8 @@ def _share(cfg: Any) -> int:
 def _measure_passes(rank: int, world_size: int, cfg: Any, shape: ModelConfig, sizes: list[int],
                     repeats: int) -> dict:
     """Median seconds of each pass (as ``efficiencies`` reads them) at each micro-batch size of
-    ``sizes``, at tp = the world size (every rank the same tokens)."""
+    ``sizes``, and of the optimizer's step alone, at tp = the world size (every rank the same
+    tokens)."""
     import torch
 
     from hybridflow.mapping.calibrate import timed_median
@@ -237,6 +256,13 @@ def _measure_passes(rank: int, world_size: int, cfg: Any, shape: ModelConfig, si
         return timed_median(fn, sync, warmup=0, repeats=repeats, inner=1)
 
     engine = TrainEngine(shape, TrainLayout(tp=world_size), cfg.actor.engine, head="lm")
+
+    def optimizer_step():
+        # The step train_step ends with, on the gradients the last one left (kept until the next
+        # train_step zeroes them); on non-finite ones it would be skipped, not timed.
+        if not engine._step_if_finite()[1]:
+            raise RuntimeError("the optimizer step found non-finite gradients and was skipped")
+
     times: dict = {"forward": {}, "train": {}}
     for k, b in enumerate(sizes):
         # Both kinds of pass split by micro_batch_size here, forward_micro_batch_size unset.
@@ -245,6 +271,8 @@ def _measure_passes(rank: int, world_size: int, cfg: Any, shape: ModelConfig, si
         if k == 0:  # the first calls allocate and compile
             engine.compute_logprobs(batch(b))
             engine.train_step(batch(b), loss_fn)
+            engine._step_if_finite()
+            times["optimizer"] = median(optimizer_step)
         one, two = batch(b), batch(2 * b)
         times["forward"][b] = (median(lambda: engine.compute_logprobs(one)),
                                median(lambda: engine.compute_logprobs(two)))

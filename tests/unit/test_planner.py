@@ -3,6 +3,7 @@ Table 2, the cost model against hand-computed seconds, the search and `hybridflo
 
 from __future__ import annotations
 
+import dataclasses
 from fractions import Fraction
 
 import pytest
@@ -12,6 +13,7 @@ from hybridflow.config import RLConfig, load_config
 from hybridflow.errors import ConfigError
 from hybridflow.mapping.calibrate import Calibration
 from hybridflow.mapping.cost import matmul_params, predict, switch_bytes
+from hybridflow.mapping.profile import PassProfile
 from hybridflow.mapping.search import apply, candidates, search
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import llama_param_metas
@@ -156,17 +158,18 @@ def test_plan_cli(tmp_path, capsys):
     assert "cluster.calibration" in err and "hybridflow calibrate" in err
 
 
-def hand_profile(cfg, shape, efficiency, tp=1):
+def hand_profile(cfg, shape, efficiency, tp=1, fixed=None):
     """The seconds the profile's passes would take at ``tp`` if every pass ran at
-    ``efficiency[kind][b]`` of its floor at micro-batch size b, and Adam at
-    ``efficiency["optimizer"]`` of its."""
+    ``efficiency[kind][b]`` of its floor at micro-batch size b plus ``fixed[kind]`` seconds a
+    pass (default ``FIXED``), and Adam at ``efficiency["optimizer"]`` of its."""
     from hybridflow.config.memory import param_count
     from hybridflow.mapping.cost import ADAM_BYTES, forward_flops, generation_floor, weights_bytes
+    fixed = FIXED if fixed is None else fixed
     floor = forward_flops(shape, "lm", 12) / 1e9 / tp
     adam = ADAM_BYTES * param_count(shape) / 1e9 / efficiency["optimizer"] / tp
-    times = {}
+    times = {"optimizer": adam}
     for kind, flops in (("forward", 1), ("train", 3)):
-        extra = adam if kind == "train" else 0.0
+        extra = fixed[kind] + (adam if kind == "train" else 0.0)
         times[kind] = {}
         for b, e in efficiency[kind].items():
             one = flops * floor * b / e  # one micro-batch of b sequences
@@ -181,6 +184,8 @@ def hand_profile(cfg, shape, efficiency, tp=1):
 # by micro-batch size: small ones run further below the floor
 EFFICIENCY = {"forward": {1: 0.2, 2: 0.4, 4: 0.5}, "train": {1: 0.1, 2: 0.25, 4: 0.3},
               "optimizer": 0.5, "generate": 0.2, "weight_load": 2.0}
+# seconds a pass costs however many micro-batches it has (the training step's without Adam's)
+FIXED = {"forward": 0.003, "train": 0.011}
 
 
 def test_profile_fit_recovers_the_efficiencies():
@@ -199,15 +204,17 @@ def test_profile_fit_recovers_the_efficiencies():
         assert profile.__dict__[kind] == pytest.approx(list(EFFICIENCY[kind].values())), kind
     for kind in ("optimizer", "generate", "weight_load"):
         assert getattr(profile, kind) == pytest.approx(EFFICIENCY[kind]), kind
+    # the optimizer's step, timed on its own, is taken out of the training step's fixed part
+    assert profile.forward_fixed_s == pytest.approx(FIXED["forward"])
+    assert profile.train_fixed_s == pytest.approx(FIXED["train"])
     # Between the measured sizes linear in log2(b); outside them the nearest one's.
     assert profile.efficiency("forward", 2) == pytest.approx(0.4)
     assert profile.efficiency("forward", 3) == pytest.approx(0.4 + math.log2(1.5) * 0.1)
-    assert profile.efficiency("train", 0.5) == 0.1 and profile.efficiency("train", 16) == 0.3
+    assert profile.efficiency("train", 0.5) == profile.train[0] == pytest.approx(0.1)
+    assert profile.efficiency("train", 16) == profile.train[-1] == pytest.approx(0.3)
 
 
 def test_profile_scales_the_prediction_of_its_model_only(tmp_path):
-    import dataclasses
-
     from hybridflow.mapping.profile import efficiencies
     cfg = config("actor.layout.dp=2", "rollout.tp=1")
     profile = efficiencies(cfg, SHAPE, CALIB, hand_profile(cfg, SHAPE, EFFICIENCY))
@@ -238,7 +245,6 @@ def test_profile_scales_the_prediction_of_its_model_only(tmp_path):
 
 
 def test_a_profile_at_the_layouts_tp_replaces_its_tp_communication(tmp_path):
-    import dataclasses
     import json
 
     from hybridflow.mapping.profile import efficiencies
@@ -252,6 +258,13 @@ def test_a_profile_at_the_layouts_tp_replaces_its_tp_communication(tmp_path):
     two = predict(cfg, {"model": SHAPE}, both)
     u0, u1, u2 = (x.terms["update_actor"] for x in (floors, one, two))
     assert u0["tp_comm"] > 0 and u1["tp_comm"] == u0["tp_comm"] and u2["tp_comm"] == 0
+    # a pass's fixed seconds count from a profile of either tp (tp=1's as a lower bound), none
+    # without a profile
+    assert at_1.train_fixed_s == at_2.train_fixed_s == pytest.approx(FIXED["train"])
+    assert u0["fixed"] == 0
+    assert u1["fixed"] == at_1.train_fixed_s and u2["fixed"] == at_2.train_fixed_s
+    assert one.terms["ref_logprobs"]["fixed"] == at_1.forward_fixed_s
+    assert two.terms["ref_logprobs"]["fixed"] == at_2.forward_fixed_s
     # tp=1's profile is read at b/tp = 1 sequence a rank (4 samples, micro-batches of 2), tp=2's
     # at the rank's micro-batch of 2 itself
     assert u1["compute"] == pytest.approx(u0["compute"] / 0.1)
@@ -265,6 +278,75 @@ def test_a_profile_at_the_layouts_tp_replaces_its_tp_communication(tmp_path):
     del data["passes"][0]["tp"]
     (tmp_path / "c.json").write_text(json.dumps(data))
     assert Calibration.from_json(tmp_path / "c.json").passes == [at_1]
+
+
+# A profile written by hand: the efficiencies of EFFICIENCY, the fixed seconds of FIXED.
+HAND = dict(shape=dataclasses.asdict(SHAPE), dtype="fp32", seq=12, micro_batches=[1, 2, 4],
+            backend="megatron", forward=[0.2, 0.4, 0.5], train=[0.1, 0.25, 0.3], optimizer=0.5,
+            generate=0.2, weight_load=2.0)
+
+
+def test_fixed_seconds_of_a_pass_by_hand():
+    calib = dataclasses.replace(CALIB, passes=[PassProfile(**HAND, forward_fixed_s=0.003,
+                                                           train_fixed_s=0.011)])
+    p = predict(config(), {"model": SHAPE}, calib)
+    # test_cost_model_by_hand's floors: one forward over the 4 samples, Adam, the generation
+    n = 5712
+    fwd = (2 * n * 12 + 4 * 2 * 16 * 12 ** 2) * 4 / 1e9
+    adam = 28 * (n + 64 * 16) / 1e9
+    gen = 2 * n * 4 * 8 / 1e9 + 3 * 2 * n * 4 / 1e9
+    load = zero = 4 * (n + 64 * 16) / 1e9
+    # micro-batches of 2: the forward's efficiency 0.4, the training's 0.25; each pass once its
+    # fixed seconds: the reference pass, and the one optimizer step of the update
+    assert p.phases == pytest.approx({"reshard": 0.0, "weight_load": load / 2.0,
+                                      "generate": gen / 0.2, "back_to_train": zero,
+                                      "ref_logprobs": fwd / 0.4 + 0.003,
+                                      "update_actor": 3 * fwd / 0.25 + adam / 0.5 + 0.011},
+                                     rel=1e-12)
+
+
+@pytest.mark.parametrize("epochs, mini_batches", [(1, 2), (2, 2)])
+def test_fixed_seconds_count_once_per_pass(epochs, mini_batches):
+    calib = dataclasses.replace(CALIB, passes=[PassProfile(**HAND, forward_fixed_s=0.003,
+                                                           train_fixed_s=0.011)])
+    one = predict(config(), {"model": SHAPE}, calib)
+    more = predict(config(f"actor.ppo_epochs={epochs}", f"actor.mini_batches={mini_batches}"),
+                   {"model": SHAPE}, calib)
+    steps = epochs * mini_batches
+    assert one.terms["update_actor"]["fixed"] == 0.011
+    assert more.terms["update_actor"]["fixed"] == pytest.approx(steps * 0.011)
+    # the same micro-batches of 2 over the samples, so the compute moves with the epochs only;
+    # every optimizer step adds Adam's step and the training pass's fixed seconds
+    u1, u = one.phases["update_actor"], more.phases["update_actor"]
+    adam = one.terms["update_actor"]["optimizer"]
+    assert u == pytest.approx(epochs * (u1 - adam - 0.011) + steps * (adam + 0.011))
+    # several updates: the old log-probs are a pass of their own, with its fixed seconds
+    assert more.phases["old_logprobs"] == more.phases["ref_logprobs"] == pytest.approx(
+        one.phases["ref_logprobs"])
+    assert more.terms["old_logprobs"]["fixed"] == 0.003
+
+
+def test_a_profile_without_fixed_seconds_loads_and_predicts_as_before(tmp_path):
+    import json
+    old = PassProfile(**HAND)  # a profile of a file written before the fixed seconds
+    path = tmp_path / "c.json"
+    dataclasses.replace(CALIB, passes=[old]).to_json(path)
+    data = json.loads(path.read_text())
+    for key in ("forward_fixed_s", "train_fixed_s"):
+        del data["passes"][0][key]
+    path.write_text(json.dumps(data))
+    calib = Calibration.from_json(path)
+    assert calib.passes == [old] and old.forward_fixed_s == old.train_fixed_s == 0
+    p = predict(config(), {"model": SHAPE}, calib)
+    n = 5712
+    fwd = (2 * n * 12 + 4 * 2 * 16 * 12 ** 2) * 4 / 1e9
+    adam = 28 * (n + 64 * 16) / 1e9
+    # its optimizer efficiency holds the training step's fixed part, as it always did
+    assert p.phases["ref_logprobs"] == pytest.approx(fwd / 0.4, rel=1e-12)
+    assert p.phases["update_actor"] == pytest.approx(3 * fwd / 0.25 + adam / 0.5, rel=1e-12)
+    with_fixed = predict(config(), {"model": SHAPE}, dataclasses.replace(
+        CALIB, passes=[PassProfile(**HAND, forward_fixed_s=0.003, train_fixed_s=0.011)]))
+    assert with_fixed.step == pytest.approx(p.step + 0.003 + 0.011, rel=1e-12)
 
 
 def test_calibration_without_passes_loads_and_a_bad_profile_is_named(tmp_path):
