@@ -110,6 +110,18 @@ def test_grpo_lora_and_its_export(tmp_path):
     for name, w in after.items():
         torch.testing.assert_close(exported[name], w, atol=1e-6, rtol=0, msg=name)
     assert (out / "lora" / "adapter_model.safetensors").is_file()
+    # Merged in place (and so with the resident switch, the megatron backend's default): the
+    # generation weights are the same bits, the base comes back after every switch, so the run
+    # logs the same rows and ends with the same weights.
+    same, _, after_in_place = run(config(tmp_path, "algorithm.name=grpo", "name=grpo-lora-ip",
+                                         "rollout.backend=megatron", "actor.lora.rank=4",
+                                         "actor.kl_loss_coef=0.1",
+                                         "hybrid_engine.lora_merge=in_place"))
+    for row, got in zip(history, same):
+        assert {k: v for k, v in got.items() if not k.startswith(("timing/", "memory/"))} == \
+            {k: v for k, v in row.items() if not k.startswith(("timing/", "memory/"))}
+    for name, w in after.items():
+        assert torch.equal(after_in_place[name], w), name
 
 
 @pytest.mark.parametrize("use_3d_hybrid", [True, False], ids=["3d", "naive"])
