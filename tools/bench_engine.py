@@ -26,6 +26,11 @@ adapters of rank r on every linear, the base frozen) and reports beside the time
 per rank after its training steps, counted from its tensors: ``weights`` (base and adapters),
 ``grads`` (Megatron's grad buffers), ``optimizer`` (Adam's moments and fp32 main weights), and on
 a GPU the peak allocated bytes. The baseline of a LoRA row is the rank-0 row of the same run.
+``--profile N``: one more training step per micro-batch size under ``torch.profiler``, and its
+N most expensive operations by self time on the device (on CPU: by self CPU time), each with its
+share of the step, and the device's busy time (the sum of its kernels) beside the unprofiled
+step's wall time: ``idle`` = 1 - busy / wall is the share of the step the device waits for the
+host (Python, launches, syncs). Where the time goes, for the MFU gap.
 The last stdout line is one JSON object.
 """
 
@@ -63,6 +68,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--lora-rank", type=int, nargs="+", default=[0],
                     help="LoRA ranks to compare, 0 = full fine-tuning (default: 0)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="profile one training step per size and print its N costliest "
+                    "operations and the device's idle share")
     args = ap.parse_args(argv)
     if any(r < 0 for r in args.lora_rank):
         ap.error(f"--lora-rank {args.lora_rank}: ranks are >= 0")
@@ -109,6 +117,36 @@ def _timed(fn, repeats: int) -> float:
                      device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
+
+
+def profile_step(fn, wall: float, top: int) -> dict:
+    """One call of ``fn`` under torch.profiler: the device's busy seconds (the sum of its
+    kernels' self times; on CPU the operations' self CPU time), ``idle`` against ``wall`` (the
+    unprofiled call's seconds), and the ``top`` operations by that self time (name, calls,
+    seconds, share of ``wall``)."""
+    from torch.profiler import ProfilerActivity, profile
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    if gpu:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        fn()
+        if gpu:
+            torch.cuda.synchronize()
+
+    def self_us(e) -> float:
+        if gpu:
+            return getattr(e, "self_device_time_total", None) or getattr(
+                e, "self_cuda_time_total", 0.0)
+        return e.self_cpu_time_total
+
+    ops = sorted(prof.key_averages(), key=self_us, reverse=True)
+    busy = sum(self_us(e) for e in ops) / 1e6
+    return {"wall_s": round(wall, 4), "busy_s": round(busy, 4),
+            "idle": round(max(0.0, 1 - busy / wall), 3) if gpu else None,
+            "top": [{"name": e.key[:90], "calls": e.count, "s": round(self_us(e) / 1e6, 4),
+                     "share": round(self_us(e) / 1e6 / wall, 3)}
+                    for e in ops[:top] if self_us(e) > 0]}
 
 
 def _nbytes(tensors) -> int:
@@ -198,6 +236,15 @@ def main(argv=None) -> dict:
                 print(f"{what}, micro-batch {m:4d}: forward {fwd:.4f} s "
                       f"({row['forward_mfu']:.1%} MFU), train step {train:.4f} s "
                       f"({row['train_mfu']:.1%} MFU)", flush=True)
+            if args.profile:
+                row["profile"] = prof = profile_step(lambda: engine.train_step(batch, loss_fn),
+                                                     train, args.profile)
+                if rank == 0:
+                    device_busy = (f"device busy {prof['busy_s']:.4f} s, idle {prof['idle']:.1%}"
+                                   if gpu else f"CPU self time {prof['busy_s']:.4f} s")
+                    print(f"  profile of that train step ({device_busy} of {train:.4f} s):\n"
+                          + "\n".join(f"    {o['s']:8.4f} s {o['share']:6.1%} x{o['calls']:<5d} "
+                                      f"{o['name']}" for o in prof["top"]), flush=True)
         run["optimizer_s"] = round(_timed(engine.optimizer.step, args.repeats), 4)
         run["memory"] = memory(engine)
         if gpu:
