@@ -37,6 +37,7 @@ The last stdout line is one JSON object.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -121,9 +122,10 @@ def _timed(fn, repeats: int) -> float:
 
 def profile_step(fn, wall: float, top: int) -> dict:
     """One call of ``fn`` under torch.profiler: the device's busy seconds (the sum of its
-    kernels' self times; on CPU the operations' self CPU time), ``idle`` against ``wall`` (the
-    unprofiled call's seconds), and the ``top`` operations by that self time (name, calls,
-    seconds, share of ``wall``)."""
+    kernels' times; on CPU the operations' self CPU time), ``idle`` against ``wall`` (the
+    unprofiled call's seconds), and the ``top`` kernels (CPU: operations) by that time (name,
+    calls, seconds, share of ``wall``)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
@@ -135,9 +137,8 @@ def profile_step(fn, wall: float, top: int) -> dict:
             torch.cuda.synchronize()
 
     def self_us(e) -> float:
-        if gpu:
-            return getattr(e, "self_device_time_total", None) or getattr(
-                e, "self_cuda_time_total", 0.0)
+        if gpu:  # kernels only: a CPU operation also reports the time of the kernels it launched
+            return e.self_device_time_total if e.device_type == DeviceType.CUDA else 0.0
         return e.self_cpu_time_total
 
     ops = sorted(prof.key_averages(), key=self_us, reverse=True)
@@ -212,6 +213,7 @@ def main(argv=None) -> dict:
                   matmul_tflops=round(rate / 1e12, 4), matmul_params=n, engines=[])
     for lora_rank in args.lora_rank:
         engine = None
+        gc.collect()  # Megatron's modules hold reference cycles: free the last engine first
         if gpu:
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats()
