@@ -24,13 +24,19 @@ def test_bench_engine_times_each_micro_batch_and_counts_lora_memory():
     from hybridflow.models.tiny import tiny_llama_config
     from hybridflow.training.lora import LoraConfig, lora_metas
     r = _run("tools/bench_engine.py", "--model", "tiny", "--batch", "8", "--seq", "16",
-             "--micro-batch", "2", "8", "--repeats", "1", "--lora-rank", "0", "4")
+             "--micro-batch", "2", "8", "--repeats", "1", "--lora-rank", "0", "4",
+             "--profile", "3")
     assert r["matmul_tflops"] > 0
     full, lora = r["engines"]
     for run in (full, lora):
         assert [s["micro_batch"] for s in run["sizes"]] == [2, 8] and run["optimizer_s"] > 0
         for s in run["sizes"]:
             assert s["forward_s"] > 0 and s["train_s"] > 0 and 0 < s["train_mfu"] < 1
+            # the profiled step: its three costliest operations, the matmuls among them
+            prof = s["profile"]
+            assert len(prof["top"]) == 3 and prof["busy_s"] > 0 and prof["idle"] is None
+            assert "aten::mm" in [op["name"] for op in prof["top"]]
+            assert all(op["calls"] > 0 and op["s"] > 0 for op in prof["top"])
     cfg = tiny_llama_config()  # fp32 on CPU: grads fp32, Adam's two fp32 moments
     params = sum(m.numel for m in llama_param_metas(cfg)) + (
         cfg.vocab_size * cfg.hidden_size if cfg.tie_embeddings else 0)  # the last stage's copy
