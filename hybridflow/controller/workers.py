@@ -188,19 +188,23 @@ class ActorRolloutRefWorker(Worker):
         sampling = sampling or self.rollout_cfg.sampling
         start = time.perf_counter()
         weights = self.hybrid.to_generation()
-        self.rollout.load_from_switch(weights.tensors)
-        self.rollout.wake()
-        loaded = time.perf_counter()
-        captured = self.rollout.capture_seconds
-        outputs = self.rollout.generate(batch["prompt_ids"], sampling)
-        captured = self.rollout.capture_seconds - captured
-        generated = time.perf_counter()
-        # the allocator's peak since the switch released the training state (to_generation)
-        memory = ({"memory/generation_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
-                  if torch.cuda.is_available() else {})
-        self.rollout.sleep()
-        slept = time.perf_counter()
-        self.hybrid.to_training()
+        try:
+            self.rollout.load_from_switch(weights.tensors)
+            self.rollout.wake()
+            loaded = time.perf_counter()
+            captured = self.rollout.capture_seconds
+            outputs = self.rollout.generate(batch["prompt_ids"], sampling)
+            captured = self.rollout.capture_seconds - captured
+            generated = time.perf_counter()
+            # the allocator's peak since the switch released the training state (to_generation)
+            memory = ({"memory/generation_peak_gib": torch.cuda.max_memory_allocated() / 2**30}
+                      if torch.cuda.is_available() else {})
+            self.rollout.sleep()
+            slept = time.perf_counter()
+        finally:
+            # Whatever happened, back to a training engine: a LoRA base merged in place is
+            # written back, so a checkpoint saved after a failed generation holds the base.
+            self.hybrid.to_training()
         out = self._pack(outputs, batch, sampling)
         out.meta.update({
             "timing/reshard_s": weights.seconds, "timing/weight_load_s": loaded - start

@@ -97,3 +97,26 @@ def test_dropout_acts_in_training_only():
         assert (not torch.equal(train, torch.full((3, 2), 1000.0))) == differs
         if differs:  # inverted dropout: the expectation is kept
             assert train.mean().item() == pytest.approx(1000.0, rel=0.1)
+
+
+def test_a_failed_generation_switches_back_to_training():
+    # The switch back also writes a LoRA base merged in place back: it must run even when the
+    # rollout fails, or a checkpoint saved afterwards would hold the merged weights as the base.
+    from types import SimpleNamespace
+
+    from hybridflow.controller.workers import ActorRolloutRefWorker
+
+    calls = []
+
+    def fail(*args):
+        raise RuntimeError("rollout failed")
+
+    worker = SimpleNamespace(
+        rollout_cfg=SimpleNamespace(sampling=None),
+        hybrid=SimpleNamespace(to_generation=lambda: SimpleNamespace(tensors={}),
+                               to_training=lambda: calls.append("to_training")),
+        rollout=SimpleNamespace(load_from_switch=lambda t: None, wake=lambda: None,
+                                capture_seconds=0.0, generate=fail))
+    with pytest.raises(RuntimeError, match="rollout failed"):
+        ActorRolloutRefWorker.generate(worker, {"prompt_ids": []})
+    assert calls == ["to_training"]
