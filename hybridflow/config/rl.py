@@ -20,6 +20,7 @@ from hybridflow.config.cluster import ClusterConfig, check_cluster
 from hybridflow.controller.worker_group import RayConfig
 from hybridflow.data.prompts import PromptDataConfig
 from hybridflow.errors import ConfigError, check_choice, check_float, check_int
+from hybridflow.hybrid_engine.switch import LORA_MERGES, MODES
 from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.rollout.base import SamplingConfig
 from hybridflow.tracking import TrackingConfig
@@ -159,10 +160,10 @@ class HybridEngineConfig:
     resident: bool | None = None
     """The actor's training shards move into the generation storage at each switch (and out at
     the switch back), so generation holds no weight twice (HybridFlow's zero redundancy) and
-    training nothing beyond its shards. null: on where it can be (mode 3d, no LoRA,
-    actor.engine.optim.distributed false) with the megatron backend, whose fast decoder takes
-    the shards of a TP merge uncopied; the vllm and hf backends load the weights into their own
-    storage, so they default to off. With LoRA it needs lora_merge in_place."""
+    training nothing beyond its shards. null: on where it can be (mode 3d, LoRA only with
+    lora_merge in_place, actor.engine.optim.distributed false) with the megatron backend, whose
+    fast decoder takes the shards of a TP merge uncopied; the vllm and hf backends load the
+    weights into their own storage, so they default to off."""
     lora_merge: str = "copy"
     """With actor.lora, how generation gets W + BA. copy: merged into new tensors beside the
     frozen base (a second copy of the adapted weights while generating). in_place: merged into
@@ -171,8 +172,8 @@ class HybridEngineConfig:
     host memory of the adapted weights and one host-to-device copy of them per step."""
 
     def __post_init__(self) -> None:
-        check_choice("mode", self.mode, ("3d", "naive"))
-        check_choice("lora_merge", self.lora_merge, ("copy", "in_place"))
+        check_choice("mode", self.mode, MODES)
+        check_choice("lora_merge", self.lora_merge, LORA_MERGES)
         if self.resident is not None and not isinstance(self.resident, bool):
             raise ConfigError("resident", f"{self.resident!r}: use true, false or null")
 
