@@ -117,3 +117,16 @@ def test_bench_layout_backend_and_budget_options_reach_the_run_config(tmp_path):
         assert part.engine.forward_micro_batch_size is None
     assert cfg.rollout.backend == "vllm"
     assert args.micro_batch is None and args.forward_micro_batch is None
+
+
+def test_bench_lora_and_memory_cap_options_reach_the_run_config(tmp_path):
+    args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--lora-rank", "8",
+                                     "--lora-merge", "in_place", "--gpus-per-worker", "1",
+                                     "--gpu-memory-gib", "24"])
+    cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert cfg.actor.lora.rank == 8 and cfg.hybrid_engine.lora_merge == "in_place"
+    assert cfg.ray.gpu_memory_gib == 24
+    # without --lora-merge the config's default (copy) stands
+    args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--lora-rank", "8"])
+    cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert cfg.hybrid_engine.lora_merge == "copy" and cfg.ray.gpu_memory_gib is None
