@@ -45,6 +45,37 @@ process does not see: ``calibrate --config`` profiles at the config's tp). Not
 modelled: the controller's own work between phases, the PP point-to-point
 transfers and the switch's packing of its buckets (docs/planner.md has the measured gaps).
 ``Prediction`` keeps each phase apart so that the trainer can log them beside what it measures.
+
+LoRA (``actor.lora``, ``hybridflow.training.lora``), with A the adapters' parameters, W_a the
+adapted base weights' (``lora_param_counts``) and r the rank, both spread evenly over t p as the
+memory estimate spreads them (the adapters' TP-replicated halves, A of a column-parallel layer
+and B of a row-parallel one, count as split: each is r rows or columns beside a whole weight):
+
+* ``update_actor``: the frozen base computes no weight gradient, so its matmuls cost the forward
+  and the input gradients, twice the forward's ``2 N_stage s`` instead of three times; attention
+  has no weights (its backward, input gradients alone, is twice its forward), so it stays at
+  three times ``4 (L / p) h s^2``; the adapters add ``6 (A / p) s`` (forward, input and weight
+  gradients of their own matmuls). The profile's training efficiency (measured on full
+  fine-tuning) divides this floor as it divides the full one, not the forward's: a LoRA
+  micro-batch is a training micro-batch of the same model (autograd graph through every layer,
+  loss, backward schedule, host work per micro-batch), which the forward-only pass under
+  ``no_grad`` does not measure, and the weight-gradient GEMMs it drops have the shapes of the
+  input-gradient GEMMs it keeps, so they run at about the same efficiency. Optimistic where a
+  micro-batch is launch-bound (the host's work, inside the efficiency, shrinks with the floor
+  here) and for the adapters' rank-r matmuls (below the large ones' efficiency). The
+  data-parallel all-reduce, Adam and ``back_to_train``'s zeroed grad buffers are the adapters'
+  alone (A trained parameters);
+* the old log-probs are the actor's forward with its adapters on, ``2 (A / p) s`` more per
+  sequence; the reference is the same actor with them off (``Adapters.disabled``): the base
+  model's forward, no model of its own;
+* ``reshard`` adds ``merge``: each rank merges its adapted shards, ``W + scaling B A`` in fp32
+  (``merge_adapters``), ``2 r W_a / (t p)`` FLOPs at the fp32 matmul rate (a column-parallel
+  shard takes its rows of B, a row-parallel one its columns of A: the product is 1/t of the
+  whole's) plus ``(24 + 2 b)`` bytes per element of those shards at B (``MERGE_BYTES``);
+* ``back_to_train`` with ``hybrid_engine.lora_merge: in_place`` adds ``restore_base``: the
+  adapted base shards written back from their host copy, ``W_a b / (t p)`` bytes at the
+  calibration's ``host_to_device`` rate (on CPU, where it is null and the copy is one of host
+  memory, at B). The host copy itself is taken once, at the first switch, and is not counted.
 """
 
 from __future__ import annotations
@@ -61,6 +92,11 @@ from hybridflow.models.config import ModelConfig
 ADAM_BYTES = 28
 """Bytes Adam reads and writes per parameter in a step: fp32 param, grad, two moments read; param
 and moments written."""
+
+MERGE_BYTES = 24
+"""Bytes the LoRA merge (``merge_adapters``) moves per element of an adapted weight besides the
+weight's own read and write (2 b): the fp32 product B A written, scaled in place (read, written),
+added to W (read, and the sum written), read once more into W's dtype."""
 
 
 @dataclass
@@ -115,11 +151,32 @@ def matmul_params(shape: ModelConfig, head: str = "lm") -> int:
     return stage_matmul_params(shape, 1, head)[0]
 
 
-def forward_flops(shape: ModelConfig, head: str, seq: int, pp: int = 1) -> int:
+def attention_flops(shape: ModelConfig, seq: int, pp: int = 1) -> int:
+    """FLOPs of attention's two products (scores, weighted values) for one sequence of ``seq``
+    tokens on one of ``pp`` pipeline stages: ``4 (L / pp) h seq^2``."""
+    return 4 * shape.num_layers // pp * shape.hidden_size * seq * seq
+
+
+def forward_flops(shape: ModelConfig, head: str, seq: int, pp: int = 1,
+                  adapters: int | None = None) -> float:
     """FLOPs of one sequence of ``seq`` tokens through the busiest of ``pp`` pipeline stages:
-    ``2 N_stage seq`` in the matmuls plus attention's ``4 (L / pp) h seq^2``."""
-    return (2 * max(stage_matmul_params(shape, pp, head)) * seq
-            + 4 * shape.num_layers // pp * shape.hidden_size * seq * seq)
+    ``2 N_stage seq`` in the matmuls plus attention's ``4 (L / pp) h seq^2``; with LoRA adapters
+    of ``adapters`` parameters (switched on) their ``2 (adapters / pp) seq`` too."""
+    flops = 2 * max(stage_matmul_params(shape, pp, head)) * seq + attention_flops(shape, seq, pp)
+    return flops if adapters is None else flops + 2 * adapters / pp * seq
+
+
+def train_flops(shape: ModelConfig, head: str, seq: int, pp: int = 1,
+                adapters: int | None = None) -> float:
+    """FLOPs of one sequence's training pass (forward and backward) through the busiest of ``pp``
+    pipeline stages: three forwards (the backward's input and weight gradients are each a
+    forward's matmuls; attention's backward is twice its forward). With LoRA adapters of
+    ``adapters`` parameters the frozen base computes no weight gradient: its matmuls twice the
+    forward's, attention still three times, the adapters ``6 (adapters / pp) seq``."""
+    fwd = forward_flops(shape, head, seq, pp)
+    if adapters is None:
+        return 3 * fwd
+    return 2 * fwd + attention_flops(shape, seq, pp) + 6 * adapters / pp * seq
 
 
 def _rate(calib: Calibration, dtype: str) -> float:
@@ -142,19 +199,25 @@ def gather_rate(calib: Calibration, n: int) -> float:
 
 
 def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration,
-             head: str, micro_batch: int, kind: str = "forward") -> dict[str, float]:
-    """Seconds of one forward pass of a model over the step's samples, by term; with a profile
-    of the model in ``calib``, over ``kind``'s (forward or train) efficiency at the rank's
-    micro-batch size: a profile measured at the layout's tp at b sequences, with the TP
-    all-reduces inside it (no ``tp_comm`` term); one at tp = 1 at b / tp sequences (a TP rank's
-    matmuls are 1/tp of the whole's), the TP all-reduces added. Either's fixed seconds of such
-    a pass are ``fixed`` (module docstring)."""
+             head: str, micro_batch: int, kind: str = "forward",
+             adapters: int | None = None) -> dict[str, float]:
+    """Seconds of one pass of ``kind`` (forward-only, or a training pass: forward and backward)
+    of a model over ``samples``, by term (``adapters``: LoRA's adapter parameters, switched on;
+    see ``forward_flops`` and ``train_flops``); with a profile of the model in ``calib``, over
+    ``kind``'s efficiency at the rank's micro-batch size: a profile measured at the layout's tp
+    at b sequences, with the TP all-reduces inside it (no ``tp_comm`` term); one at tp = 1 at
+    b / tp sequences (a TP rank's matmuls are 1/tp of the whole's), the TP all-reduces added
+    (twice in a training pass: forward and backward). Either's fixed seconds of such a pass are
+    ``fixed`` (module docstring)."""
     lay, eng = part.layout, part.engine
     b, rate = DTYPE_BYTES[eng.dtype], _rate(calib, eng.dtype)
     per_rank_samples = samples / lay.dp
-    compute = forward_flops(shape, head, seq, lay.pp) * per_rank_samples / (lay.tp * rate)
+    pass_flops = train_flops if kind == "train" else forward_flops
+    flops = pass_flops(shape, head, seq, lay.pp, adapters)
+    compute = flops * per_rank_samples / (lay.tp * rate)
     m = max(1, math.ceil(per_rank_samples / micro_batch))
-    tp_bytes = 2 * shape.num_layers * per_rank_samples * seq * shape.hidden_size * b / lay.pp
+    tp_bytes = ((2 if kind == "train" else 1) * 2 * shape.num_layers * per_rank_samples * seq
+                * shape.hidden_size * b / lay.pp)
     terms = {"compute": compute, "bubble": (lay.pp - 1) / m * compute,
              "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / gather_rate(calib, lay.tp)
                          if lay.tp > 1 else 0.0),
@@ -174,21 +237,23 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
 
 
 def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration, head: str,
-            trained: int) -> dict[str, float]:
+            adapters: int | None = None) -> dict[str, float]:
     """Seconds of a model's update (``part.ppo_epochs`` passes of ``part.mini_batches`` optimizer
-    steps, each a training pass of its own), by term. ``trained``: its trained parameters (all
-    of them, or LoRA's adapters)."""
+    steps, each a training pass of its own), by term. ``adapters``: LoRA's adapter parameters,
+    then the only trained ones (else every parameter is)."""
     lay, eng = part.layout, part.engine
     per_step = samples / part.mini_batches
-    fwd = _forward(shape, part, per_step, seq, calib, head, eng.micro_batch_size, "train")
+    fwd = _forward(shape, part, per_step, seq, calib, head, eng.micro_batch_size, "train",
+                   adapters)
     steps = part.ppo_epochs * part.mini_batches
+    trained = param_count(shape, head) if adapters is None else adapters
     grads = 4 * trained / (lay.tp * lay.pp)
     dp = (2 * (lay.dp - 1) / lay.dp * grads / (gather_rate(calib, lay.dp) / 2)
           if lay.dp > 1 else 0.0)
     profile = calib.profile(shape, eng.dtype, lay.tp)
     adam = ADAM_BYTES * trained / (lay.tp * lay.pp) / calib.memory_bandwidth
-    return {"compute": 3 * steps * fwd["compute"], "bubble": 3 * steps * fwd["bubble"],
-            "tp_comm": 2 * steps * fwd["tp_comm"],
+    return {"compute": steps * fwd["compute"], "bubble": steps * fwd["bubble"],
+            "tp_comm": steps * fwd["tp_comm"],
             "dp_allreduce": steps * dp, "fixed": steps * fwd["fixed"],
             "optimizer": steps * adam / (profile.optimizer if profile is not None else 1.0)}
 
@@ -225,10 +290,20 @@ def _weight_load(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, 
             / (profile.weight_load if profile is not None else 1.0)}
 
 
-def _back_to_train(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, float]:
-    """The grad buffers given back, zeroed: 4 bytes per trained parameter of the rank written."""
+def _back_to_train(cfg: Any, shape: ModelConfig, calib: Calibration,
+                   lora: tuple[int, int] | None) -> dict[str, float]:
+    """The grad buffers given back, zeroed: 4 bytes per trained parameter of the rank written;
+    with LoRA (``lora``: ``lora_param_counts``) the adapters' only, and merged in place the
+    adapted base shards written back from host memory (``restore_base``)."""
     lay = cfg.actor.layout
-    return {"zero_grads": 4 * param_count(shape) / (lay.tp * lay.pp) / calib.memory_bandwidth}
+    mp = lay.tp * lay.pp
+    trained = param_count(shape) if lora is None else lora[1]
+    terms = {"zero_grads": 4 * trained / mp / calib.memory_bandwidth}
+    if lora is not None and cfg.hybrid_engine.lora_merge == "in_place":
+        # On CPU the host copy is a copy in host memory: the copy bandwidth's.
+        rate = calib.host_to_device or calib.memory_bandwidth
+        terms["restore_base"] = lora[0] * DTYPE_BYTES[cfg.actor.engine.dtype] / mp / rate
+    return terms
 
 
 def _generate(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, float]:
@@ -258,23 +333,29 @@ def switch_bytes(gen, metas: list, dtype_bytes: int, mode: str = "3d",
     return max(switch_recv_bytes(gen, metas, dtype_bytes, mode, bucket_bytes)), storage
 
 
-def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, float]:
+def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration,
+             lora: tuple[int, int] | None) -> dict[str, float]:
+    """The switch's all-gather; with LoRA (``lora``: ``lora_param_counts``) each rank's merge of
+    its adapted shards first (module docstring)."""
     from hybridflow.hybrid_engine.switch import generation_metas
     from hybridflow.models.params import llama_param_metas
     from hybridflow.parallel.layout import GenLayout
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
     metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings, gen)
-    recv, _ = switch_bytes(gen, metas, DTYPE_BYTES[cfg.actor.engine.dtype],
-                           cfg.hybrid_engine.mode, int(cfg.rollout.bucket_mb * 2**20))
-    return {"all_gather": recv / gather_rate(calib, gen.micro_dp) if gen.micro_dp > 1 else 0.0}
+    b = DTYPE_BYTES[cfg.actor.engine.dtype]
+    recv, _ = switch_bytes(gen, metas, b, cfg.hybrid_engine.mode,
+                           int(cfg.rollout.bucket_mb * 2**20))
+    terms = {"all_gather": recv / gather_rate(calib, gen.micro_dp) if gen.micro_dp > 1 else 0.0}
+    if lora is not None:
+        adapted = lora[0] / (gen.train.tp * gen.train.pp)  # this rank's adapted shards
+        terms["merge"] = (2 * cfg.actor.lora.rank * adapted / _rate(calib, "fp32")
+                          + (MERGE_BYTES + 2 * b) * adapted / calib.memory_bandwidth)
+    return terms
 
 
 def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Prediction:
     """Seconds of every phase of one iteration of ``cfg`` (an RLConfig) and its memory per GPU.
     ``shapes``: config key (model, reward_model, cost_model) -> the model's shape."""
-    if cfg.actor.lora.enabled:
-        raise ConfigError("actor.lora", "the cost model does not cover LoRA yet; plan without "
-                                        "it (set actor.lora.rank=0)")
     for role in ("actor", "critic"):  # it counts micro-batches of micro_batch_size sequences
         if getattr(cfg, role).engine.max_tokens_per_micro_batch is not None:
             raise ConfigError(f"{role}.engine.max_tokens_per_micro_batch", "the cost model does "
@@ -283,14 +364,20 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
     seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
     fwd_mb = cfg.actor.engine.forward_micro_batch_size or cfg.actor.engine.micro_batch_size
-    terms = {"reshard": _reshard(cfg, model, calib),
+    lora = None
+    if cfg.actor.lora.enabled:
+        from hybridflow.training.lora import lora_param_counts
+        lora = lora_param_counts(model, cfg.actor.lora)
+    adapters = None if lora is None else lora[1]
+    terms = {"reshard": _reshard(cfg, model, calib, lora),
              "weight_load": _weight_load(cfg, model, calib),
              "generate": _generate(cfg, model, calib),
-             "back_to_train": _back_to_train(cfg, model, calib)}
-    logprobs = _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb)
+             "back_to_train": _back_to_train(cfg, model, calib, lora)}
     if not cfg.old_logprobs_from_update:  # else the update's own forward gives them
-        terms["old_logprobs"] = logprobs
-    terms["ref_logprobs"] = logprobs
+        terms["old_logprobs"] = _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb,
+                                         adapters=adapters)
+    # With LoRA the reference is the actor with its adapters off: the base's forward.
+    terms["ref_logprobs"] = _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb)
     critic_mb = cfg.critic.engine.forward_micro_batch_size or cfg.critic.engine.micro_batch_size
     if cfg.algorithm.name == "ppo":
         terms["values"] = _forward(model, cfg.critic, samples, seq, calib, "value", critic_mb)
@@ -300,10 +387,8 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
             terms["reward"] = {k: terms.get("reward", {}).get(k, 0.0) + v
                                for k, v in scores.items()}
     if cfg.algorithm.name == "ppo":
-        terms["update_critic"] = _update(model, cfg.critic, samples, seq, calib, "value",
-                                         param_count(model, "value"))
-    terms["update_actor"] = _update(model, cfg.actor, samples, seq, calib, "lm",
-                                    param_count(model))
+        terms["update_critic"] = _update(model, cfg.critic, samples, seq, calib, "value")
+    terms["update_actor"] = _update(model, cfg.actor, samples, seq, calib, "lm", adapters)
     return Prediction(phases={k: sum(v.values()) for k, v in terms.items()},
                       memory=estimate_memory(cfg, shapes), terms=terms,
                       profiled=calib.profile(model, cfg.actor.engine.dtype,

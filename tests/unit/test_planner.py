@@ -104,13 +104,92 @@ def test_cost_model_by_hand():
     assert kl.step == pytest.approx(p.step + fwd)
 
 
+# LoRA of rank 4 on every target of SHAPE, per layer: adapted weights qkv 32x16, proj 16x16,
+# fc1 64x16, fc2 16x32; adapters 4 x (in + out) each: 4*(16+32) + 4*(16+16) + 4*(16+64) +
+# 4*(32+16).
+ADAPTED, ADAPTERS = 2 * (512 + 256 + 1024 + 512), 2 * (192 + 128 + 320 + 192)
+
+
+def test_cost_model_with_lora_by_hand():
+    from hybridflow.training.lora import lora_param_counts
+    cfg = config("actor.lora.rank=4")
+    assert lora_param_counts(SHAPE, cfg.actor.lora) == (ADAPTED, ADAPTERS) == (4608, 1664)
+    p = predict(cfg, {"model": SHAPE}, CALIB)
+    n, a, att = 5712, ADAPTERS, 4 * 2 * 16 * 12 ** 2  # att: attention's FLOPs of a sequence
+    fwd = (2 * n * 12 + att) * 4 / 1e9  # test_cost_model_by_hand's forward over 4 samples
+    # The frozen base's matmuls: forward + input gradients, twice the forward's; attention's
+    # backward (no weights) still twice its forward; the adapters 6 A a token.
+    update = (2 * 2 * n * 12 + 3 * att + 6 * a * 12) * 4 / 1e9
+    u = p.terms["update_actor"]
+    assert u["compute"] == pytest.approx(update, rel=1e-12)
+    assert u["compute"] < 3 * fwd  # below the full fine-tuning's three forwards
+    # Adam over the adapters only (28 bytes each), zeroed grad buffers of the adapters only.
+    assert u["optimizer"] == pytest.approx(28 * a / 1e9, rel=1e-12)
+    assert p.terms["back_to_train"] == pytest.approx({"zero_grads": 4 * a / 1e9}, rel=1e-12)
+    # The switch merges W + scaling B A per adapted weight in fp32: 2 r rows cols FLOPs at the
+    # fp32 rate, 24 bytes of fp32 traffic and W's own read and write (2 x 4) per element at B.
+    merge = 2 * 4 * ADAPTED / 1e9 + (24 + 2 * 4) * ADAPTED / 1e9
+    assert p.terms["reshard"] == pytest.approx({"all_gather": 0.0, "merge": merge}, rel=1e-12)
+    # The reference is the actor with its adapters off: the base's forward, as without LoRA.
+    assert p.terms["ref_logprobs"]["compute"] == pytest.approx(fwd, rel=1e-12)
+    assert p.phases == pytest.approx({
+        "reshard": merge, "weight_load": 4 * (n + 64 * 16) / 1e9,
+        "generate": predict(config(), {"model": SHAPE}, CALIB).phases["generate"],
+        "back_to_train": 4 * a / 1e9, "ref_logprobs": fwd,
+        "update_actor": update + 28 * a / 1e9}, rel=1e-12)
+    # The old log-probs are the actor's forward with the adapters on: 2 A a token more.
+    kl = predict(config("actor.lora.rank=4", "algorithm.kl_in_reward=true"), {"model": SHAPE},
+                 CALIB)
+    assert kl.phases["old_logprobs"] == pytest.approx((2 * n * 12 + att + 2 * a * 12) * 4 / 1e9,
+                                                      rel=1e-12)
+
+
+def test_lora_merged_in_place_restores_the_base_from_host_memory():
+    calib = dataclasses.replace(CALIB, host_to_device=2e8)
+    copy = predict(config("actor.lora.rank=4"), {"model": SHAPE}, calib)
+    in_place = predict(config("actor.lora.rank=4", "hybrid_engine.lora_merge=in_place"),
+                       {"model": SHAPE}, calib)
+    # the adapted base shards (fp32) written back at the host-to-device rate, nothing else moves
+    restore = 4 * ADAPTED / 2e8
+    assert "restore_base" not in copy.terms["back_to_train"]
+    assert in_place.terms["back_to_train"] == pytest.approx(
+        copy.terms["back_to_train"] | {"restore_base": restore}, rel=1e-12)
+    assert in_place.step == pytest.approx(copy.step + restore, rel=1e-12)
+    # On CPU (no host-to-device rate) the host copy is one of host memory: at the copy bandwidth.
+    cpu = predict(config("actor.lora.rank=4", "hybrid_engine.lora_merge=in_place"),
+                  {"model": SHAPE}, CALIB)
+    assert cpu.terms["back_to_train"]["restore_base"] == pytest.approx(4 * ADAPTED / 1e9,
+                                                                       rel=1e-12)
+
+
+def test_lora_terms_split_over_the_stages_and_take_the_training_efficiency():
+    one = predict(config("actor.lora.rank=4"), {"model": SHAPE}, CALIB)
+    pp = predict(config("actor.lora.rank=4", "actor.layout.pp=2"), {"model": SHAPE}, CALIB)
+    # pp=2: a rank merges and zeroes half the adapted weights and adapters; the busiest stage
+    # (the last: 3376 parameters in matmuls, one layer's attention and adapters) trains its
+    # 4 samples of 12 tokens in two micro-batches, the bubble half of that.
+    assert pp.terms["reshard"]["merge"] == pytest.approx(one.terms["reshard"]["merge"] / 2,
+                                                         rel=1e-12)
+    assert pp.terms["back_to_train"]["zero_grads"] == pytest.approx(
+        one.terms["back_to_train"]["zero_grads"] / 2, rel=1e-12)
+    u = pp.terms["update_actor"]
+    compute = (2 * 2 * 3376 * 12 + 3 * 4 * 16 * 12 ** 2 + 6 * ADAPTERS // 2 * 12) * 4 / 1e9
+    assert u["compute"] == pytest.approx(compute, rel=1e-12)
+    assert u["bubble"] == pytest.approx(compute / 2, rel=1e-12)
+    # With the model's (full fine-tuning) pass profile, the LoRA floor over the training
+    # efficiency at the micro-batch of 2 (0.25), Adam's over the optimizer's.
+    calib = dataclasses.replace(CALIB, passes=[PassProfile(**HAND)])
+    prof = predict(config("actor.lora.rank=4"), {"model": SHAPE}, calib)
+    assert prof.terms["update_actor"]["compute"] == pytest.approx(
+        one.terms["update_actor"]["compute"] / 0.25, rel=1e-12)
+    assert prof.terms["update_actor"]["optimizer"] == pytest.approx(
+        one.terms["update_actor"]["optimizer"] / 0.5, rel=1e-12)
+
+
 def test_what_the_cost_model_does_not_cover_is_refused():
-    for override, field in (("actor.lora.rank=4", "actor.lora"),
-                            ("actor.engine.max_tokens_per_micro_batch=64",
-                             "actor.engine.max_tokens_per_micro_batch")):
-        with pytest.raises(ConfigError) as e:
-            predict(config(override), {"model": SHAPE}, CALIB)
-        assert e.value.field == field
+    with pytest.raises(ConfigError) as e:
+        predict(config("actor.engine.max_tokens_per_micro_batch=64"), {"model": SHAPE}, CALIB)
+    assert e.value.field == "actor.engine.max_tokens_per_micro_batch"
 
 
 def test_layout_terms_act():
@@ -150,6 +229,11 @@ def test_plan_cli(tmp_path, capsys):
     calib = tmp_path / "c.json"
     CALIB.to_json(calib)
     assert main(["plan", "model=tiny-llama", "actor.layout.dp=2",
+                 f"cluster.calibration={calib}", f"tracking.out_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "1. actor tp=" in out and "configured" in out and "the fastest: actor.layout.tp=" in out
+    # LoRA runs are planned too: every mapping's switch merges the adapters.
+    assert main(["plan", "model=tiny-llama", "actor.layout.dp=2", "actor.lora.rank=4",
                  f"cluster.calibration={calib}", f"tracking.out_dir={tmp_path}"]) == 0
     out = capsys.readouterr().out
     assert "1. actor tp=" in out and "configured" in out and "the fastest: actor.layout.tp=" in out
@@ -388,6 +472,14 @@ def test_layout_auto_takes_the_fastest_mapping(tmp_path):
     assert mapping.overrides == best_pp2.overrides
     # A manual layout is left alone.
     assert resolve_auto(config(*base), {"model": SHAPE}) == (config(*base), None)
+    # With LoRA: the fastest mapping by the LoRA cost model.
+    lora = config(*base, "layout=auto", "actor.lora.rank=4")
+    chosen, mapping = resolve_auto(lora, {"model": SHAPE})
+    fits, _ = search(lora, {"model": SHAPE}, CALIB)
+    assert mapping.overrides == fits[0].overrides and chosen.actor.lora.rank == 4
+    assert mapping.prediction.step == pytest.approx(
+        predict(chosen, {"model": SHAPE}, CALIB).step, rel=1e-12)
+    assert mapping.prediction.terms["reshard"]["merge"] > 0
 
 
 def test_auto_in_a_file_and_its_refusals(tmp_path):
