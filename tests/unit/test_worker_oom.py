@@ -31,3 +31,12 @@ def test_out_of_memory_is_a_run_error(monkeypatch):
                               "node ran out of memory (22.39GB used / 23.59GB limit)")
     assert "\n" not in message and "micro-batches" in message
     assert killed  # the other ranks may wait in a collective for the killed one
+
+
+@pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU's answer")
+def test_a_gpu_memory_cap_without_a_gpu_is_refused_naming_the_key():
+    from hybridflow.controller.worker_group import cap_gpu_memory
+    from hybridflow.errors import ConfigError
+    with pytest.raises(ConfigError, match="no GPU") as e:
+        cap_gpu_memory(24)
+    assert e.value.field == "ray.gpu_memory_gib"
