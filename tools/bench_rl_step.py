@@ -102,6 +102,7 @@ from bench_reshard import PRESETS  # noqa: E402
 from bench_rollout import LLAMA_09B, copy_bandwidth, decode_bytes  # noqa: E402
 from hybridflow.mapping.cost import matmul_params  # noqa: E402,F401 (bench_engine's too)
 from hybridflow.models.params import DTYPES  # noqa: E402
+from hybridflow.hybrid_engine.switch import LORA_MERGES  # noqa: E402
 
 # Llama-2-7B shapes (bench_reshard's), with the 0.9B model's rope and norm settings.
 LLAMA_7B = dict(LLAMA_09B, **PRESETS["llama-7b"])
@@ -149,7 +150,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--lora-rank", type=int, default=0, metavar="R",
                     help="actor.lora.rank: LoRA adapters of rank R on every linear, the base "
                     "frozen (the reference is the base)")
-    ap.add_argument("--lora-merge", choices=("copy", "in_place"), default=None,
+    ap.add_argument("--lora-merge", choices=LORA_MERGES, default=None,
                     help="hybrid_engine.lora_merge (with --lora-rank): merged copies beside "
                     "the base, or the base overwritten and restored from host memory")
     ap.add_argument("--gpu-memory-gib", type=float, default=None, metavar="G",

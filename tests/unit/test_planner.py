@@ -98,10 +98,19 @@ def test_cost_model_by_hand():
                                       "back_to_train": zero, "ref_logprobs": fwd,
                                       "update_actor": update})
     assert p.step == pytest.approx(load + gen + zero + fwd + update)
+    assert (n, fwd, zero) == (N, FWD, WEIGHTS)  # the floors the tests below build on
     # The reward's KL reads them before the update: then they are a forward of their own.
     kl = predict(config("algorithm.kl_in_reward=true"), {"model": SHAPE}, CALIB)
     assert kl.phases["old_logprobs"] == pytest.approx(fwd)
     assert kl.step == pytest.approx(p.step + fwd)
+
+
+# test_cost_model_by_hand's floors, which the tests below build on: N in matmuls, attention's
+# FLOPs of a sequence, one forward over the 4 samples, Adam, the weights' bytes (fp32, at 1e9).
+N, ATT = 5712, 4 * 2 * 16 * 12 ** 2
+FWD = (2 * N * 12 + ATT) * 4 / 1e9
+ADAM = 28 * (N + 64 * 16) / 1e9
+WEIGHTS = 4 * (N + 64 * 16) / 1e9
 
 
 # LoRA of rank 4 on every target of SHAPE, per layer: adapted weights qkv 32x16, proj 16x16,
@@ -115,8 +124,7 @@ def test_cost_model_with_lora_by_hand():
     cfg = config("actor.lora.rank=4")
     assert lora_param_counts(SHAPE, cfg.actor.lora) == (ADAPTED, ADAPTERS) == (4608, 1664)
     p = predict(cfg, {"model": SHAPE}, CALIB)
-    n, a, att = 5712, ADAPTERS, 4 * 2 * 16 * 12 ** 2  # att: attention's FLOPs of a sequence
-    fwd = (2 * n * 12 + att) * 4 / 1e9  # test_cost_model_by_hand's forward over 4 samples
+    n, a, att, fwd = N, ADAPTERS, ATT, FWD
     # The frozen base's matmuls: forward + input gradients, twice the forward's; attention's
     # backward (no weights) still twice its forward; the adapters 6 A a token.
     update = (2 * 2 * n * 12 + 3 * att + 6 * a * 12) * 4 / 1e9
@@ -368,18 +376,15 @@ def test_a_profile_at_the_layouts_tp_replaces_its_tp_communication(tmp_path):
 HAND = dict(shape=dataclasses.asdict(SHAPE), dtype="fp32", seq=12, micro_batches=[1, 2, 4],
             backend="megatron", forward=[0.2, 0.4, 0.5], train=[0.1, 0.25, 0.3], optimizer=0.5,
             generate=0.2, weight_load=2.0)
+# The same profile with fixed seconds a pass: 3 ms a forward-only pass, 11 ms a training step.
+FIXED_CALIB = dataclasses.replace(CALIB, passes=[PassProfile(**HAND, forward_fixed_s=0.003,
+                                                             train_fixed_s=0.011)])
 
 
 def test_fixed_seconds_of_a_pass_by_hand():
-    calib = dataclasses.replace(CALIB, passes=[PassProfile(**HAND, forward_fixed_s=0.003,
-                                                           train_fixed_s=0.011)])
-    p = predict(config(), {"model": SHAPE}, calib)
-    # test_cost_model_by_hand's floors: one forward over the 4 samples, Adam, the generation
-    n = 5712
-    fwd = (2 * n * 12 + 4 * 2 * 16 * 12 ** 2) * 4 / 1e9
-    adam = 28 * (n + 64 * 16) / 1e9
-    gen = 2 * n * 4 * 8 / 1e9 + 3 * 2 * n * 4 / 1e9
-    load = zero = 4 * (n + 64 * 16) / 1e9
+    p = predict(config(), {"model": SHAPE}, FIXED_CALIB)
+    fwd, adam, load, zero = FWD, ADAM, WEIGHTS, WEIGHTS
+    gen = 2 * N * 4 * 8 / 1e9 + 3 * 2 * N * 4 / 1e9  # test_cost_model_by_hand's generation
     # micro-batches of 2: the forward's efficiency 0.4, the training's 0.25; each pass once its
     # fixed seconds: the reference pass, and the one optimizer step of the update
     assert p.phases == pytest.approx({"reshard": 0.0, "weight_load": load / 2.0,
@@ -391,11 +396,9 @@ def test_fixed_seconds_of_a_pass_by_hand():
 
 @pytest.mark.parametrize("epochs, mini_batches", [(1, 2), (2, 2)])
 def test_fixed_seconds_count_once_per_pass(epochs, mini_batches):
-    calib = dataclasses.replace(CALIB, passes=[PassProfile(**HAND, forward_fixed_s=0.003,
-                                                           train_fixed_s=0.011)])
-    one = predict(config(), {"model": SHAPE}, calib)
+    one = predict(config(), {"model": SHAPE}, FIXED_CALIB)
     more = predict(config(f"actor.ppo_epochs={epochs}", f"actor.mini_batches={mini_batches}"),
-                   {"model": SHAPE}, calib)
+                   {"model": SHAPE}, FIXED_CALIB)
     steps = epochs * mini_batches
     assert one.terms["update_actor"]["fixed"] == 0.011
     assert more.terms["update_actor"]["fixed"] == pytest.approx(steps * 0.011)
@@ -422,14 +425,10 @@ def test_a_profile_without_fixed_seconds_loads_and_predicts_as_before(tmp_path):
     calib = Calibration.from_json(path)
     assert calib.passes == [old] and old.forward_fixed_s == old.train_fixed_s == 0
     p = predict(config(), {"model": SHAPE}, calib)
-    n = 5712
-    fwd = (2 * n * 12 + 4 * 2 * 16 * 12 ** 2) * 4 / 1e9
-    adam = 28 * (n + 64 * 16) / 1e9
     # its optimizer efficiency holds the training step's fixed part, as it always did
-    assert p.phases["ref_logprobs"] == pytest.approx(fwd / 0.4, rel=1e-12)
-    assert p.phases["update_actor"] == pytest.approx(3 * fwd / 0.25 + adam / 0.5, rel=1e-12)
-    with_fixed = predict(config(), {"model": SHAPE}, dataclasses.replace(
-        CALIB, passes=[PassProfile(**HAND, forward_fixed_s=0.003, train_fixed_s=0.011)]))
+    assert p.phases["ref_logprobs"] == pytest.approx(FWD / 0.4, rel=1e-12)
+    assert p.phases["update_actor"] == pytest.approx(3 * FWD / 0.25 + ADAM / 0.5, rel=1e-12)
+    with_fixed = predict(config(), {"model": SHAPE}, FIXED_CALIB)
     assert with_fixed.step == pytest.approx(p.step + 0.003 + 0.011, rel=1e-12)
 
 
