@@ -331,7 +331,7 @@ class HybridEngine:
             # Same stream as the merge below, so each copy is taken before the overwrite.
             self._base = {name: torch.empty(shards[name].shape, dtype=shards[name].dtype,
                                             pin_memory=pin).copy_(shards[name], non_blocking=pin)
-                          for name in adapters.adapted()}
+                          for name in adapters.modules}  # the adapted base weights
         return adapters.merged(shards, in_place=True)
 
     def _restore_base(self) -> None:

@@ -193,10 +193,6 @@ class Adapters:
         return merge_adapters(shards, dict(self.named_parameters()), self.config.scaling,
                               in_place)
 
-    def adapted(self) -> list[str]:
-        """Global names of the base weights the adapters change."""
-        return list(self.modules)
-
     def named_parameters(self) -> Iterator[tuple[str, torch.nn.Parameter]]:
         """(global name, local shard) of every adapter this rank holds."""
         for name, module in self.modules.items():
