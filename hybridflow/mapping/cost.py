@@ -76,6 +76,13 @@ and B of a row-parallel one, count as split: each is r rows or columns beside a 
   adapted base shards written back from their host copy, ``W_a b / (t p)`` bytes at the
   calibration's ``host_to_device`` rate (on CPU, where it is null and the copy is one of host
   memory, at B). The host copy itself is taken once, at the first switch, and is not counted.
+
+Offload (``ref.offload``, ``hybrid_engine.offload_optimizer``) moves bytes between the GPU and
+host memory at the calibration's ``host_to_device`` rate (on CPU, at B), counted from the memory
+estimate's own bytes of what moves: ``ref_logprobs`` adds ``host_round_trip``, the reference's
+weights brought in before its pass and sent back after it; ``reshard`` adds ``optimizer_out`` and
+``back_to_train`` ``optimizer_in``, the actor's optimizer state sent to host memory for
+generation and brought back.
 """
 
 from __future__ import annotations
@@ -300,10 +307,29 @@ def _back_to_train(cfg: Any, shape: ModelConfig, calib: Calibration,
     trained = param_count(shape) if lora is None else lora[1]
     terms = {"zero_grads": 4 * trained / mp / calib.memory_bandwidth}
     if lora is not None and cfg.hybrid_engine.lora_merge == "in_place":
-        # On CPU the host copy is a copy in host memory: the copy bandwidth's.
-        rate = calib.host_to_device or calib.memory_bandwidth
-        terms["restore_base"] = lora[0] * DTYPE_BYTES[cfg.actor.engine.dtype] / mp / rate
+        terms["restore_base"] = (lora[0] * DTYPE_BYTES[cfg.actor.engine.dtype] / mp
+                                 / _host_rate(calib))
     return terms
+
+
+def _host_rate(calib: Calibration) -> float:
+    """Bytes/s between the device and pinned host memory; on CPU, where the calibration has no
+    such rate and the copy is one in host memory, the copy bandwidth."""
+    return calib.host_to_device or calib.memory_bandwidth
+
+
+def _offload(cfg: Any, memory: MemoryEstimate, calib: Calibration,
+             terms: dict[str, dict[str, float]]) -> None:
+    """Adds the offload options' host copies to ``terms`` (module docstring), their bytes read
+    from the memory estimate of the actor's GPUs."""
+    pool = next(p for p in memory.pools if "actor" in p.groups)
+    if cfg.ref.offload:
+        ref = pool.phases["inference"].get("ref", {}).get("weights", 0)
+        terms["ref_logprobs"]["host_round_trip"] = 2 * ref / _host_rate(calib)
+    if cfg.hybrid_engine.offload_optimizer:
+        state = pool.phases["actor update"]["actor"].get("optimizer", 0)
+        terms["reshard"]["optimizer_out"] = state / _host_rate(calib)
+        terms["back_to_train"]["optimizer_in"] = state / _host_rate(calib)
 
 
 def _generate(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, float]:
@@ -389,7 +415,9 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
     if cfg.algorithm.name == "ppo":
         terms["update_critic"] = _update(model, cfg.critic, samples, seq, calib, "value")
     terms["update_actor"] = _update(model, cfg.actor, samples, seq, calib, "lm", adapters)
+    memory = estimate_memory(cfg, shapes)
+    _offload(cfg, memory, calib, terms)
     return Prediction(phases={k: sum(v.values()) for k, v in terms.items()},
-                      memory=estimate_memory(cfg, shapes), terms=terms,
+                      memory=memory, terms=terms,
                       profiled=calib.profile(model, cfg.actor.engine.dtype,
                                              cfg.actor.layout.tp) is not None)

@@ -170,6 +170,23 @@ def test_lora_merged_in_place_restores_the_base_from_host_memory():
                                                                        rel=1e-12)
 
 
+def test_offload_moves_the_estimated_bytes_at_the_host_rate():
+    calib = dataclasses.replace(CALIB, host_to_device=2e8)
+    base = predict(config(), {"model": SHAPE}, calib)
+    off = predict(config("ref.offload=true", "hybrid_engine.offload_optimizer=true"),
+                  {"model": SHAPE}, calib)
+    # The reference's fp32 weights (6736 parameters) come in before its pass and go back after
+    # it; Adam's two fp32 moments (8 bytes a parameter) go out for generation and come back.
+    weights, moments = 4 * (N + 64 * 16), 8 * (N + 64 * 16)
+    assert off.terms["ref_logprobs"] == pytest.approx(
+        base.terms["ref_logprobs"] | {"host_round_trip": 2 * weights / 2e8}, rel=1e-12)
+    assert off.terms["reshard"] == pytest.approx(
+        base.terms["reshard"] | {"optimizer_out": moments / 2e8}, rel=1e-12)
+    assert off.terms["back_to_train"] == pytest.approx(
+        base.terms["back_to_train"] | {"optimizer_in": moments / 2e8}, rel=1e-12)
+    assert off.step == pytest.approx(base.step + (2 * weights + 2 * moments) / 2e8, rel=1e-12)
+
+
 def test_lora_terms_split_over_the_stages_and_take_the_training_efficiency():
     one = predict(config("actor.lora.rank=4"), {"model": SHAPE}, CALIB)
     pp = predict(config("actor.lora.rank=4", "actor.layout.pp=2"), {"model": SHAPE}, CALIB)
