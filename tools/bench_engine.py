@@ -53,6 +53,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench_rl_step import MODELS, matmul_params, matmul_rate, model_config  # noqa: E402
+from bench_rollout import print_profile, profile_step  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -118,36 +119,6 @@ def _timed(fn, repeats: int) -> float:
                      device="cuda" if torch.cuda.is_available() else "cpu")
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
     return float(t)
-
-
-def profile_step(fn, wall: float, top: int) -> dict:
-    """One call of ``fn`` under torch.profiler: the device's busy seconds (the sum of its
-    kernels' times; on CPU the operations' self CPU time), ``idle`` against ``wall`` (the
-    unprofiled call's seconds), and the ``top`` kernels (CPU: operations) by that time (name,
-    calls, seconds, share of ``wall``)."""
-    from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
-    gpu = torch.cuda.is_available()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    if gpu:
-        torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
-        fn()
-        if gpu:
-            torch.cuda.synchronize()
-
-    def self_us(e) -> float:
-        if gpu:  # kernels only: a CPU operation also reports the time of the kernels it launched
-            return e.self_device_time_total if e.device_type == DeviceType.CUDA else 0.0
-        return e.self_cpu_time_total
-
-    ops = sorted(prof.key_averages(), key=self_us, reverse=True)
-    busy = sum(self_us(e) for e in ops) / 1e6
-    return {"wall_s": round(wall, 4), "busy_s": round(busy, 4),
-            "idle": round(max(0.0, 1 - busy / wall), 3) if gpu else None,
-            "top": [{"name": e.key[:90], "calls": e.count, "s": round(self_us(e) / 1e6, 4),
-                     "share": round(self_us(e) / 1e6 / wall, 3)}
-                    for e in ops[:top] if self_us(e) > 0]}
 
 
 def _nbytes(tensors) -> int:
@@ -242,11 +213,7 @@ def main(argv=None) -> dict:
                 row["profile"] = prof = profile_step(lambda: engine.train_step(batch, loss_fn),
                                                      train, args.profile)
                 if rank == 0:
-                    device_busy = (f"device busy {prof['busy_s']:.4f} s, idle {prof['idle']:.1%}"
-                                   if gpu else f"CPU self time {prof['busy_s']:.4f} s")
-                    print(f"  profile of that train step ({device_busy} of {train:.4f} s):\n"
-                          + "\n".join(f"    {o['s']:8.4f} s {o['share']:6.1%} x{o['calls']:<5d} "
-                                      f"{o['name']}" for o in prof["top"]), flush=True)
+                    print_profile("that train step", prof)
         run["optimizer_s"] = round(_timed(engine.optimizer.step, args.repeats), 4)
         run["memory"] = memory(engine)
         if gpu:

@@ -90,6 +90,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "(auto: on GPU)")
     ap.add_argument("--stacked", type=int, default=None, metavar="S",
                     help="megatron fast path: also time the weights stacked as S training shards")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="megatron fast path: also time one call after sleep() (as every RL "
+                    "step makes it: KV cache and CUDA graphs built again), then profile another "
+                    "and print its N costliest kernels")
     ap.add_argument("--kv-cache-mib", type=int, default=None, help="vLLM KV cache size")
     ap.add_argument("--workdir", default=None, help="where random checkpoints are written "
                                                     "(default: a temporary directory)")
@@ -204,6 +208,45 @@ def copy_bandwidth(nbytes: int = 2 << 30, iters: int = 10) -> float:
     return 2 * nbytes * iters / (start.elapsed_time(end) / 1e3)
 
 
+def profile_step(fn, wall: float, top: int) -> dict:
+    """One call of ``fn`` under torch.profiler: the device's busy seconds (the sum of its
+    kernels' times; on CPU the operations' self CPU time), ``idle`` against ``wall`` (the
+    unprofiled call's seconds), and the ``top`` kernels (CPU: operations) by that time (name,
+    calls, seconds, share of ``wall``)."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    gpu = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    if gpu:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        fn()
+        if gpu:
+            torch.cuda.synchronize()
+
+    def self_us(e) -> float:
+        if gpu:  # kernels only: a CPU operation also reports the time of the kernels it launched
+            return e.self_device_time_total if e.device_type == DeviceType.CUDA else 0.0
+        return e.self_cpu_time_total
+
+    ops = sorted(prof.key_averages(), key=self_us, reverse=True)
+    busy = sum(self_us(e) for e in ops) / 1e6
+    return {"wall_s": round(wall, 4), "busy_s": round(busy, 4),
+            "idle": round(max(0.0, 1 - busy / wall), 3) if gpu else None,
+            "top": [{"name": e.key[:90], "calls": e.count, "s": round(self_us(e) / 1e6, 4),
+                     "share": round(self_us(e) / 1e6 / wall, 3)}
+                    for e in ops[:top] if self_us(e) > 0]}
+
+
+def print_profile(what: str, prof: dict) -> None:
+    """``profile_step``'s result as lines: busy against wall, then the costliest kernels."""
+    busy = (f"device busy {prof['busy_s']:.4f} s, idle {prof['idle']:.1%}"
+            if prof["idle"] is not None else f"CPU self time {prof['busy_s']:.4f} s")
+    print(f"  profile of {what} ({busy} of {prof['wall_s']:.4f} s):\n"
+          + "\n".join(f"    {o['s']:8.4f} s {o['share']:6.1%} x{o['calls']:<5d} {o['name']}"
+                      for o in prof["top"]), flush=True)
+
+
 def decode_bytes(cfg: ModelConfig, dtype_bytes: int, batch: int, prompt_len: int,
                  new_tokens: int) -> tuple[int, int]:
     """(weight bytes one decode step reads, KV bytes all decode steps read together)."""
@@ -247,6 +290,29 @@ def main(argv=None) -> dict:
         if hf is not None:
             hf.close()
     return results[-1]
+
+
+def after_sleep(backend, prompts, sampling: SamplingConfig, floor: float | None, top: int
+                ) -> dict:
+    """One generate call after ``sleep()``, timed as the RL step's generate phase is (prefill,
+    sampling and the CUDA-graph capture included; ``after_sleep_roofline_fraction`` is the decode
+    roofline over that whole call), then another one under the profiler."""
+    def call() -> float:
+        backend.sleep()
+        _sync()
+        start = time.perf_counter()
+        backend.generate(prompts, sampling)
+        _sync()
+        return time.perf_counter() - start
+
+    wall = min(call() for _ in range(2))
+    backend.sleep()
+    prof = profile_step(lambda: backend.generate(prompts, sampling), wall, top)
+    print_profile("a generate call after sleep()", prof)
+    out = {"after_sleep_seconds": round(wall, 4), "after_sleep_profile": prof}
+    if floor is not None:
+        out["after_sleep_roofline_fraction"] = round(floor / wall, 4)
+    return out
 
 
 def time_stacked(backend, cfg, args, prompts, sampling, floor, outputs) -> dict:
@@ -302,6 +368,8 @@ def bench_batch(args, cfg, backend, hf, eager: bool, batch: int, sampling: Sampl
                 continue
             result.update(timings)
             result[prefix + "graph_capture_seconds"] = round(fast.capture_seconds - captured, 3)
+            if args.profile and i == 0:
+                result.update(after_sleep(backend, prompts, sampling, floor, args.profile))
             outputs = outputs or out
             backend.sleep()
         if args.stacked:
