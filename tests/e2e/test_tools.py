@@ -19,6 +19,16 @@ def _run(*args: str, timeout: int = 600) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def test_bench_rollout_profiles_a_call_after_sleep():
+    r = _run("tools/bench_rollout.py", "--model", "tiny", "--batch", "4", "--prompt-len", "8",
+             "--new-tokens", "8", "--fast-decode", "on", "--repeats", "1", "--profile", "3")
+    assert r["fast_decode"] and r["after_sleep_seconds"] > 0
+    prof = r["after_sleep_profile"]
+    assert prof["wall_s"] == r["after_sleep_seconds"] and prof["busy_s"] > 0
+    assert len(prof["top"]) == 3 and "aten::mm" in [op["name"] for op in prof["top"]]
+    assert "after_sleep_roofline_fraction" not in r  # no roofline on CPU
+
+
 def test_bench_engine_times_each_micro_batch_and_counts_lora_memory():
     from hybridflow.models.params import llama_param_metas
     from hybridflow.models.tiny import tiny_llama_config
