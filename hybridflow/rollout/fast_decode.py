@@ -10,7 +10,9 @@ costs a few microseconds however small it is, so on GPU the step's elementwise w
 three small Triton kernels (residual add + RMSNorm; RoPE + K/V cache write; SiLU(gate) * up) next
 to a Triton decode attention: about 9 kernels per layer instead of ~35 (``kernels="triton"``).
 ``kernels="torch"`` runs the same step with torch ops and ``scaled_dot_product_attention``; it is
-what the CPU uses, what prefill always uses, and the fallback where Triton does not work.
+what the CPU uses and the fallback where Triton does not work. Prefill attends with
+``scaled_dot_product_attention`` either way; with ``kernels="triton"`` its norms, RoPE, K/V cache
+write and SiLU(gate) * up are the decode step's Triton kernels (over every prompt position).
 
 What the step computes is Megatron's GPTModel at the generation layout (local spec: RMSNorm,
 grouped ``linear_qkv`` = per query group [q_0 .. q_{nh/ng-1}, k, v], ``linear_fc1`` = [gate; up],
@@ -173,20 +175,22 @@ def _triton_kernels() -> SimpleNamespace:
                 sk_b, sk_g, sk_s, sv_b, sv_g, sv_s,
                 GROUPS: tl.constexpr, HPG: tl.constexpr, D: tl.constexpr,
                 HALF: tl.constexpr, HALF_PAD: tl.constexpr):
-        # One program per (row, KV group) of one decode position: rotate the group's queries
-        # into q, rotate its key into the cache at `slot`, copy its value there. Each product
-        # and the sum are rounded, as torch computes t * cos + rotate_half(t) * sin.
+        # One program per (row, KV group, position w of the W in qkv): rotate the group's
+        # queries into q, rotate its key into the cache at slot[w], copy its value there. Each
+        # product and the sum are rounded, as torch computes t * cos + rotate_half(t) * sin.
         pid = tl.program_id(0)
+        w = tl.program_id(1).to(tl.int64)
+        W = tl.num_programs(1)
         b = (pid // GROUPS).to(tl.int64)
         g = pid % GROUPS
-        slot = tl.load(slot_ptr)
+        slot = tl.load(slot_ptr + w)
         j = tl.arange(0, HALF_PAD)
         ok = j < HALF
         c1 = tl.load(cos_ptr + slot * D + j, mask=ok, other=0.0).to(tl.float32)
         c2 = tl.load(cos_ptr + slot * D + HALF + j, mask=ok, other=0.0).to(tl.float32)
         s1 = tl.load(sin_ptr + slot * D + j, mask=ok, other=0.0).to(tl.float32)
         s2 = tl.load(sin_ptr + slot * D + HALF + j, mask=ok, other=0.0).to(tl.float32)
-        base = qkv_ptr + (b * GROUPS + g) * (HPG + 2) * D
+        base = qkv_ptr + ((b * W + w) * GROUPS + g) * (HPG + 2) * D
         dt = q_ptr.dtype.element_ty
         for h in tl.static_range(HPG + 1):
             x1 = tl.load(base + h * D + j, mask=ok, other=0.0).to(tl.float32)
@@ -194,7 +198,7 @@ def _triton_kernels() -> SimpleNamespace:
             o1 = ((x1 * c1).to(dt).to(tl.float32) + (-x2 * s1).to(dt).to(tl.float32)).to(dt)
             o2 = ((x2 * c2).to(dt).to(tl.float32) + (x1 * s2).to(dt).to(tl.float32)).to(dt)
             if h < HPG:
-                out = q_ptr + ((b * GROUPS + g) * HPG + h) * D
+                out = q_ptr + (((b * GROUPS + g) * W + w) * HPG + h) * D
             else:
                 out = k_ptr + b * sk_b + g * sk_g + slot * sk_s
             tl.store(out + j, o1, mask=ok)
@@ -262,14 +266,17 @@ def add_rms_norm(x: torch.Tensor, delta: torch.Tensor | None, weight: torch.Tens
 
 def rope_kv_write(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slot: torch.Tensor,
                   keys: torch.Tensor, values: torch.Tensor, heads_per_group: int) -> torch.Tensor:
-    """One decode position: qkv [B, G*(H+2)*D] (Megatron's grouped layout) -> rotated queries
-    [B, G, H, D]; the rotated key and the value go to keys/values [B, G, S, D] at ``slot``.
-    cos/sin: tables [S, D] indexed by slot."""
+    """RoPE and the cache write of W positions at once: qkv [B, W, G*(H+2)*D] (Megatron's
+    grouped layout, contiguous; [B, G*(H+2)*D] for one decode position) -> rotated queries
+    [B, G, W*H, D], position-major in each group (for W = 1 [B, G, H, D]); the rotated keys and
+    the values go to keys/values [B, G, S, D] at ``slot`` [W] (read on the device). cos/sin:
+    tables [S, D] indexed by slot."""
     k = _triton_kernels()
     b = qkv.shape[0]
+    w = qkv.shape[1] if qkv.dim() == 3 else 1
     groups, _, d = keys.shape[1], keys.shape[2], keys.shape[3]
-    q = torch.empty(b, groups, heads_per_group, d, dtype=qkv.dtype, device=qkv.device)
-    k.rope_kv[(b * groups,)](qkv, cos, sin, slot, q, keys, values,
+    q = torch.empty(b, groups, w * heads_per_group, d, dtype=qkv.dtype, device=qkv.device)
+    k.rope_kv[(b * groups, w)](qkv, cos, sin, slot, q, keys, values,
                              keys.stride(0), keys.stride(1), keys.stride(2),
                              values.stride(0), values.stride(1), values.stride(2),
                              GROUPS=groups, HPG=heads_per_group, D=d, HALF=d // 2,
@@ -315,6 +322,18 @@ def check_triton_kernels(device: torch.device, dtype: torch.dtype) -> str | None
         torch.testing.assert_close(cache[0, :, :, 7], _rotate(parts[:, :, hpg], cos[7], sin[7]),
                                    atol=tol, rtol=tol)
         torch.testing.assert_close(cache[1, :, :, 7], parts[:, :, hpg + 1], atol=0, rtol=0)
+        slots = torch.tensor([2, 3, 4, 5, 6], device=device)  # a prefill of 5 positions
+        wide = rand(b, 5, g * (hpg + 2) * hd)
+        q5 = rope_kv_write(wide, cos, sin, slots, cache[0], cache[1], hpg)
+        parts = wide.view(b, 5, g, hpg + 2, hd)
+        rot = _rotate(parts[:, :, :, :hpg], cos[2:7, None, None], sin[2:7, None, None])
+        torch.testing.assert_close(q5, rot.permute(0, 2, 1, 3, 4).reshape(b, g, 5 * hpg, hd),
+                                   atol=tol, rtol=tol)
+        torch.testing.assert_close(cache[0, :, :, 2:7], _rotate(
+            parts[:, :, :, hpg], cos[2:7, None], sin[2:7, None]).transpose(1, 2), atol=tol,
+            rtol=tol)
+        torch.testing.assert_close(cache[1, :, :, 2:7], parts[:, :, :, hpg + 1].transpose(1, 2),
+                                   atol=0, rtol=0)
         got = decode_attention(q, cache[0], cache[1], start.int(), slot)
         pos = torch.arange(s, device=device)
         mask = ((pos >= start[:, None]) & (pos <= 7))[:, None, None, :]
@@ -361,6 +380,8 @@ class FastDecoder:
         self._out_name = ("embedding.word_embeddings.weight" if cfg.tie_embeddings
                           else "output_layer.weight")
         self.capture_seconds = 0.0  # host time spent warming up and capturing graphs, cumulative
+        self._stream = None  # the side stream of every warm-up and capture
+        self._warmed = False  # a capture has run: the stream's lazy state exists
         self.release()
         self._kernels = None
         self.kernels = kernels
@@ -490,6 +511,34 @@ class FastDecoder:
         x = F.rms_norm(x[:, -1], (cfg.hidden_size,), p["decoder.final_layernorm.weight"], eps)
         return self._logits(x)
 
+    def _prefill_triton(self, ids: torch.Tensor, index: torch.Tensor, mask: torch.Tensor,
+                        attend: int, rows: slice) -> torch.Tensor:
+        """``_forward``'s prefill with the decode step's Triton kernels around the same GEMMs and
+        attention: residual adds fused into the norms, RoPE and the K/V cache write in one
+        kernel that also lays the queries out for attention, SiLU(gate) * up in one (the torch
+        ops take ~10 elementwise passes a layer, each a kernel). Same arguments and result."""
+        cfg, p = self.cfg, self.params
+        b, w = ids.shape
+        g, hpg, eps = self.groups, self.per_group, cfg.rms_norm_eps
+        x, h = add_rms_norm(self._embed(ids).view(b * w, -1), None,
+                            p[self._layers[0]["norm1"]], eps)
+        for layer, names in enumerate(self._layers):
+            keys, values = self._cache[layer, 0, rows], self._cache[layer, 1, rows]
+            qkv = F.linear(h, p[names["qkv"]], p.get(names["qkv_bias"])).view(b, w, -1)
+            q = rope_kv_write(qkv, self._cos, self._sin, index, keys, values, hpg)
+            o = F.scaled_dot_product_attention(q, keys[:, :, :attend], values[:, :, :attend],
+                                               attn_mask=mask)
+            o = o.view(b, g, w, hpg, -1).permute(0, 2, 1, 3, 4).reshape(b * w, -1)
+            attn = self._all_reduce(row_linear(o, p[names["proj"]]))
+            x, h = add_rms_norm(x, attn, p[names["norm2"]], eps)
+            gu = gate_up(h, p[names["fc1"]])
+            act = silu_mul(gu.reshape(-1, gu.shape[-1])).view(h.shape[0], -1)
+            mlp = self._all_reduce(row_linear(act, p[names["fc2"]]))
+            nxt = (self._layers[layer + 1]["norm1"] if layer + 1 < len(self._layers)
+                   else "decoder.final_layernorm.weight")
+            x, h = add_rms_norm(x, mlp, p[nxt], eps)
+        return self._logits(h.view(b, w, -1)[:, -1])
+
     def _forward_triton(self) -> torch.Tensor:
         """The decode step with the Triton kernels: logits [B, V] of the tokens in ``_tok`` at
         slot ``_slot``. Each residual add is fused into the next norm."""
@@ -534,12 +583,12 @@ class FastDecoder:
         causal = torch.ones(width, width, dtype=torch.bool, device=self.device).tril()
         diagonal = torch.eye(width, dtype=torch.bool, device=self.device)
         chunk = max(1, self.prefill_tokens // width)
+        forward = self._prefill_triton if self.kernels == "triton" else self._forward
         logits = []
         for r in range(0, rows, chunk):
             allowed = (causal & valid[r:r + chunk, None, :]) | diagonal
             allowed = allowed.repeat_interleave(self.per_group, dim=1)[:, None]  # [b,1,W*hpg,W]
-            logits.append(self._forward(ids[r:r + chunk], index, allowed, width,
-                                        slice(r, r + chunk)))
+            logits.append(forward(ids[r:r + chunk], index, allowed, width, slice(r, r + chunk)))
         return torch.cat(logits) if len(logits) > 1 else logits[0]
 
     @torch.no_grad()
@@ -573,22 +622,32 @@ class FastDecoder:
         return self._forward(self._tok[:, None], self._slot, mask, attend, slice(None))
 
     def _capture(self, attend: int) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
-        """Warm up (on a side stream, as CUDA graphs want) and capture the step attending over
-        ``attend`` slots. The warm-up runs the real step on the current inputs; running it again
-        writes the same K/V and logits, so capturing mid-session is harmless."""
+        """Warm up and capture the step attending over ``attend`` slots, both on this decoder's
+        side stream (as CUDA graphs want). The warm-up runs the real step on the current inputs;
+        running it again writes the same K/V and logits, so capturing mid-session is harmless.
+        It initialises what a capture cannot (cuBLAS's workspace of the stream, Triton's
+        compilation of a new specialisation): twice on the decoder's first capture, once on
+        later ones (after every ``sleep`` in an RL run), where only a new specialisation can be
+        left. ``torch.cuda.graph`` is not used: it runs ``gc.collect()`` and ``empty_cache()``
+        at every capture, which in an RL worker took longer than the capture itself."""
         start = time.perf_counter()
         if self._pool is None:
             self._pool = torch.cuda.graph_pool_handle()
-        side = torch.cuda.Stream(device=self.device)
-        side.wait_stream(torch.cuda.current_stream(self.device))
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                self._decode_step(attend)
-        torch.cuda.current_stream(self.device).wait_stream(side)
+        if self._stream is None:
+            self._stream = torch.cuda.Stream(device=self.device)
+        self._stream.wait_stream(torch.cuda.current_stream(self.device))
         graph = torch.cuda.CUDAGraph()
-        # The graphs share one pool: they run one at a time, and each one's output stays
-        # referenced (below), so another capture never reuses its memory.
-        with torch.cuda.graph(graph, pool=self._pool):
-            logits = self._decode_step(attend)
+        with torch.cuda.stream(self._stream):
+            for _ in range(1 if self._warmed else 2):
+                self._decode_step(attend)
+            self._warmed = True
+            # The graphs share one pool: they run one at a time, and each one's output stays
+            # referenced (below), so another capture never reuses its memory.
+            graph.capture_begin(pool=self._pool)
+            try:
+                logits = self._decode_step(attend)
+            finally:
+                graph.capture_end()
+        torch.cuda.current_stream(self.device).wait_stream(self._stream)
         self.capture_seconds += time.perf_counter() - start
         return graph, logits
