@@ -77,6 +77,9 @@ PRESETS = {
     # heads and KV heads divisible by 4, so tp=4 works on the tiny model too
     "tiny": dict(vocab_size=512, hidden_size=256, ffn_hidden_size=512, num_layers=4,
                  num_heads=8, num_kv_heads=4, head_dim=32),
+    # SmolLM2-135M shapes (tied embeddings): the CPU quickstart's model
+    "smollm2-135m": dict(vocab_size=49152, hidden_size=576, ffn_hidden_size=1536, num_layers=30,
+                         num_heads=9, num_kv_heads=3, head_dim=64, tie_embeddings=True),
     # Llama-3.2-1B shapes (tied embeddings)
     "llama-1b": dict(vocab_size=128256, hidden_size=2048, ffn_hidden_size=8192, num_layers=16,
                      num_heads=32, num_kv_heads=8, head_dim=64, tie_embeddings=True),
