@@ -7,6 +7,15 @@ shard lives in its own segment of the storage (``resident_offsets``; the caller 
 pieces into their own segment first. Consecutive buckets are launched together (one coalesced
 NCCL group of up to ``coalesce_bytes``), so the wire sees few, large launches.
 
+On gloo (CPU) a bucket is gathered as one broadcast per member instead, of the elements its
+pieces span (``Bucket.extent``) into its segment of the gathered buffer: gloo's all-gather
+allocates a flat output of the whole gather at every call and copies it out
+(``ProcessGroupGloo``'s allgather), and sends the padding, where its broadcast reads and writes
+the tensors themselves. A direct piece is sent from the training shard; a generation tensor that is one of the rank's training shards, whole
+(``t == tg``: its own stage's parameters), is then that shard itself, and its place in the
+storage is never touched (on CPU a page never touched costs neither a fault nor memory); other
+own pieces are copied into the member's segment, as the all-gather does.
+
 Generation tensors are views into one flat storage per rank wherever the plan allows; the rest
 (row-parallel weights, packed parameters) are gathered into transient buffers and copied into the
 storage, one ``cat`` per tensor, on a side CUDA stream, so the copies of one launch overlap the
@@ -61,7 +70,8 @@ def create_train_groups(train: TrainLayout) -> dict[tuple[int, ...], dist.Proces
 
 def gather_generation_weights(plan: ReshardPlan, rank: int,
                               train_shards: Mapping[str, torch.Tensor], group_of: Groups, *,
-                              single: bool | None = None, storage: torch.Tensor | None = None,
+                              single: bool | None = None, broadcast: bool | None = None,
+                              storage: torch.Tensor | None = None,
                               coalesce_bytes: int = 2 << 30,
                               stats: dict | None = None) -> dict[str, torch.Tensor]:
     """This rank's generation weights {name: tensor}, in model order (full parameters when the
@@ -72,6 +82,8 @@ def gather_generation_weights(plan: ReshardPlan, rank: int,
     very tensors. ``group_of`` maps the micro-DP group's ranks to its process group (the dict of
     ``create_micro_dp_groups``, or a callable). ``single`` forces (True) or avoids (False) the
     single-tensor all-gather; by default it is used unless the backend refuses it.
+    ``broadcast`` gathers each bucket with one broadcast per member (True) or an all-gather
+    (False); by default broadcasts on gloo, all-gathers elsewhere (see the module docstring).
 
     ``storage``: the generation storage to fill (``new_storage``; by default a new one). Training
     shards that are views of it at their ``resident_offsets`` are gathered in place.
@@ -93,8 +105,11 @@ def gather_generation_weights(plan: ReshardPlan, rank: int,
     transient = [b.storage_offset is None for b in st.buckets]
     launches = _launches([b.numel for b in st.buckets], max(1, coalesce_bytes // plan.dtype_bytes),
                          ramp_down=any(transient))
-    run = _Run(st, rp.member, storage, flat, group, _Gatherer(single),
-               _ring_numel(st.buckets, launches))
+    if broadcast is None:
+        broadcast = group is not None and dist.get_backend(group) == "gloo"
+    own = _own_shards(st, rp.member, train_shards) if broadcast else {}
+    run = _Run(st, rp.member, storage, flat, group, _Gatherer(single), broadcast,
+               _ring_numel(st.buckets, launches), skip_own=set(own.values()))
     for launch in launches:
         run.launch(launch)
     run.finish()
@@ -103,10 +118,28 @@ def gather_generation_weights(plan: ReshardPlan, rank: int,
 
     out: dict[str, torch.Tensor] = {}
     for name, p in st.params.items():
-        if p.mode == "alias":
+        if p.mode == "alias" or name in own:
             out[name] = train_shards[name]
         else:
             out[name] = storage.narrow(0, p.storage_offset, p.numel).view(p.shape)
+    return out
+
+
+def _own_shards(st: StagePlan, member: int, train_shards: Mapping[str, torch.Tensor]
+                ) -> dict[str, int]:
+    """{name: bucket} of the view parameters that are exactly one of ``member``'s training
+    shards, whole: the bucket's segment of ``member`` is that shard and nothing else."""
+    out = {}
+    for name, p in st.params.items():
+        if p.mode != "view" or p.blocks != 1:
+            continue
+        first = p.chunks[0]  # a view's chunks are adjacent: fc1's [gate; up] is two
+        piece = st.buckets[first.bucket].direct(member)
+        if (first.offset == 0 and all(c.member == member and c.bucket == first.bucket
+                                      for c in p.chunks)
+                and piece is not None and piece.name == name and piece.offset == 0
+                and piece.numel == p.numel and tuple(train_shards[name].shape) == p.shape):
+            out[name] = first.bucket
     return out
 
 
@@ -194,6 +227,21 @@ def naive_gather(gen: GenLayout, metas: list[ParamMeta], rank: int,
         if owner // gen.pp_stride == gen_pp:
             out[m.name] = shard(full, m, gen.tp, gen_tp)
     return out
+
+
+def _broadcasts(out: torch.Tensor, inp: torch.Tensor, bucket: Bucket, member: int,
+                group) -> list:
+    """A bucket gathered into ``out`` by one asynchronous broadcast per member of what its
+    pieces span (``Bucket.extent``): ``member`` sends ``inp``, the others' land in their
+    segments of ``out``. Every rank issues them in the same order (member order)."""
+    works = []
+    for k in range(bucket.members):
+        numel = bucket.extent(k)
+        if numel:
+            t = inp.narrow(0, 0, numel) if k == member else out.narrow(
+                0, k * bucket.seg_numel, numel)
+            works.append(dist.broadcast(t, group=group, group_src=k, async_op=True))
+    return works
 
 
 class _Gatherer:
@@ -322,9 +370,11 @@ class _Run:
     """One rank's run of a stage plan: launches, copies on a side stream, the transient ring."""
 
     def __init__(self, st: StagePlan, member: int, storage: torch.Tensor,
-                 flat: Mapping[str, torch.Tensor], group, gatherer: _Gatherer, ring_numel: int):
+                 flat: Mapping[str, torch.Tensor], group, gatherer: _Gatherer, broadcast: bool,
+                 ring_numel: int, skip_own: set[int] = frozenset()):
         self.st, self.member, self.storage, self.flat = st, member, storage, flat
-        self.group, self.gatherer = group, gatherer
+        self.group, self.gatherer, self.broadcast = group, gatherer, broadcast
+        self.skip_own = skip_own  # buckets whose own segment nothing reads (broadcasts only)
         self.side = torch.cuda.Stream(storage.device) if storage.is_cuda else None
         self.ring = _Ring(ring_numel, storage)
         # A copied parameter is assembled once its last bucket is launched; a transient region
@@ -344,7 +394,7 @@ class _Run:
         self.side_waits: set[int] = set()
 
     def launch(self, buckets: list[int]) -> None:
-        ops = []
+        ops, works = [], []
         for b in buckets:
             bucket = self.st.buckets[b]
             if bucket.storage_offset is None:
@@ -356,11 +406,17 @@ class _Run:
             if piece is not None:  # sent as it is (in place when the shard lives in ``own``)
                 src = self.flat[piece.name].narrow(0, piece.offset, piece.numel)
             else:
-                _pack(own, bucket, self.member, self.flat)
+                # Broadcasts send no padding, so it need not be zeroed (nor its memory touched).
+                _pack(own, bucket, self.member, self.flat, pad=not self.broadcast)
                 src = own
             self.bufs[b] = buf
-            ops.append((buf, src))
-        work = self.gatherer(ops, self.group)
+            if self.broadcast:  # on the wire at once, while the next bucket is prepared
+                works += _broadcasts(buf, src, bucket, self.member, self.group)
+                if src.data_ptr() != own.data_ptr() and b not in self.skip_own:
+                    own.copy_(src)  # the broadcast reads ``src`` meanwhile, not ``own``
+            else:
+                ops.append((buf, src))
+        work = _Works(works) if self.broadcast else self.gatherer(ops, self.group)
         self.works.append(work)
         for b in buckets:
             self.work_of[b] = work
@@ -400,15 +456,15 @@ class _Run:
         self.bufs.clear()
 
 
-def _pack(own: torch.Tensor, bucket: Bucket, member: int, flat: Mapping[str, torch.Tensor]) -> None:
-    end = 0
+def _pack(own: torch.Tensor, bucket: Bucket, member: int, flat: Mapping[str, torch.Tensor],
+          pad: bool = True) -> None:
     for p in bucket.pieces[member]:
         dst = own.narrow(0, p.dst, p.numel)
         src = flat[p.name].narrow(0, p.offset, p.numel)
         if dst.data_ptr() != src.data_ptr():  # a resident shard is already in place
             dst.copy_(src)
-        end = p.dst + p.numel
-    if end < own.numel():
+    end = bucket.extent(member)
+    if pad and end < own.numel():
         own.narrow(0, end, own.numel() - end).zero_()  # padding: deterministic, never read
 
 

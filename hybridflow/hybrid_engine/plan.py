@@ -113,6 +113,11 @@ class Bucket:
     def payload(self, member: int) -> int:
         return sum(p.numel for p in self.pieces[member])
 
+    def extent(self, member: int) -> int:
+        """Elements at the start of ``member``'s segment that its pieces span; the rest of the
+        segment is padding."""
+        return max((p.dst + p.numel for p in self.pieces[member]), default=0)
+
     def direct(self, member: int) -> Piece | None:
         """The one piece that fills ``member``'s segment, which it can send straight from its
         training shard; None when it packs several pieces or pads."""

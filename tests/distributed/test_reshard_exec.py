@@ -1,11 +1,12 @@
-"""The 3D-HybridEngine reshard with real gloo all-gathers: every rank's generation weights equal the
+"""The 3D-HybridEngine reshard with real gloo collectives: every rank's generation weights equal the
 shards cut from the full weights, bit for bit, and so do the naive baseline's.
 
 One launch per world size runs several layouts in the same processes (groups are created for each
 layout by all ranks), which keeps the process start-up cost to once per world size. Every layout
-runs four ways: coalesced launches (all buckets in one or a few); one launch per bucket; with the
-training shards resident in the generation storage (in place); and resident with stacked shards
-(``blocks=True``), where a TP merge copies no training shard either.
+runs five ways: coalesced launches (all buckets in one or a few), gathered by broadcasts (gloo's
+default) and by all-gathers; one launch per bucket; with the training shards resident in the
+generation storage (in place); and resident with stacked shards (``blocks=True``), where a TP
+merge copies no training shard either.
 """
 
 from __future__ import annotations
@@ -55,6 +56,8 @@ def _check(got, want, plan, gen_pp, shards, what, modes=None) -> None:
             modes.add(mode)
         if mode == "alias":
             assert tensor is shards[name]
+        elif tensor is shards.get(name):  # gloo's broadcasts: an own whole shard is not copied
+            assert mode == "view" and plan.gen.tp == plan.gen.train.tp, f"{what}: {name}"
         else:  # views and copies all live in one flat storage
             ptr = tensor.untyped_storage().data_ptr()
             assert storage_ptr in (None, ptr), f"{what}: {name} outside the storage"
@@ -86,6 +89,17 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
             groups = create_micro_dp_groups(gen)
             got = gather_generation_weights(plan, rank, shards, groups, single=single)
             _check(got, want, plan, gen_pp, shards, what, modes)
+            # gloo gathers by broadcasts, which copy only the rank's packed pieces.
+            rp = plan.ranks[rank]
+            packed = 4 * sum(piece.numel for b in plan.stages[gen_pp].buckets
+                             if b.direct(rp.member) is None for piece in b.pieces[rp.member])
+            if tg == t:
+                assert redundant_bytes(got, shards, metas, gen, rank) == packed, what
+            back_to_training(got, shards)
+            # The same with all-gathers.
+            got = gather_generation_weights(plan, rank, shards, groups, single=single,
+                                            broadcast=False)
+            _check(got, want, plan, gen_pp, shards, what + " (all-gathers)")
             naive = naive_gather(gen, metas, rank, shards, train_groups)
             assert list(naive) == list(want)
             for name, tensor in naive.items():

@@ -207,6 +207,21 @@ def test_recv_bytes_is_the_paper_formula_for_an_even_model(model: str) -> None:
             assert r.send_bytes == (0 if gen.micro_dp == 1 else M // (t * p))
 
 
+@pytest.mark.parametrize("gen", LAYOUTS, ids=lambda g: f"t{g.train.tp}p{g.train.pp}d{g.train.dp}"
+                                                       f"-tg{g.tp}pg{g.pp}")
+def test_pieces_fill_the_start_of_each_segment(gen: GenLayout) -> None:
+    """A member's ``extent`` (what the executor broadcasts on gloo) is its payload: its pieces
+    tile the start of its segment, so no gap and no padding goes on the wire."""
+    for model in MODELS.values():
+        for blocks in (False, True):
+            plan = plan_reshard(gen, llama_param_metas(model), dtype_bytes=4,
+                                bucket_bytes=96 * 1024, min_view_bytes=64 * 1024, blocks=blocks)
+            for st in plan.stages:
+                for b in st.buckets:
+                    for k in range(b.members):
+                        assert b.extent(k) == b.payload(k) <= b.seg_numel, (str(gen), k)
+
+
 def test_recv_send_padding_by_hand() -> None:
     """t=2, p=2 -> tg=1, pg=1 (one group of 4). Embedding [16,4] on stage 0; per layer a
     column-parallel W [8,4] and a replicated norm [4]; layers 0 (stage 0) and 1 (stage 1).
@@ -228,6 +243,9 @@ def test_recv_send_padding_by_hand() -> None:
         plan = plan_reshard(gen, metas, dtype_bytes=4, bucket_bytes=bucket_bytes)
         got = [(r.send_bytes, r.recv_bytes, r.padding_bytes) for r in plan.ranks]
         assert got == [(200, 344, 256), (200, 344, 256), (72, 472, 128), (72, 472, 128)]
+        # What the executor's broadcasts send: the payload, no padding.
+        assert [4 * sum(b.extent(k) for b in plan.stages[0].buckets)
+                for k in range(4)] == [200, 200, 72, 72]
 
 
 def test_modes_views_and_fc1_rearrangement() -> None:
