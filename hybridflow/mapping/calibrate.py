@@ -45,7 +45,9 @@ class Calibration:
     """Bytes/s of one large copy on the device, read and write both counted (on CPU one thread)."""
     all_gather: dict[int, float]
     """Group size -> bytes each rank receives per second in an all-gather, (size-1)/size of the
-    output (nccl-tests' bus bandwidth). Empty on a one-GPU node."""
+    output (nccl-tests' bus bandwidth), done as the 3D-HybridEngine gathers: NCCL's all-gather,
+    on gloo one broadcast per member (``hybridflow.hybrid_engine.execute``). Empty on a one-GPU
+    node."""
     broadcast: dict[int, float]
     """Group size -> bytes each non-root rank receives per second in a broadcast, the whole
     message. Empty on a one-GPU node."""
@@ -247,7 +249,16 @@ def _time_collectives(rank: int, world_size: int, message: int, warmup: int, rep
         group, device, sync = None, torch.device("cpu"), (lambda: None)
     out = torch.empty(message, dtype=torch.uint8, device=device)
     shard = torch.ones(message // world_size, dtype=torch.uint8, device=device)
-    ops = {"all_gather": lambda: dist.all_gather_into_tensor(out, shard, group=group),
+
+    def gather_by_broadcasts():  # what the reshard does on gloo, whose all-gather is slower
+        parts = out.view(world_size, -1)
+        works = [dist.broadcast(shard if k == rank else parts[k], src=k, group=group,
+                                async_op=True) for k in range(world_size)]
+        for w in works:
+            w.wait()
+
+    ops = {"all_gather": (gather_by_broadcasts if not on_gpu else
+                          lambda: dist.all_gather_into_tensor(out, shard, group=group)),
            "broadcast": lambda: dist.broadcast(out, src=0, group=group)}
     times: dict[str, list[float]] = {}
     for name, op in ops.items():
