@@ -32,6 +32,13 @@ def _engine_batch(batch: Batch, *keys: str) -> dict[str, torch.Tensor]:
     return {k: batch[k] for k in (*_MODEL_INPUTS, *keys)}
 
 
+def _logprob_batch(batch: Batch) -> dict[str, torch.Tensor]:
+    """What a log-prob pass needs: with the batch's ``response_mask`` (a rollout's always has
+    one) the engine computes its output layer over the response only (``TrainEngine``'s
+    module docstring), and the prompt positions, which nothing reads, come back 0."""
+    return _engine_batch(batch, *(["response_mask"] if "response_mask" in batch else []))
+
+
 def _global_count(x: torch.Tensor, group) -> float:
     """Sum of ``x`` over the data-parallel group (the global denominator of a loss)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces device tensors only
@@ -233,15 +240,15 @@ class ActorRolloutRefWorker(Worker):
 
     # ----------------------------------------------------------------------------- scoring
     def compute_log_prob(self, batch: Batch) -> Batch:
-        return Batch({"old_logprobs": self.actor.compute_logprobs(_engine_batch(batch))})
+        return Batch({"old_logprobs": self.actor.compute_logprobs(_logprob_batch(batch))})
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         if self.ref is None:
             with self.actor.adapters.disabled():
-                return Batch({"ref_logprobs": self.actor.compute_logprobs(_engine_batch(batch))})
+                return Batch({"ref_logprobs": self.actor.compute_logprobs(_logprob_batch(batch))})
         if self.ref_cfg.offload:
             self.ref.reload_weights()
-        logprobs = self.ref.compute_logprobs(_engine_batch(batch))
+        logprobs = self.ref.compute_logprobs(_logprob_batch(batch))
         if self.ref_cfg.offload:
             self.ref.offload_weights()
         return Batch({"ref_logprobs": logprobs})

@@ -18,10 +18,21 @@ loss function sees is cut the same way as the log-probs it gets, and per-sample 
 in the batch's order at width S (``to_batch_order``). Log-probs and values are 0 where nothing
 defines them -- padding, and for log-probs a sequence's first token -- whichever the split, so the
 two paths return the same tensors.
+
+Output layer over the response only: with a ``response_mask`` [B, S] in the batch (the RL
+batches, ``rollout_batch``: a left-padded prompt, then the response), an LM head computes its
+output layer and the cross entropy (and the entropy) only from each micro-batch's first column
+whose label is a response token (``first_logit_column``: its first response column minus one)
+to its end; prompt positions are nothing an RL loss reads, and their logits are most of a
+short response's. Log-probs and entropy are then 0 before each row's first response token.
+Everything before the output layer (every pipeline stage, the activations between them) still
+runs over the whole sequence. A batch without ``response_mask``, a value head and
+``compute_logits`` compute every position.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import re
 from dataclasses import dataclass, field
@@ -29,6 +40,7 @@ from typing import Callable, Iterator
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 
 from hybridflow.algorithms.losses import vocab_parallel_entropy
 from hybridflow.errors import ArgumentError, ConfigError, check_choice, check_float, check_int
@@ -370,6 +382,61 @@ def _take(x: torch.Tensor, plan: MicroBatchPlan) -> torch.Tensor:
     return out
 
 
+def response_starts(response_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """[B, S] response mask -> [B] int64: each row's first response column (S for a row
+    without one), on the host. ``shape``: the batch's [B, S] (``input_ids``'), checked."""
+    if response_mask.shape != shape:
+        raise ArgumentError("response_mask", f"shape {tuple(response_mask.shape)} does not match "
+                            f"input_ids' {tuple(shape)}")
+    resp = response_mask.detach().cpu() != 0
+    s = resp.shape[1]
+    return torch.where(resp.any(-1), resp.int().argmax(-1), s).long()
+
+
+def first_logit_column(starts: torch.Tensor, plan: MicroBatchPlan) -> int:
+    """The micro-batch column the output layer starts at: the first column whose label is a
+    response token (the micro-batch's first response column minus one, at least 0), from the
+    batch's ``response_starts``; the last computed column when no row has a response (its
+    output is then never read). Columns before it are prompt: nothing reads their log-probs."""
+    first = int((starts[plan.rows] - plan.starts).min()) - 1
+    return max(0, min(first, plan.padded_width - 1))
+
+
+@contextlib.contextmanager
+def output_layer_from(model, start: int, tp_group) -> Iterator[None]:
+    """Inside this block GPTModel ``model`` (a DDP chunk or the module) computes its output
+    layer (and the loss on it) only over sequence positions ``start`` on: its input, [s, b, h],
+    is cut to [s - start, b, h]. Under sequence parallelism that input is this rank's sequence
+    split: it is gathered first (backward: each rank's split of the gradient, not summed) and
+    the layer runs without its own all-gather, so its input gradient is all-reduced once over
+    TP -- inside the layer, as without sequence parallelism. A no-op at ``start`` 0 or on a
+    chunk without the output layer (earlier pipeline stages)."""
+    gpt = getattr(model, "module", model)
+    layer = gpt.output_layer if getattr(gpt, "post_process", False) else None
+    if not start or layer is None:
+        yield
+        return
+    from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
+    sequence_parallel = layer.sequence_parallel
+
+    def cut(module, args, kwargs):
+        hidden = args[0]
+        if sequence_parallel:
+            hidden = gather_from_sequence_parallel_region(
+                hidden, tensor_parallel_output_grad=False, group=tp_group)
+        return (hidden[start:], *args[1:]), kwargs
+
+    handle = layer.register_forward_pre_hook(cut, with_kwargs=True)
+    # Read in the forward only (the backward's communication is fixed then); GPTModel itself
+    # does the same for inference's last-token logits.
+    layer.sequence_parallel = False
+    try:
+        yield
+    finally:
+        handle.remove()
+        layer.sequence_parallel = sequence_parallel
+
+
 def to_batch_order(pieces: list[tuple[torch.Tensor, dict]]) -> torch.Tensor:
     """Per-token results of micro-batches -- (result [b, w, ...], the micro-batch ``mb`` it was
     computed from), covering a whole batch -- as one [B, S, ...] tensor in the batch's row order
@@ -606,10 +673,15 @@ class TrainEngine:
                        ) -> list[dict[str, torch.Tensor]]:
         """The micro-batches ``plan_micro_batches`` gives, each a dict of the batch's fields cut
         to it, plus the model's inputs (``_ids``, ``_mask``, padded for sequence parallelism),
-        its kept width ``_seq`` and where it came from (``_rows``, ``_starts``, the batch's
-        width ``_width``: what ``to_batch_order`` reads)."""
+        its kept width ``_seq``, where it came from (``_rows``, ``_starts``, the batch's width
+        ``_width``: what ``to_batch_order`` reads) and the column its output layer starts at,
+        ``_logits_from`` (``first_logit_column`` of a batch with ``response_mask`` and an LM
+        head, else 0)."""
         plans = plan_micro_batches(batch["attention_mask"], self.config, self.layout.tp,
                                    forward_only)
+        starts = None
+        if "response_mask" in batch and self.head == "lm":
+            starts = response_starts(batch["response_mask"], batch["input_ids"].shape)
         # Everything a loss function reads (advantages, old log-probs, ...) goes to the device in
         # one copy per field; fixed-size micro-batches are views of it.
         batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
@@ -624,7 +696,8 @@ class TrainEngine:
                 ids = torch.nn.functional.pad(ids, (0, pad))
                 mask = torch.nn.functional.pad(mask, (0, pad))
             mb.update(_ids=ids, _mask=mask, _seq=plan.width, _rows=plan.rows,
-                      _starts=plan.starts, _width=s)
+                      _starts=plan.starts, _width=s,
+                      _logits_from=0 if starts is None else first_logit_column(starts, plan))
             out.append(mb)
         return out
 
@@ -639,14 +712,17 @@ class TrainEngine:
             args = (ids, batch_position_ids(mask), batch_attention_mask(mask))
             if logits:
                 return model(*args), lambda out: self._collect_logits(out[:, :seq], outputs)
-            # Label at position i is token i+1; the last label is a dummy, dropped below.
-            labels = torch.roll(ids, -1, dims=1)
-            if self.head == "value" or entropy:
-                # [b, s, 1] from the ValueHead, or this rank's vocab slice of the logits
-                # [b, s, V/tp] (hidden states on the other pipeline stages).
-                out = model(*args)
-            else:
-                out = model(*args, labels=labels)
+            # Label at position i is token i+1; the last label is a dummy, dropped below. The
+            # output layer computes columns from ``start`` on (``first_logit_column``).
+            start = mb["_logits_from"]
+            labels = torch.roll(ids, -1, dims=1)[:, start:]
+            with output_layer_from(model, start, self.pg.tp):
+                if self.head == "value" or entropy:
+                    # [b, s, 1] from the ValueHead, or this rank's vocab slice of the logits
+                    # [b, s - start, V/tp] (hidden states on the other pipeline stages).
+                    out = model(*args)
+                else:
+                    out = model(*args, labels=labels)
 
             def loss(output):
                 inputs = mb
@@ -657,12 +733,23 @@ class TrainEngine:
                     if entropy:
                         output, token_entropy = _cross_entropy_and_entropy(output, labels,
                                                                            self.pg.tp)
-                        inputs = mb | {"entropy": shift_right(token_entropy)[:, :seq]}
                     # The per-token cross entropy [b, s] for the labels (GPTModel's output when
-                    # given them). 0 where no real token predicts a real one: what a padding
-                    # position outputs depends on the micro-batch's width, which the split sets.
-                    per_token = torch.where(real & shift_right(real), shift_right(-output)[:, :seq],
-                                            0.0)
+                    # given them), 0 before ``start``. 0 where no real token predicts a real one:
+                    # what a padding position outputs depends on the micro-batch's width, which
+                    # the split sets; with a response mask, 0 before each row's first response
+                    # token: what a prompt position outputs depends on the micro-batch's start.
+                    defined = real & shift_right(real)
+                    if entropy:
+                        token_entropy = shift_right(F.pad(token_entropy, (start, 0)))[:, :seq]
+                    if "response_mask" in mb:
+                        after = mb["response_mask"][:, :seq].cumsum(-1) > 0
+                        defined = defined & after
+                        if entropy:
+                            token_entropy = torch.where(after, token_entropy, 0.0)
+                    if entropy:
+                        inputs = mb | {"entropy": token_entropy}
+                    per_token = torch.where(
+                        defined, shift_right(-F.pad(output, (start, 0)))[:, :seq], 0.0)
                 if loss_fn is None:
                     outputs.append(per_token.detach())
                     return per_token.sum() * 0, torch.tensor(1, dtype=torch.int), {}
@@ -716,7 +803,9 @@ class TrainEngine:
 
     def compute_logprobs(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token log-probs [B, S]: ``out[b, i] = log p(input_ids[b, i] | input_ids[b, :i])``,
-        0 at i = 0. ``batch`` holds ``input_ids`` and ``attention_mask`` [B, S] of this DP rank."""
+        0 at i = 0. ``batch`` holds ``input_ids`` and ``attention_mask`` [B, S] of this DP rank,
+        and optionally ``response_mask`` [B, S]: then only positions from a row's first response
+        token on are computed, the ones before come back 0 (module docstring)."""
         if self.head != "lm":
             raise ValueError("compute_logprobs needs an engine built with head='lm'")
         return self._per_token(batch)
@@ -743,8 +832,10 @@ class TrainEngine:
         ``with_entropy``: ``loss_fn`` also finds the policy's per-token entropy [b, s] in
         ``mb["entropy"]``, aligned with the log-probs (at i, the entropy of the distribution that
         predicted token i; 0 at i = 0) and differentiable; it costs a softmax over this rank's
-        vocabulary slice. ``loss_fn`` may see the micro-batches in another order than the batch's
-        and cut to fewer columns (``max_tokens_per_micro_batch``); ``to_batch_order`` puts
+        vocabulary slice. With a ``response_mask`` in ``batch`` the log-probs and the entropy
+        are 0 before each row's first response token (only the response's output layer is
+        computed: module docstring). ``loss_fn`` may see the micro-batches in another order
+        than the batch's and cut to fewer columns (``max_tokens_per_micro_batch``); ``to_batch_order`` puts
         per-token results it keeps, with their ``mb``, back in the batch's order. Returns, the
         same on every rank, ``loss`` (the global objective: the sum over every micro-batch of
         every data-parallel rank) and ``loss_fn``'s metrics reduced alike (``reduce_metrics``),

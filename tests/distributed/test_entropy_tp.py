@@ -60,7 +60,9 @@ def run(rank, world):
             optim=OptimConfig(name="sgd", lr=0.1, clip_grad=1.0)))
         engine.load_full_weights(full)
         d, p, t = layout.coords(rank)
-        mine = {k: v.chunk(layout.dp)[d] for k, v in batch.items()}
+        # Without the response mask: the loss reads every predicted position, prompt included,
+        # which the engine computes only for a batch without one.
+        mine = {k: v.chunk(layout.dp)[d] for k, v in batch.items() if k != "response_mask"}
         full_logits_entropy = shift_right(entropy_from_logits(engine.compute_logits(mine)))
         plain_logprobs = engine.compute_logprobs(mine)
         seen = []

@@ -29,17 +29,8 @@ LAYOUTS = [(dict(tp=2, pp=2, dp=1), False), (dict(tp=1, pp=2, dp=2), False),
 
 
 def make_batch():
-    g = torch.Generator().manual_seed(0)
-    n, s = len(SPANS), PROMPT + RESPONSE
-    mask = torch.zeros(n, s, dtype=torch.long)
-    response = torch.zeros(n, s)
-    for i, (p, r) in enumerate(SPANS):
-        mask[i, PROMPT - p:PROMPT + r] = 1
-        response[i, PROMPT:PROMPT + r] = 1.0
-    ids = torch.randint(1, MODEL["vocab_size"], (n, s), generator=g) * mask
-    advantages = torch.randn(n, 1, generator=g).expand(n, s).contiguous()
-    return {"input_ids": ids, "attention_mask": mask, "response_mask": response,
-            "advantages": advantages}
+    from tests.distributed.update_common import spans_batch
+    return spans_batch(SPANS, PROMPT, RESPONSE, MODEL["vocab_size"])
 
 
 def make_noise():

@@ -134,3 +134,41 @@ def test_validation_splits_over_the_scorers_ranks_only_under_a_budget():
     with pytest.raises(ConfigError, match="validation.size.*multiple of 4"):
         check_validation(_rl(*scored), 100)  # dp 2 x the default micro-batch of 2
     check_validation(_rl(*scored, "critic.engine.max_tokens_per_micro_batch=64"), 100)
+
+
+def _rl_batch():
+    """[4, 7] as rollout_batch makes them: prompts left-padded to 4, responses right-padded to 3
+    (row 2 has none)."""
+    spans = [(4, 3), (2, 1), (1, 0), (3, 2)]
+    mask, response = torch.zeros(4, 7, dtype=torch.long), torch.zeros(4, 7)
+    for i, (p, r) in enumerate(spans):
+        mask[i, 4 - p:4 + r] = 1
+        response[i, 4:4 + r] = 1
+    return mask, response
+
+
+def test_the_output_layer_starts_one_column_before_the_first_response_token():
+    from hybridflow.training.engine import first_logit_column, response_starts
+    mask, response = _rl_batch()
+    starts = response_starts(response, mask.shape)
+    assert starts.tolist() == [4, 4, 7, 4]  # 7: no response
+    fixed = plan_micro_batches(mask, EngineConfig(micro_batch_size=2), tp=1, forward_only=True)
+    # the label at column 3 is the first response token: columns 3..6, 4 of the 7
+    assert [first_logit_column(starts, p) for p in fixed] == [3, 3]
+    # under a budget each row's span starts at column 0: its response at 4 - (4 - p) = p
+    budget = plan_micro_batches(mask, EngineConfig(max_tokens_per_micro_batch=7), tp=1,
+                                forward_only=True)
+    assert [p.rows.tolist() for p in budget] == [[2, 1], [3], [0]]
+    assert [first_logit_column(starts, p) for p in budget] == [1, 2, 3]
+    # a micro-batch without a response computes its last column only
+    alone = plan_micro_batches(mask[2:3], EngineConfig(micro_batch_size=1), tp=1,
+                               forward_only=True)
+    assert first_logit_column(starts[2:3], alone[0]) == 6
+
+
+def test_a_response_mask_of_another_shape_is_refused_by_name():
+    from hybridflow.errors import ArgumentError
+    from hybridflow.training.engine import response_starts
+    mask, response = _rl_batch()
+    with pytest.raises(ArgumentError, match="response_mask"):
+        response_starts(response[:, :5], mask.shape)
