@@ -63,8 +63,8 @@ import torch.distributed as dist
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from hybridflow.hybrid_engine.execute import (  # noqa: E402
-    back_to_training, create_micro_dp_groups, create_train_groups, gather_generation_weights,
-    naive_gather, new_storage, place_shards)
+    back_to_training, broadcast_gather, create_micro_dp_groups, create_train_groups,
+    gather_generation_weights, naive_gather, new_storage, place_shards)
 from hybridflow.hybrid_engine.plan import ReshardPlan, plan_reshard, resident_offsets  # noqa: E402
 from hybridflow.hybrid_engine.switch import (TIED_OUTPUT, generation_metas,  # noqa: E402
                                              naive_recv_bytes, redundant_bytes)
@@ -194,12 +194,13 @@ def all_max(value: float, device) -> float:
 
 
 def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
-    """One all-gather into a flat buffer (the list form where the backend lacks the other)."""
-    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    try:
-        fn(out, inp, group=group)
-    except (RuntimeError, NotImplementedError):
-        dist.all_gather(list(out.split(inp.numel())), inp, group=group)
+    """One all-gather into a flat buffer, as the switch gathers: NCCL's, on gloo one broadcast
+    per member (``broadcast_gather``; gloo's own all-gather allocates and copies out its whole
+    output at every call)."""
+    if dist.get_backend(group) == "gloo":
+        broadcast_gather(out, inp, group)
+    else:
+        dist.all_gather_into_tensor(out, inp, group=group)
 
 
 # ----------------------------------------------------------------------------- the paths

@@ -229,6 +229,19 @@ def naive_gather(gen: GenLayout, metas: list[ParamMeta], rank: int,
     return out
 
 
+def broadcast_gather(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
+    """An all-gather of ``inp`` into ``out`` (``group``'s size times as long) as one broadcast per
+    member, the way a bucket is gathered on gloo (``_broadcasts``, without the padding left out):
+    what ``hybridflow calibrate`` and ``tools/bench_reshard.py`` time as gloo's gather rate."""
+    parts = out.view(dist.get_world_size(group), -1)
+    me = dist.get_rank(group)
+    works = [dist.broadcast(inp if k == me else parts[k], group=group, group_src=k,
+                            async_op=True) for k in range(parts.shape[0])]
+    parts[me].copy_(inp)  # the broadcast reads ``inp`` meanwhile
+    for w in works:
+        w.wait()
+
+
 def _broadcasts(out: torch.Tensor, inp: torch.Tensor, bucket: Bucket, member: int,
                 group) -> list:
     """A bucket gathered into ``out`` by one asynchronous broadcast per member of what its

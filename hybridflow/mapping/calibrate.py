@@ -247,18 +247,13 @@ def _time_collectives(rank: int, world_size: int, message: int, warmup: int, rep
         device, sync = torch.device("cuda", rank), torch.cuda.synchronize
     else:
         group, device, sync = None, torch.device("cpu"), (lambda: None)
+    from hybridflow.hybrid_engine.execute import broadcast_gather
+
     out = torch.empty(message, dtype=torch.uint8, device=device)
     shard = torch.ones(message // world_size, dtype=torch.uint8, device=device)
-
-    def gather_by_broadcasts():  # what the reshard does on gloo, whose all-gather is slower
-        parts = out.view(world_size, -1)
-        works = [dist.broadcast(shard if k == rank else parts[k], src=k, group=group,
-                                async_op=True) for k in range(world_size)]
-        for w in works:
-            w.wait()
-
-    ops = {"all_gather": (gather_by_broadcasts if not on_gpu else
-                          lambda: dist.all_gather_into_tensor(out, shard, group=group)),
+    # On gloo the reshard gathers by broadcasts (gloo's all-gather is slower): time that.
+    gather = dist.all_gather_into_tensor if on_gpu else broadcast_gather
+    ops = {"all_gather": lambda: gather(out, shard, group=group),
            "broadcast": lambda: dist.broadcast(out, src=0, group=group)}
     times: dict[str, list[float]] = {}
     for name, op in ops.items():

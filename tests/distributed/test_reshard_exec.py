@@ -13,7 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from hybridflow.hybrid_engine.execute import (back_to_training, create_micro_dp_groups,
+from hybridflow.hybrid_engine.execute import (back_to_training, broadcast_gather,
+                                              create_micro_dp_groups,
                                               create_train_groups, gather_generation_weights,
                                               naive_gather, new_storage, place_shards)
 from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
@@ -65,6 +66,10 @@ def _check(got, want, plan, gen_pp, shards, what, modes=None) -> None:
 
 
 def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
+    # The gather that calibrate and bench_reshard time on gloo: rank r's segment from rank r.
+    out = torch.empty(6 * world_size)
+    broadcast_gather(out, torch.arange(6.0) + 10 * rank)
+    assert torch.equal(out, torch.cat([torch.arange(6.0) + 10 * r for r in range(world_size)]))
     done, modes = [], set()
     for (t, p, d), gens, qwen, single, min_view_bytes in cases:
         model = ModelConfig(**MODEL, arch="qwen2" if qwen else "llama", qkv_bias=qwen,
