@@ -41,16 +41,21 @@ unpacking are in the denominator, so this is below ``bench_rollout``'s decode-on
 Training MFU: achieved FLOPs / (ranks x the bf16 matmul rate measured here with one large
 ``torch.matmul`` per GPU). FLOPs = 6 x N x tokens for ``update_actor`` (forward + backward, per
 PPO epoch; 4 x N with ``--lora-rank``: the frozen base computes no weight gradients, and the
-adapters' FLOPs are left out), 2 x N x tokens for each forward-only pass (old and ref log-probs); N = the parameters
-that take part in matmuls (all but the input embedding table); the critic's passes (``values``,
-``update_critic``) count N less the output layer plus the value head; attention's score/value
-FLOPs are not counted. ``tokens`` are the real (unpadded) prompt + response tokens (``mfu_*``);
-``tokens_padded`` the positions the engine computes in a forward pass over the batch (the
-engine's own split, ``plan_micro_batches``, of each DP rank's share: every position of the
-[B, max_prompt_tokens + max_tokens] batch with fixed-size micro-batches, far fewer with
-``--max-tokens-per-micro-batch``), which ``mfu_padded_*`` counts, and ``padded_fraction`` =
-(tokens_padded - tokens_real) / tokens_padded, the share of computed positions that are padding. On CPU the "matmul rate" is one thread's (the workers run one
-thread each) and there is no roofline.
+adapters' FLOPs are left out), 2 x N x tokens for each forward-only pass (old and ref log-probs);
+N = the parameters that take part in matmuls (all but the input embedding table), of which the
+actor's output layer (h V) counts the response tokens only: the model FLOPs of useful work (the
+engine computes the output layer from the column before the first response token, and no
+consumer reads a prompt position's log-prob). The critic's passes (``values``,
+``update_critic``) count N less the output layer plus the value head over every token;
+attention's score/value FLOPs are not counted. ``tokens`` are the real (unpadded) prompt +
+response tokens (``mfu_*``); ``tokens_padded`` the positions the engine computes in a forward
+pass over the batch (the engine's own split, ``plan_micro_batches``, of each DP rank's share:
+every position of the [B, max_prompt_tokens + max_tokens] batch with fixed-size micro-batches,
+far fewer with ``--max-tokens-per-micro-batch``), which ``mfu_padded_*`` counts, with the output
+layer over the positions the engine computes it at (``logits_padded``: from each micro-batch's
+first response column minus one); ``padded_fraction`` = (tokens_padded - tokens_real) /
+tokens_padded, the share of computed positions that are padding. On CPU the "matmul rate" is one
+thread's (the workers run one thread each) and there is no roofline.
 
 Floors (``floor_s``), at the rates measured in this run: each training and forward-only pass
 its FLOPs above over the matmul rate (what its MFU divides); generation replica 0's prefill and
@@ -312,13 +317,21 @@ def generation_roofline(batch, replicas: int, cfg: ModelConfig, dtype_bytes: int
     return out
 
 
-def computed_tokens(attention_mask, actor) -> int:
-    """Positions the actor's engine computes in a forward pass over the batch: its own split
-    (``plan_micro_batches``) of each data-parallel rank's share, padding included."""
-    from hybridflow.training.engine import plan_micro_batches
-    shares = attention_mask.chunk(actor.layout.dp)  # the controller's dispatch: equal, in order
-    return sum(plan.tokens for share in shares
-               for plan in plan_micro_batches(share, actor.engine, actor.layout.tp, True))
+def computed_tokens(attention_mask, response_mask, actor) -> tuple[int, int]:
+    """(positions the actor's engine computes in a forward pass over the batch, positions its
+    output layer computes): its own split (``plan_micro_batches``) of each data-parallel rank's
+    share, padding included, the output layer from each micro-batch's ``first_logit_column``."""
+    from hybridflow.training.engine import (first_logit_column, plan_micro_batches,
+                                            response_starts)
+    positions = logits = 0
+    # the controller's dispatch: equal shares, in order
+    for mask, response in zip(attention_mask.chunk(actor.layout.dp),
+                              response_mask.chunk(actor.layout.dp)):
+        starts = response_starts(response, mask.shape)
+        for plan in plan_micro_batches(mask, actor.engine, actor.layout.tp, True):
+            positions += plan.tokens
+            logits += len(plan.rows) * (plan.padded_width - first_logit_column(starts, plan))
+    return positions, logits
 
 
 def run_iteration(trainer, items) -> tuple[dict, object]:
@@ -447,7 +460,8 @@ def main(argv=None) -> dict:
                                                if result["copy_bandwidth_gb_s"] else None)
                     m["gen_replicas"] = roof
                     m["tokens_real"] = int(batch["attention_mask"].sum())
-                    m["tokens_padded"] = computed_tokens(batch["attention_mask"], cfg.actor)
+                    m["tokens_padded"], m["logits_padded"] = computed_tokens(
+                        batch["attention_mask"], batch["response_mask"], cfg.actor)
                     m["response_tokens"] = int(batch["response_mask"].sum())
                     rows.append(m)
                 print(("timed" if timed else "warm-up") + f" iteration {it + 1}: step "
@@ -501,41 +515,49 @@ def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
         roof = statistics.mean(r["gen_replicas"][0]["roofline_s"] for r in rows)
         result["gen_roofline_s"] = round(roof, 5)
         result["gen_roofline_fraction"] = round(roof / gen_s, 4)
-    # training: (phase, FLOPs per token) of the passes that ran; the critic's value head
-    # replaces the output layer
+    # training: (phase, FLOPs per position, FLOPs per output-layer position) of the passes that
+    # ran. The actor's output layer (h V of N) runs over the response (and the column before it)
+    # only, so its FLOPs count response tokens; the critic's value head replaces it and runs
+    # over every position.
     n_params = matmul_params(cfg)
-    n_critic = n_params - cfg.vocab_size * cfg.hidden_size + cfg.hidden_size
+    head = cfg.vocab_size * cfg.hidden_size
+    n_critic = n_params - head + cfg.hidden_size
     # a LoRA update's frozen base computes no weight gradients: forward + the input gradients
-    update = (4 if args.lora_rank else 6) * n_params
-    passes = [(k, f) for k, f in (("update_actor", update), ("old_logprobs", 2 * n_params),
-                                  ("ref_logprobs", 2 * n_params), ("values", 2 * n_critic),
-                                  ("update_critic", 6 * n_critic)) if mean(f"{k}_s") is not None]
+    k_update = 4 if args.lora_rank else 6
+    passes = [p for p in (("update_actor", k_update * (n_params - head), k_update * head),
+                          ("old_logprobs", 2 * (n_params - head), 2 * head),
+                          ("ref_logprobs", 2 * (n_params - head), 2 * head),
+                          ("values", 2 * n_critic, 0), ("update_critic", 6 * n_critic, 0))
+              if mean(f"{p[0]}_s") is not None]
     peak = args.tp * args.pp * args.dp * result["matmul_tflops"] * 1e12
     result["matmul_params"] = n_params
     result["peak_flops_all_ranks"] = peak
-    for tag, key in (("", "tokens_real"), ("padded_", "tokens_padded")):
+    flops = {}
+    for tag, key, logits in (("", "tokens_real", "response_tokens"),
+                             ("padded_", "tokens_padded", "logits_padded")):
         tokens = mean(key)
         result[f"tokens_{tag or 'real_'}per_step".replace("__", "_")] = tokens
-        for k, per_token in passes:
-            result[f"mfu_{tag}{k}"] = round(per_token * tokens / mean(f"{k}_s") / peak, 4)
+        flops[tag] = {k: body * tokens + out * mean(logits) for k, body, out in passes}
+        for k, f in flops[tag].items():
+            result[f"mfu_{tag}{k}"] = round(f / mean(f"{k}_s") / peak, 4)
         result[f"mfu_{tag}training"] = round(
-            sum(f for _, f in passes) * tokens / sum(mean(f"{k}_s") for k, _ in passes) / peak, 4)
+            sum(flops[tag].values()) / sum(mean(f"{k}_s") for k in flops[tag]) / peak, 4)
         result[f"tflops_{tag}update_actor"] = round(
-            update * tokens / mean("update_actor_s") / 1e12, 2)
+            flops[tag]["update_actor"] / mean("update_actor_s") / 1e12, 2)
     result["padded_fraction"] = round(1 - mean("tokens_real") / mean("tokens_padded"), 4)
     result["reward_mean"] = round(mean("reward_mean"), 4)
-    floors(result, rows, passes, n_params, peak, args)
+    floors(result, rows, flops[""], n_params, peak, args)
 
 
-def floors(result: dict, rows: list[dict], passes: list, n_params: int, peak: float,
+def floors(result: dict, rows: list[dict], flops: dict[str, float], n_params: int, peak: float,
            args) -> None:
     """Each phase's floor at the rates measured in this run, their sum, and ``floor_ratio`` =
-    the measured step / that sum (the module docstring defines them)."""
+    the measured step / that sum (the module docstring defines them); ``flops``: each training
+    and forward-only pass's FLOPs over the real tokens."""
     def mean(key):
         return mean_of(rows, key)
 
-    tokens = mean("tokens_real")
-    out = {k: per_token * tokens / peak for k, per_token in passes}
+    out = {k: f / peak for k, f in flops.items()}
     # generation: replica 0's prefill and decode FLOPs at its devices' matmul rate, or the
     # decode steps' HBM roofline where that is longer
     replica = rows[-1]["gen_replicas"][0]

@@ -38,19 +38,23 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   al. 2022's ``s*b*h*(34 + 5*a*s/h)`` is for GPT's GeLU MLP with dropout; it undercounts
   SwiGLU.) Under 1F1B the first pipeline stage holds min(p, m) micro-batches in flight (m:
   micro-batches per optimizer step and data-parallel rank) of its L/p layers; the last stage
-  one, plus the logits: ``b*s*V/t`` entries of ``B + 8`` bytes (the logits, the cross entropy's
+  one, plus the logits: ``b*r*V/t`` entries of ``B + 8`` bytes (the logits, the cross entropy's
   fp32 copy, turned into the softmax it keeps, and its gradient beside them: measured, on an H200
-  at 0.9B, micro-batches of 8 and 32). The estimate takes the larger.
+  at 0.9B, micro-batches of 8 and 32), r = min(s, rollout.sampling.max_tokens + 1) the columns
+  the engine computes them over (``logit_columns``: from the column before the first response
+  token). The estimate takes the larger.
   With ``engine.max_tokens_per_micro_batch`` = T a micro-batch is T tokens at width s' = min(s, T)
-  (b = T/s', the widest one the budget allows: the scores grow with s' at a given T) and m is at
-  most one micro-batch per sequence;
+  (b = T/s', the widest one the budget allows: the scores grow with s' at a given T), m is at
+  most one micro-batch per sequence, and the logits are T entries' (a micro-batch of short
+  sequences can be all response);
 * with ``actor.lora``: the actor's grads and optimizer state are its adapters' (A parameters)
   alone, its weights ``(P + A)*b/(t*p)``; the reference holds nothing (it is the actor's base);
   in generation the adapted weights' base shards stay beside their merged copies, unless
   ``hybrid_engine.lora_merge`` is in_place (the merge overwrites them; their copy is in host
   memory, which this estimate does not count);
-* forward-only passes keep no activations: the logits (``B + 4`` bytes an entry: the cross
-  entropy's fp32 copy beside them) or, without an LM head, one layer's worth, transiently;
+* forward-only passes keep no activations: the logits over the same entries as training's
+  (``B + 4`` bytes an entry: the cross entropy's fp32 copy beside them) or, without an LM head,
+  one layer's worth, transiently;
 * generation: weights ``P*b/tg`` (the training shard is a slice of them under the 3D engine; the
   naive mode keeps it besides), the KV cache ``2*L*(kv_heads/tg)*head_dim*b`` bytes per token of
   prompt + response for the sequences decoded together: the replica's share of the step's
@@ -240,7 +244,27 @@ def _micro_batch_shape(eng, seq: int, forward: bool) -> tuple[int, float]:
     return seq, eng.micro_batch_size
 
 
-def _training_activations(shape: ModelConfig, part, seq: int, samples: int, lm_head: bool) -> int:
+def logit_columns(width: int, response: int) -> int:
+    """Columns of a sequence of ``width`` whose logits (and cross entropy) an LM head computes
+    in an RL pass (``TrainEngine``, the batch's ``response_mask`` given): from the column before
+    the first response token to the end, ``response`` + 1 of them at most, never more than
+    ``width``."""
+    return min(width, response + 1)
+
+
+def _logit_tokens(eng, width: int, micro_batch: float, response: int) -> float:
+    """Positions whose logits the largest micro-batch computes: ``logit_columns`` of each of its
+    sequences; under a token budget the budget itself (a micro-batch of short sequences can be
+    all response)."""
+    if eng.max_tokens_per_micro_batch is not None:
+        return eng.max_tokens_per_micro_batch
+    return micro_batch * logit_columns(width, response)
+
+
+def _training_activations(shape: ModelConfig, part, seq: int, samples: int,
+                          response: int | None) -> int:
+    """The stored activations of the largest training micro-batch on its busiest stage;
+    ``response``: the response tokens of an LM head's logits (None: a value head, none)."""
     lay, eng = part.layout, part.engine
     width, b = _micro_batch_shape(eng, seq, forward=False)
     # Micro-batches per rank and mini-batch; under a budget at most one per sequence.
@@ -248,26 +272,29 @@ def _training_activations(shape: ModelConfig, part, seq: int, samples: int, lm_h
                                * (1 if eng.max_tokens_per_micro_batch else b)))
     layer = layer_activation_bytes(shape, width, b, lay.tp, eng.sequence_parallel, eng.dtype)
     stage_layers = shape.num_layers / lay.pp
-    logits = _logits(shape, width, b, lay.tp, eng.dtype) if lm_head else 0
+    logits = (0 if response is None
+              else _logits(shape, _logit_tokens(eng, width, b, response), lay.tp, eng.dtype))
     first = stage_layers * layer * min(lay.pp, micro)
     last = stage_layers * layer + logits
     return int(max(first, last))
 
 
-def _forward_transient(shape: ModelConfig, part, seq: int, lm_head: bool) -> int:
+def _forward_transient(shape: ModelConfig, part, seq: int, response: int | None) -> int:
+    """A forward-only pass's largest transient: an LM head's logits (``response``: its response
+    tokens), or without one (None) one layer's activations."""
     lay, eng = part.layout, part.engine
     width, b = _micro_batch_shape(eng, seq, forward=True)
-    if lm_head:
-        return int(_logits(shape, width, b, lay.tp, eng.dtype, training=False))
+    if response is not None:
+        return int(_logits(shape, _logit_tokens(eng, width, b, response), lay.tp, eng.dtype,
+                           training=False))
     return int(layer_activation_bytes(shape, width, b, lay.tp, eng.sequence_parallel, eng.dtype))
 
 
-def _logits(shape: ModelConfig, seq: int, micro_batch: int, tp: int, dtype: str,
-            training: bool = True) -> float:
-    # The logits in the model's dtype, the cross entropy's fp32 copy and, training, the softmax
-    # and gradient it keeps (the module docstring).
-    return seq * micro_batch * shape.vocab_size / tp * (DTYPE_BYTES[dtype] + (8 if training
-                                                                               else 4))
+def _logits(shape: ModelConfig, tokens: float, tp: int, dtype: str, training: bool = True
+            ) -> float:
+    # The logits of ``tokens`` positions in the model's dtype, the cross entropy's fp32 copy
+    # and, training, the softmax and gradient it keeps (the module docstring).
+    return tokens * shape.vocab_size / tp * (DTYPE_BYTES[dtype] + (8 if training else 4))
 
 
 def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation, forward,
@@ -315,8 +342,10 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
         generation["rollout"] = {"kv cache": int(share * seq * per_token),
                                  "logits": int(share * r.sampling.max_tokens * shape.vocab_size
                                                * (b + 4))}
-    forward["actor"] = _forward_transient(shape, actor, seq, lm_head=True)
-    updates["actor update"] = ("actor", _training_activations(shape, actor, seq, samples, True))
+    response = r.sampling.max_tokens
+    forward["actor"] = _forward_transient(shape, actor, seq, response)
+    updates["actor update"] = ("actor", _training_activations(shape, actor, seq, samples,
+                                                              response))
 
 
 @functools.lru_cache(maxsize=256)
@@ -344,11 +373,11 @@ def _critic_side(cfg, group: str, shape: ModelConfig, seq: int, samples: int, re
     if group == "critic":
         resident["critic"] = _train_state(n, critic.layout, critic.engine)
         updates["critic update"] = ("critic", _training_activations(shape, critic, seq, samples,
-                                                                     False))
+                                                                     None))
     else:
         b = DTYPE_BYTES[critic.engine.dtype]
         resident[group] = {"weights": int(n * b / (critic.layout.tp * critic.layout.pp))}
-    forward[group] = _forward_transient(shape, critic, seq, lm_head=False)
+    forward[group] = _forward_transient(shape, critic, seq, None)
 
 
 def _megatron_max_batch() -> int:

@@ -20,7 +20,9 @@ of that dtype, B the device copy bandwidth, G(n) the all-gather rate in a group 
   rank written at B;
 * forward-only passes (old and reference log-probs, values, reward and cost scores): per
   sequence ``2 N_stage s`` plus attention's ``4 (L / p) h s^2`` on the busiest pipeline stage
-  (``N_stage``: its parameters in matmuls, the output layer's on the last), over the data- and
+  (``N_stage``: its parameters in matmuls, the output layer's on the last; an LM head's output
+  layer, ``h V``, over r = min(s, response + 1) positions only, ``2 h V r``: the engine computes
+  it from the column before the first response token, ``TrainEngine``), over the data- and
   tensor-parallel ranks at R, times the pipeline bubble ``1 + (p - 1) / m`` (m micro-batches per
   data-parallel rank), plus the TP all-reduces of the activations, ``2 L`` of ``tokens h b`` per
   pass and rank at G(t);
@@ -91,7 +93,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.config.memory import DTYPE_BYTES, MemoryEstimate, estimate_memory, param_count
+from hybridflow.config.memory import (DTYPE_BYTES, MemoryEstimate, estimate_memory,
+                                      logit_columns, param_count)
 from hybridflow.errors import ConfigError
 from hybridflow.mapping.calibrate import Calibration
 from hybridflow.models.config import ModelConfig
@@ -165,22 +168,29 @@ def attention_flops(shape: ModelConfig, seq: int, pp: int = 1) -> int:
 
 
 def forward_flops(shape: ModelConfig, head: str, seq: int, pp: int = 1,
-                  adapters: int | None = None) -> float:
+                  adapters: int | None = None, response: int | None = None) -> float:
     """FLOPs of one sequence of ``seq`` tokens through the busiest of ``pp`` pipeline stages:
     ``2 N_stage seq`` in the matmuls plus attention's ``4 (L / pp) h seq^2``; with LoRA adapters
-    of ``adapters`` parameters (switched on) their ``2 (adapters / pp) seq`` too."""
-    flops = 2 * max(stage_matmul_params(shape, pp, head)) * seq + attention_flops(shape, seq, pp)
+    of ``adapters`` parameters (switched on) their ``2 (adapters / pp) seq`` too. ``response``:
+    the sequence's response tokens, where an LM head's output layer runs over ``logit_columns``
+    of it only (``TrainEngine`` given the batch's response mask); None: over every position."""
+    stages = [2 * n * seq for n in stage_matmul_params(shape, pp, head)]
+    if head == "lm" and response is not None:
+        stages[-1] -= 2 * shape.hidden_size * shape.vocab_size * (
+            seq - logit_columns(seq, response))
+    flops = max(stages) + attention_flops(shape, seq, pp)
     return flops if adapters is None else flops + 2 * adapters / pp * seq
 
 
 def train_flops(shape: ModelConfig, head: str, seq: int, pp: int = 1,
-                adapters: int | None = None) -> float:
+                adapters: int | None = None, response: int | None = None) -> float:
     """FLOPs of one sequence's training pass (forward and backward) through the busiest of ``pp``
     pipeline stages: three forwards (the backward's input and weight gradients are each a
     forward's matmuls; attention's backward is twice its forward). With LoRA adapters of
     ``adapters`` parameters the frozen base computes no weight gradient: its matmuls twice the
-    forward's, attention still three times, the adapters ``6 (adapters / pp) seq``."""
-    fwd = forward_flops(shape, head, seq, pp)
+    forward's, attention still three times, the adapters ``6 (adapters / pp) seq``.
+    ``response``: as ``forward_flops``'s."""
+    fwd = forward_flops(shape, head, seq, pp, response=response)
     if adapters is None:
         return 3 * fwd
     return 2 * fwd + attention_flops(shape, seq, pp) + 6 * adapters / pp * seq
@@ -207,10 +217,11 @@ def gather_rate(calib: Calibration, n: int) -> float:
 
 def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration,
              head: str, micro_batch: int, kind: str = "forward",
-             adapters: int | None = None) -> dict[str, float]:
+             adapters: int | None = None, response: int | None = None) -> dict[str, float]:
     """Seconds of one pass of ``kind`` (forward-only, or a training pass: forward and backward)
     of a model over ``samples``, by term (``adapters``: LoRA's adapter parameters, switched on;
-    see ``forward_flops`` and ``train_flops``); with a profile of the model in ``calib``, over
+    ``response``: the response tokens an LM head's output layer runs over; see ``forward_flops``
+    and ``train_flops``); with a profile of the model in ``calib``, over
     ``kind``'s efficiency at the rank's micro-batch size: a profile measured at the layout's tp
     at b sequences, with the TP all-reduces inside it (no ``tp_comm`` term); one at tp = 1 at
     b / tp sequences (a TP rank's matmuls are 1/tp of the whole's), the TP all-reduces added
@@ -220,7 +231,7 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
     b, rate = DTYPE_BYTES[eng.dtype], _rate(calib, eng.dtype)
     per_rank_samples = samples / lay.dp
     pass_flops = train_flops if kind == "train" else forward_flops
-    flops = pass_flops(shape, head, seq, lay.pp, adapters)
+    flops = pass_flops(shape, head, seq, lay.pp, adapters, response)
     compute = flops * per_rank_samples / (lay.tp * rate)
     m = max(1, math.ceil(per_rank_samples / micro_batch))
     tp_bytes = ((2 if kind == "train" else 1) * 2 * shape.num_layers * per_rank_samples * seq
@@ -244,14 +255,14 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
 
 
 def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration, head: str,
-            adapters: int | None = None) -> dict[str, float]:
+            adapters: int | None = None, response: int | None = None) -> dict[str, float]:
     """Seconds of a model's update (``part.ppo_epochs`` passes of ``part.mini_batches`` optimizer
     steps, each a training pass of its own), by term. ``adapters``: LoRA's adapter parameters,
-    then the only trained ones (else every parameter is)."""
+    then the only trained ones (else every parameter is); ``response``: as ``_forward``'s."""
     lay, eng = part.layout, part.engine
     per_step = samples / part.mini_batches
     fwd = _forward(shape, part, per_step, seq, calib, head, eng.micro_batch_size, "train",
-                   adapters)
+                   adapters, response)
     steps = part.ppo_epochs * part.mini_batches
     trained = param_count(shape, head) if adapters is None else adapters
     grads = 4 * trained / (lay.tp * lay.pp)
@@ -387,7 +398,8 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
             raise ConfigError(f"{role}.engine.max_tokens_per_micro_batch", "the cost model does "
                               "not cover a token budget yet; plan without it (unset it)")
     model = shapes["model"]
-    seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
+    response = cfg.rollout.sampling.max_tokens  # the actor's output layer runs over these
+    seq = cfg.data.max_prompt_tokens + response
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
     fwd_mb = cfg.actor.engine.forward_micro_batch_size or cfg.actor.engine.micro_batch_size
     lora = None
@@ -401,9 +413,10 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
              "back_to_train": _back_to_train(cfg, model, calib, lora)}
     if not cfg.old_logprobs_from_update:  # else the update's own forward gives them
         terms["old_logprobs"] = _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb,
-                                         adapters=adapters)
+                                         adapters=adapters, response=response)
     # With LoRA the reference is the actor with its adapters off: the base's forward.
-    terms["ref_logprobs"] = _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb)
+    terms["ref_logprobs"] = _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb,
+                                     response=response)
     critic_mb = cfg.critic.engine.forward_micro_batch_size or cfg.critic.engine.micro_batch_size
     if cfg.algorithm.name == "ppo":
         terms["values"] = _forward(model, cfg.critic, samples, seq, calib, "value", critic_mb)
@@ -414,7 +427,8 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
                                for k, v in scores.items()}
     if cfg.algorithm.name == "ppo":
         terms["update_critic"] = _update(model, cfg.critic, samples, seq, calib, "value")
-    terms["update_actor"] = _update(model, cfg.actor, samples, seq, calib, "lm", adapters)
+    terms["update_actor"] = _update(model, cfg.actor, samples, seq, calib, "lm", adapters,
+                                    response)
     memory = estimate_memory(cfg, shapes)
     _offload(cfg, memory, calib, terms)
     return Prediction(phases={k: sum(v.values()) for k, v in terms.items()},

@@ -8,9 +8,11 @@ the micro-batch size (a GPU's matmuls of a few thousand tokens run far below its
 host's work per micro-batch (Python, kernel launches, the schedule). They are measured here, at
 the config's actor tp (spawned ranks, one thread each on CPU, as each worker runs; tp = 1 on a
 GPU node with fewer devices) and pp = dp = 1, with the config's model, dtype and sequence length
-and random tokens. At tp > 1 the times include what a TP rank adds per micro-batch (the
-all-reduces of every layer, the waits for its peers), which a one-process profile never sees; the
-cost model uses such a profile for that tp only, in place of its TP communication term:
+and random tokens, the output layer over the response's columns as in an RL batch (a
+``response_mask`` on the last ``max_tokens`` columns). At tp > 1 the times include what a TP rank
+adds per micro-batch (the all-reduces of every layer, the waits for its peers), which a
+one-process profile never sees; the cost model uses such a profile for that tp only, in place of
+its TP communication term:
 
 * for each micro-batch size b the planner may choose (``MICRO_BATCHES`` up to the step's samples,
   and the configured sizes), a forward-only pass (the engine's ``compute_logprobs``) and a
@@ -187,8 +189,10 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) 
     from hybridflow.mapping.cost import (ADAM_BYTES, forward_flops, generation_floor,
                                          weights_bytes)
     rate = calib.matmul_flops[cfg.actor.engine.dtype]
-    seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
-    floor = forward_flops(shape, "lm", seq) / (tp * rate)  # one sequence's forward, per TP rank
+    response = cfg.rollout.sampling.max_tokens
+    seq = cfg.data.max_prompt_tokens + response
+    # one sequence's forward, per TP rank; the output layer over the response, as measured
+    floor = forward_flops(shape, "lm", seq, response=response) / (tp * rate)
     sizes = sorted(times["forward"])
     out, fixed = {}, {}
     for kind, flops, other in (("forward", 1, 0.0), ("train", 3, times["optimizer"])):
@@ -245,9 +249,13 @@ def _measure_passes(rank: int, world_size: int, cfg: Any, shape: ModelConfig, si
     sync = torch.cuda.synchronize if torch.cuda.is_available() else (lambda: None)
 
     def batch(n: int) -> dict[str, torch.Tensor]:
+        # An RL batch's shape: the response's last max_tokens columns, where the output layer
+        # runs (the cost model's floor counts it there too).
         ids = torch.randint(0, shape.vocab_size, (n, seq))
+        response = torch.zeros(n, seq)
+        response[:, cfg.data.max_prompt_tokens:] = 1
         return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                "mask": torch.ones(n, seq)}
+                "response_mask": response, "mask": response}
 
     def loss_fn(logprobs, mb):
         return -(logprobs * mb["mask"]).sum() / mb["mask"].numel(), {}

@@ -303,7 +303,9 @@ def test_memory_estimate_by_hand():
     # probabilities in fp32 and bf16, 6 a s / t bytes
     layer = 32 * (2 * (4 * 64 + (3 * 64 + 64 + 4 * 128) / 2) + 6 * 4 * 32 / 2)
     assert layer == layer_activation_bytes(shape, 32, 1, 2, False, "bf16") == 53248
-    logits = 32 * 1000 / 2 * (2 + 8)  # bf16 logits, the fp32 copy, softmax and gradient, over tp
+    # bf16 logits, the fp32 copy, softmax and gradient, over tp, at the 17 columns the engine
+    # computes them at: the 16 response tokens' and the last prompt token's
+    logits = 17 * 1000 / 2 * (2 + 8)
     update = {"actor": {"weights": weights, "grads": grads, "optimizer": adam,
                         "activations": 2 * layer + logits},
               "ref": {"weights": weights}, "rollout": {}}
@@ -322,7 +324,7 @@ def test_memory_estimate_by_hand():
         *cfg_args, "actor.engine.optim.distributed=false"]), {"model": shape}).pools
     assert plain.phases["generation"]["actor"]["weights"] == 0
     # a forward-only pass: the bf16 logits and the cross entropy's fp32 copy
-    assert pool.phases["inference"]["actor"]["forward transient"] == 32 * 1000 / 2 * (2 + 4)
+    assert pool.phases["inference"]["actor"]["forward transient"] == 17 * 1000 / 2 * (2 + 4)
     assert pool.peak == ("actor update", sum(sum(r.values()) for r in update.values()))
     # With sequence parallelism the replicated inputs are split too; in fp32 the probabilities
     # are kept once (4 bytes); with one query head per KV group k and v keep qkv's output (5h)

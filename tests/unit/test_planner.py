@@ -83,8 +83,9 @@ def test_cost_model_by_hand():
     n = 2 * (512 + 256 + 1024 + 512 + 32) + 16 + 1024
     assert matmul_params(SHAPE) == n == 5712
     p = predict(config(), {"model": SHAPE}, CALIB)
-    # one forward over 4 samples of 12 tokens: 2 N s + attention 4 L h s^2 per sample, at 1e9
-    fwd = (2 * n * 12 + 4 * 2 * 16 * 12 ** 2) * 4 / 1e9
+    # one forward over 4 samples of 12 tokens: 2 N s + attention 4 L h s^2 per sample, at 1e9,
+    # the output layer (64*16) over the 4 response tokens and the last prompt token only
+    fwd = (2 * (n - 1024) * 12 + 2 * 1024 * 5 + 4 * 2 * 16 * 12 ** 2) * 4 / 1e9
     # prefill 2 N * 4 samples * 8 prompt tokens; 3 decode steps, each the slower of its FLOPs
     # (2 N * 4) and its bytes (4 N + the KV cache, 128 bytes per token): FLOPs here
     gen = 2 * n * 4 * 8 / 1e9 + 3 * max(2 * n * 4 / 1e9, (4 * n + 4 * 10 * 128) / 1e9)
@@ -105,10 +106,14 @@ def test_cost_model_by_hand():
     assert kl.step == pytest.approx(p.step + fwd)
 
 
-# test_cost_model_by_hand's floors, which the tests below build on: N in matmuls, attention's
-# FLOPs of a sequence, one forward over the 4 samples, Adam, the weights' bytes (fp32, at 1e9).
+# test_cost_model_by_hand's floors, which the tests below build on: N in matmuls, the matmuls'
+# FLOPs of a sequence (the output layer's over its 5 response columns), attention's, one forward
+# over the 4 samples, Adam, the weights' bytes (fp32, at 1e9).
 N, ATT = 5712, 4 * 2 * 16 * 12 ** 2
-FWD = (2 * N * 12 + ATT) * 4 / 1e9
+MATMUL = 2 * (N - 64 * 16) * 12 + 2 * 64 * 16 * 5
+# the same on the last of two stages (layer 1, the final norm, the output layer: 3376 of N)
+LAST = 2 * (3376 - 64 * 16) * 12 + 2 * 64 * 16 * 5
+FWD = (MATMUL + ATT) * 4 / 1e9
 ADAM = 28 * (N + 64 * 16) / 1e9
 WEIGHTS = 4 * (N + 64 * 16) / 1e9
 
@@ -127,7 +132,7 @@ def test_cost_model_with_lora_by_hand():
     n, a, att, fwd = N, ADAPTERS, ATT, FWD
     # The frozen base's matmuls: forward + input gradients, twice the forward's; attention's
     # backward (no weights) still twice its forward; the adapters 6 A a token.
-    update = (2 * 2 * n * 12 + 3 * att + 6 * a * 12) * 4 / 1e9
+    update = (2 * MATMUL + 3 * att + 6 * a * 12) * 4 / 1e9
     u = p.terms["update_actor"]
     assert u["compute"] == pytest.approx(update, rel=1e-12)
     assert u["compute"] < 3 * fwd  # below the full fine-tuning's three forwards
@@ -148,7 +153,7 @@ def test_cost_model_with_lora_by_hand():
     # The old log-probs are the actor's forward with the adapters on: 2 A a token more.
     kl = predict(config("actor.lora.rank=4", "algorithm.kl_in_reward=true"), {"model": SHAPE},
                  CALIB)
-    assert kl.phases["old_logprobs"] == pytest.approx((2 * n * 12 + att + 2 * a * 12) * 4 / 1e9,
+    assert kl.phases["old_logprobs"] == pytest.approx((MATMUL + att + 2 * a * 12) * 4 / 1e9,
                                                       rel=1e-12)
 
 
@@ -198,7 +203,7 @@ def test_lora_terms_split_over_the_stages_and_take_the_training_efficiency():
     assert pp.terms["back_to_train"]["zero_grads"] == pytest.approx(
         one.terms["back_to_train"]["zero_grads"] / 2, rel=1e-12)
     u = pp.terms["update_actor"]
-    compute = (2 * 2 * 3376 * 12 + 3 * 4 * 16 * 12 ** 2 + 6 * ADAPTERS // 2 * 12) * 4 / 1e9
+    compute = (2 * LAST + 3 * 4 * 16 * 12 ** 2 + 6 * ADAPTERS // 2 * 12) * 4 / 1e9
     assert u["compute"] == pytest.approx(compute, rel=1e-12)
     assert u["bubble"] == pytest.approx(compute / 2, rel=1e-12)
     # With the model's (full fine-tuning) pass profile, the LoRA floor over the training
@@ -225,7 +230,7 @@ def test_layout_terms_act():
     # the 5712 parameters in matmuls, one layer's attention) over 4 samples of 12 tokens;
     # two forward micro-batches: the 1F1B bubble adds (p - 1) / m = 1/2 of that.
     assert pp.terms["ref_logprobs"]["compute"] == pytest.approx(
-        (2 * 3376 * 12 + 4 * 16 * 12 ** 2) * 4 / 1e9)
+        (LAST + 4 * 16 * 12 ** 2) * 4 / 1e9)
     assert pp.terms["ref_logprobs"]["bubble"] == pytest.approx(
         pp.terms["ref_logprobs"]["compute"] / 2)
     assert pp.terms["reshard"]["all_gather"] > 0
@@ -274,7 +279,7 @@ def hand_profile(cfg, shape, efficiency, tp=1, fixed=None):
     from hybridflow.config.memory import param_count
     from hybridflow.mapping.cost import ADAM_BYTES, forward_flops, generation_floor, weights_bytes
     fixed = FIXED if fixed is None else fixed
-    floor = forward_flops(shape, "lm", 12) / 1e9 / tp
+    floor = forward_flops(shape, "lm", 12, response=4) / 1e9 / tp  # as profile_passes runs
     adam = ADAM_BYTES * param_count(shape) / 1e9 / efficiency["optimizer"] / tp
     times = {"optimizer": adam}
     for kind, flops in (("forward", 1), ("train", 3)):
