@@ -31,6 +31,9 @@ N most expensive operations by self time on the device (on CPU: by self CPU time
 share of the step, and the device's busy time (the sum of its kernels) beside the unprofiled
 step's wall time: ``idle`` = 1 - busy / wall is the share of the step the device waits for the
 host (Python, launches, syncs). Where the time goes, for the MFU gap.
+``--response R`` gives the batch a ``response_mask`` over each sequence's last R columns, as an
+RL batch has: the engine then computes the output layer over those (and the column before) only,
+and MFU counts the output layer's FLOPs over the R response tokens (the useful work).
 The last stdout line is one JSON object.
 """
 
@@ -68,6 +71,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--micro-batch", type=int, nargs="+", default=None,
                     help="micro-batch sizes to time (default 8 32 64 on GPU, 1 4 16 on CPU)")
     ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--response", type=int, default=0, metavar="R",
+                    help="an RL batch's shape: the last R columns of each sequence are its "
+                    "response (a response_mask the engine computes the output layer over, and "
+                    "the loss's tokens); 0: no response_mask, every position (default)")
     ap.add_argument("--lora-rank", type=int, nargs="+", default=[0],
                     help="LoRA ranks to compare, 0 = full fine-tuning (default: 0)")
     ap.add_argument("--profile", type=int, default=0, metavar="N",
@@ -80,6 +87,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args.batch = args.batch or (64 if gpu else 16)
     args.seq = args.seq or (256 if gpu else 64)
     args.micro_batch = args.micro_batch or ([8, 32, 64] if gpu else [1, 4, 16])
+    if not 0 <= args.response < args.seq:
+        ap.error(f"--response {args.response} must be in [0, --seq {args.seq})")
     bad = [m for m in args.micro_batch if m < 1 or args.batch % m]
     if bad:
         ap.error(f"--micro-batch {bad} must divide --batch {args.batch}")
@@ -172,13 +181,18 @@ def main(argv=None) -> dict:
              "attention_mask": torch.ones(args.batch, args.seq, dtype=torch.long),
              "advantages": torch.randn(args.batch, args.seq, generator=g)}
     tokens = args.batch * args.seq
+    if args.response:
+        batch["response_mask"] = torch.zeros(args.batch, args.seq)
+        batch["response_mask"][:, -args.response:] = 1
+        batch["advantages"] *= batch["response_mask"]
 
-    def loss_fn(logprobs, mb):  # a policy-gradient-shaped loss over every token
+    def loss_fn(logprobs, mb):  # a policy-gradient-shaped loss over every (response) token
         return -(logprobs * mb["advantages"]).sum() / tokens, {}
 
     n = matmul_params(cfg)
     peak = rate * world
     result = dict(bench="engine", model=args.model, tp=args.tp, dtype=dtype, batch=args.batch,
+                  response=args.response,
                   seq=args.seq, repeats=args.repeats, torch=torch.__version__,
                   device=torch.cuda.get_device_name(0) if gpu else "cpu",
                   matmul_tflops=round(rate / 1e12, 4), matmul_params=n, engines=[])
@@ -196,6 +210,10 @@ def main(argv=None) -> dict:
         # for the weights' -- with LoRA the frozen base has none, the adapters A add 6 A.
         a = sum(p.numel() for _, p in engine.adapters.named_parameters()) if lora_rank else 0
         fwd_flops, train_flops = 2 * (n + a) * tokens, (6 * (n + a) - 2 * n * bool(a)) * tokens
+        if args.response:  # the output layer's useful work: over the response tokens only
+            unused = cfg.hidden_size * cfg.vocab_size * args.batch * (args.seq - args.response)
+            fwd_flops -= 2 * unused
+            train_flops -= (4 if a else 6) * unused
         what = f"LoRA rank {lora_rank}" if lora_rank else "full fine-tuning"
         for m in args.micro_batch:
             engine.config.micro_batch_size = engine.config.forward_micro_batch_size = m
