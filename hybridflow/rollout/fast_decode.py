@@ -529,15 +529,24 @@ class FastDecoder:
             o = F.scaled_dot_product_attention(q, keys[:, :, :attend], values[:, :, :attend],
                                                attn_mask=mask)
             o = o.view(b, g, w, hpg, -1).permute(0, 2, 1, 3, 4).reshape(b * w, -1)
-            attn = self._all_reduce(row_linear(o, p[names["proj"]]))
-            x, h = add_rms_norm(x, attn, p[names["norm2"]], eps)
-            gu = gate_up(h, p[names["fc1"]])
-            act = silu_mul(gu.reshape(-1, gu.shape[-1])).view(h.shape[0], -1)
-            mlp = self._all_reduce(row_linear(act, p[names["fc2"]]))
-            nxt = (self._layers[layer + 1]["norm1"] if layer + 1 < len(self._layers)
-                   else "decoder.final_layernorm.weight")
-            x, h = add_rms_norm(x, mlp, p[nxt], eps)
+            x, h = self._layer_tail(layer, names, x, o)
         return self._logits(h.view(b, w, -1)[:, -1])
+
+    def _layer_tail(self, layer: int, names: dict[str, str], x: torch.Tensor, o: torch.Tensor
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A layer after its attention, with the Triton kernels: the output projection of ``o``
+        [rows, heads * head_dim] added into the residual ``x`` [rows, hidden] by the MLP's norm,
+        the SwiGLU MLP, its output added by the next norm (the next layer's input norm, or the
+        final one). Returns (the residual, the next norm's output)."""
+        p, eps = self.params, self.cfg.rms_norm_eps
+        attn = self._all_reduce(row_linear(o, p[names["proj"]]))
+        x, h = add_rms_norm(x, attn, p[names["norm2"]], eps)
+        gu = gate_up(h, p[names["fc1"]])
+        act = silu_mul(gu.reshape(-1, gu.shape[-1])).view(h.shape[0], -1)
+        mlp = self._all_reduce(row_linear(act, p[names["fc2"]]))
+        nxt = (self._layers[layer + 1]["norm1"] if layer + 1 < len(self._layers)
+               else "decoder.final_layernorm.weight")
+        return add_rms_norm(x, mlp, p[nxt], eps)
 
     def _forward_triton(self) -> torch.Tensor:
         """The decode step with the Triton kernels: logits [B, V] of the tokens in ``_tok`` at
@@ -551,14 +560,7 @@ class FastDecoder:
             qkv = F.linear(h, p[names["qkv"]], p.get(names["qkv_bias"]))
             q = rope_kv_write(qkv, self._cos, self._sin, self._slot, keys, values, hpg)
             o = decode_attention(q, keys, values, self._start, self._slot)
-            attn = self._all_reduce(row_linear(o.view(o.shape[0], -1), p[names["proj"]]))
-            x, h = add_rms_norm(x, attn, p[names["norm2"]], eps)
-            gu = gate_up(h, p[names["fc1"]])
-            act = silu_mul(gu.reshape(-1, gu.shape[-1])).view(h.shape[0], -1)
-            mlp = self._all_reduce(row_linear(act, p[names["fc2"]]))
-            nxt = (self._layers[layer + 1]["norm1"] if layer + 1 < len(self._layers)
-                   else "decoder.final_layernorm.weight")
-            x, h = add_rms_norm(x, mlp, p[nxt], eps)
+            x, h = self._layer_tail(layer, names, x, o.view(o.shape[0], -1))
         return self._logits(h)
 
     # ------------------------------------------------------------------------------ decoding
