@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from typing import Iterator
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridflow.errors import ConfigError, check_float, check_int
@@ -211,7 +212,6 @@ class _LoraAdd(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, out, x, a, b, scaling: float, column: bool, group):
-        import torch.distributed as dist
         x2 = x.reshape(-1, x.shape[-1])
         h = x2 @ a.t()  # [tokens, r]
         if group is not None and not column:
@@ -223,7 +223,6 @@ class _LoraAdd(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        import torch.distributed as dist
         x2, a, b, h = ctx.saved_tensors
         g2 = grad.reshape(-1, grad.shape[-1])
         grad_b = (g2.t() @ h).mul_(ctx.scaling) if ctx.needs_input_grad[3] else None
