@@ -11,7 +11,8 @@ On gloo (CPU) a bucket is gathered as one broadcast per member instead, of the e
 pieces span (``Bucket.extent``) into its segment of the gathered buffer: gloo's all-gather
 allocates a flat output of the whole gather at every call and copies it out
 (``ProcessGroupGloo``'s allgather), and sends the padding, where its broadcast reads and writes
-the tensors themselves. A direct piece is sent from the training shard; a generation tensor that is one of the rank's training shards, whole
+the tensors themselves. A direct piece is sent from the training shard; a generation tensor
+that is one of the rank's training shards, whole
 (``t == tg``: its own stage's parameters), is then that shard itself, and its place in the
 storage is never touched (on CPU a page never touched costs neither a fault nor memory); other
 own pieces are copied into the member's segment, as the all-gather does.
@@ -231,28 +232,25 @@ def naive_gather(gen: GenLayout, metas: list[ParamMeta], rank: int,
 
 def broadcast_gather(out: torch.Tensor, inp: torch.Tensor, group=None) -> None:
     """An all-gather of ``inp`` into ``out`` (``group``'s size times as long) as one broadcast per
-    member, the way a bucket is gathered on gloo (``_broadcasts``, without the padding left out):
+    member, the way a bucket is gathered on gloo (``_broadcasts``, every segment whole):
     what ``hybridflow calibrate`` and ``tools/bench_reshard.py`` time as gloo's gather rate."""
-    parts = out.view(dist.get_world_size(group), -1)
-    me = dist.get_rank(group)
-    works = [dist.broadcast(inp if k == me else parts[k], group=group, group_src=k,
-                            async_op=True) for k in range(parts.shape[0])]
-    parts[me].copy_(inp)  # the broadcast reads ``inp`` meanwhile
+    members, me = dist.get_world_size(group), dist.get_rank(group)
+    works = _broadcasts(out, inp, [inp.numel()] * members, inp.numel(), me, group)
+    # Its own segment: a copy, while the broadcast reads ``inp``.
+    out.narrow(0, me * inp.numel(), inp.numel()).copy_(inp)
     for w in works:
         w.wait()
 
 
-def _broadcasts(out: torch.Tensor, inp: torch.Tensor, bucket: Bucket, member: int,
-                group) -> list:
-    """A bucket gathered into ``out`` by one asynchronous broadcast per member of what its
-    pieces span (``Bucket.extent``): ``member`` sends ``inp``, the others' land in their
-    segments of ``out``. Every rank issues them in the same order (member order)."""
+def _broadcasts(out: torch.Tensor, inp: torch.Tensor, extents: list[int], seg_numel: int,
+                member: int, group) -> list:
+    """One asynchronous broadcast per member k of the first ``extents[k]`` elements of its
+    segment (``seg_numel`` long) of ``out``: ``member`` sends them from ``inp``, the others'
+    land in ``out``. Every rank issues them in the same order (member order)."""
     works = []
-    for k in range(bucket.members):
-        numel = bucket.extent(k)
+    for k, numel in enumerate(extents):
         if numel:
-            t = inp.narrow(0, 0, numel) if k == member else out.narrow(
-                0, k * bucket.seg_numel, numel)
+            t = inp.narrow(0, 0, numel) if k == member else out.narrow(0, k * seg_numel, numel)
             works.append(dist.broadcast(t, group=group, group_src=k, async_op=True))
     return works
 
@@ -424,7 +422,9 @@ class _Run:
                 src = own
             self.bufs[b] = buf
             if self.broadcast:  # on the wire at once, while the next bucket is prepared
-                works += _broadcasts(buf, src, bucket, self.member, self.group)
+                extents = [bucket.extent(k) for k in range(bucket.members)]
+                works += _broadcasts(buf, src, extents, bucket.seg_numel, self.member,
+                                     self.group)
                 if src.data_ptr() != own.data_ptr() and b not in self.skip_own:
                     own.copy_(src)  # the broadcast reads ``src`` meanwhile, not ``own``
             else:
