@@ -78,6 +78,15 @@ phases (``predicted_s``; docs/planner.md), printed beside the measured ones: flo
 file has a profile of this model's passes, which ``--profile-passes`` measures first (what
 ``hybridflow calibrate --config`` does for a run config) and adds to the file.
 
+Allocator (GPU): ``allocator`` has, per worker call, the mean over the timed iterations of the
+blocks the CUDA caching allocator took from the device during it (``_device_allocs``: a warm
+cache takes none) and of its retries (``_alloc_retries``: no room, its whole cache freed, the
+allocation tried again), the largest over ranks.
+
+``--profile N``: one more iteration after the timed ones, rank 0's actor calls of the update and
+the log-prob passes under torch.profiler (``Worker.arm_profile``): each one's N costliest kernels
+and the device's idle share of that phase's timed mean.
+
 The last stdout line is one JSON object.
 """
 
@@ -179,6 +188,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--configured-sizes", action="store_true",
                     help="with --profile-passes: only this run's micro-batch sizes, not the "
                          "planner's whole ladder (`hybridflow calibrate --configured-sizes`)")
+    ap.add_argument("--profile", type=int, default=0, metavar="N",
+                    help="after the timed iterations, one more with rank 0's actor calls "
+                         f"({', '.join(PROFILED_CALLS)}) under torch.profiler: print each "
+                         "one's N costliest kernels and its device idle time")
     args = ap.parse_args(argv)
     if args.profile_passes and args.calibration is None:
         ap.error("--profile-passes adds to a calibration file: give --calibration FILE")
@@ -357,6 +370,35 @@ def run_iteration(trainer, items) -> tuple[dict, object]:
     return m, batch
 
 
+# the actor's worker calls --profile runs under torch.profiler, by the phase each one times
+PROFILED_CALLS = {"update_actor": "update_actor_s", "compute_log_prob": "old_logprobs_s",
+                  "compute_ref_log_prob": "ref_logprobs_s"}
+
+
+def profile_iteration(trainer, items, tmp: Path, rows: list[dict], top: int) -> dict:
+    """One more iteration, rank 0's ``PROFILED_CALLS`` under torch.profiler (``arm_profile``);
+    each profile's idle time is against the timed iterations' mean of its phase (the profiler
+    slows the host, so its own call is longer)."""
+    from hybridflow.mapping.profile import print_profile
+    paths = {call: str(tmp / f"profile-{call}.json") for call in PROFILED_CALLS}
+    trainer.actor.run("arm_profile", paths, top)
+    run_iteration(trainer, items)
+    out = {}
+    for call, path in paths.items():
+        if not Path(path).is_file():
+            continue  # the step made no such call (on-policy: no old log-probs)
+        prof = json.loads(Path(path).read_text())
+        wall = mean_of(rows, PROFILED_CALLS[call])
+        if wall is not None and prof["idle"] is not None:
+            prof["profiled_wall_s"], prof["wall_s"] = prof["wall_s"], round(wall, 4)
+            prof["idle"] = round(max(0.0, 1 - prof["busy_s"] / wall), 3)
+            for op in prof["top"]:
+                op["share"] = round(op["s"] / wall, 3)
+        print_profile(f"{call} ({PROFILED_CALLS[call][:-2]}, rank 0)", prof)
+        out[call] = prof
+    return out
+
+
 def run_config(args, path: Path, prompts: Path):
     """The run's RLConfig; ``prompts`` is the jsonl file of the made-up prompts (a file, not the
     default reasoning-gym source: the GPU machine lacks reasoning-gym)."""
@@ -468,12 +510,19 @@ def main(argv=None) -> dict:
                       f"{m['step_s']:.3f}s, generate {m['generate_call_s']:.3f}s, score "
                       f"{m['score_call_s']:.3f}s, update {m['update_call_s']:.3f}s, reward "
                       f"{m['reward_mean']:.3f}", flush=True)
+            if args.profile:
+                result["call_profiles"] = profile_iteration(trainer, items, Path(tmp), rows,
+                                                            args.profile)
         finally:
             trainer.close()
 
     summarize(result, rows, cfg_model, args)
     memory_pairs(result, rows, cfg, cfg_model)
     print_table(result)
+    busy = {k: v for k, v in result["allocator"].items() if v}
+    if busy:
+        print("allocator, per call (device allocations, retries): " + ", ".join(
+            f"{k} {v:g}" for k, v in busy.items()), flush=True)
     if trainer.prediction is not None:  # the cost model's floors for the same phases
         result["predicted_s"] = {k: round(v, 4) for k, v in trainer.prediction.phases.items()}
         result["predicted_s"]["step"] = round(trainer.prediction.step, 4)
@@ -544,6 +593,9 @@ def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
             sum(flops[tag].values()) / sum(mean(f"{k}_s") for k in flops[tag]) / peak, 4)
         result[f"tflops_{tag}update_actor"] = round(
             flops[tag]["update_actor"] / mean("update_actor_s") / 1e12, 2)
+    result["allocator"] = {k[len("memory/"):]: round(mean(k), 1) for k in rows[0]
+                           if k.startswith("memory/")
+                           and k.endswith(("_device_allocs", "_alloc_retries"))}
     result["padded_fraction"] = round(1 - mean("tokens_real") / mean("tokens_padded"), 4)
     result["reward_mean"] = round(mean("reward_mean"), 4)
     floors(result, rows, flops[""], n_params, peak, args)

@@ -166,16 +166,44 @@ class Worker:
 
     def call(self, method: str, *args: Any, **kwargs: Any) -> Any:
         """``method``'s result; on a GPU, a Batch's meta gains this process's device memory over
-        the call (``memory_meta``: the allocator's peak during it and what stays allocated)."""
+        the call (``memory_meta``: the allocator's peak during it, what stays allocated, and how
+        often it had to ask the device for memory). A call ``arm_profile`` named runs under
+        torch.profiler."""
         import torch
+        run = getattr(self, method)
+        armed = getattr(self, "_profile", {})
+        if method in armed:
+            run = self._profiled(run, armed.pop(method))
         if not torch.cuda.is_available():
-            return getattr(self, method)(*args, **kwargs)
+            return run(*args, **kwargs)
         torch.cuda.reset_peak_memory_stats()
-        out = getattr(self, method)(*args, **kwargs)
+        before = torch.cuda.memory_stats()
+        out = run(*args, **kwargs)
         if isinstance(out, Batch):
             out.meta.update(memory_meta(method, torch.cuda.max_memory_allocated(),
-                                        torch.cuda.memory_allocated()))
+                                        torch.cuda.memory_allocated(), before,
+                                        torch.cuda.memory_stats()))
         return out
+
+    def arm_profile(self, calls: dict[str, str], top: int) -> None:
+        """The next call of each method in ``calls`` runs under torch.profiler (on rank 0), and
+        the summary of its ``top`` costliest kernels (``profile_step``) is written as JSON to
+        the path ``calls`` gives it (what ``bench_rl_step --profile`` reads)."""
+        self._profile = ({m: (path, top) for m, path in calls.items()} if self.rank == 0
+                         else {})
+
+    @staticmethod
+    def _profiled(run, where: tuple[str, int]):
+        def profiled(*args: Any, **kwargs: Any) -> Any:
+            import json
+
+            from hybridflow.mapping.profile import profile_step
+            out = []
+            prof = profile_step(lambda: out.append(run(*args, **kwargs)), None, where[1])
+            with open(where[0], "w") as f:
+                json.dump(prof, f)
+            return out[0]
+        return profiled
 
 
 def cap_gpu_memory(gib: float) -> None:
@@ -195,12 +223,22 @@ def cap_gpu_memory(gib: float) -> None:
 MEMORY = "memory/"
 
 
-def memory_meta(method: str, peak: int, resident: int) -> dict[str, float]:
+def memory_meta(method: str, peak: int, resident: int, before: dict | None = None,
+                after: dict | None = None) -> dict[str, float]:
     """``memory/<method>_peak_gib``: the most a process's tensors held during a call of
     ``method`` (torch's allocator: no CUDA context, no cached free blocks);
-    ``memory/<method>_resident_gib``: what they hold after it."""
-    return {f"{MEMORY}{method}_peak_gib": peak / 2**30,
-            f"{MEMORY}{method}_resident_gib": resident / 2**30}
+    ``memory/<method>_resident_gib``: what they hold after it. With torch's
+    ``memory_stats()`` from ``before`` and ``after`` the call: ``_device_allocs``, the blocks
+    the allocator had to take from the device during it (each a cudaMalloc: none once its cache
+    is warm), and ``_alloc_retries``, the times it found no room, freed its whole cache and
+    tried again (a device near full: each a synchronisation and a round of cudaFree)."""
+    out = {f"{MEMORY}{method}_peak_gib": peak / 2**30,
+           f"{MEMORY}{method}_resident_gib": resident / 2**30}
+    if before is not None and after is not None:
+        for key, stat in (("device_allocs", "num_device_alloc"),
+                          ("alloc_retries", "num_alloc_retries")):
+            out[f"{MEMORY}{method}_{key}"] = float(after.get(stat, 0) - before.get(stat, 0))
+    return out
 
 
 def max_memory_meta(metas: list[dict[str, Any]]) -> dict[str, float]:

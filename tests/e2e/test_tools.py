@@ -64,7 +64,7 @@ def test_bench_rl_step_ppo_reports_every_phase(tmp_path):
              "ppo", "--warmup", "0", "--iters", "1", "--batch", "2", "--n", "2",
              "--max-tokens", "4", "--micro-batch", "2", "--forward-micro-batch", "4",
              "--workdir", str(tmp_path), "--calibration", str(tmp_path / "calibration.json"),
-             "--profile-passes")
+             "--profile-passes", "--profile", "3")
     # the model's passes profiled first and kept in the calibration file
     from hybridflow.mapping.calibrate import Calibration
     (profile,) = Calibration.from_json(tmp_path / "calibration.json").passes
@@ -93,3 +93,9 @@ def test_bench_rl_step_ppo_reports_every_phase(tmp_path):
     assert r["floor_ratio"] > r["floor_ratio_phases"] > 1
     assert 0 < r["mfu_update_critic"] < 1 and 0 < r["mfu_training"] < 1
     assert r["response_tokens"] > 0
+    # --profile: one more iteration, rank 0's actor calls under torch.profiler; on-policy, the
+    # step makes no compute_log_prob call, so it has no profile
+    assert set(r["call_profiles"]) == {"update_actor", "compute_ref_log_prob"}
+    update = r["call_profiles"]["update_actor"]
+    assert 0 < update["busy_s"] and 1 <= len(update["top"]) <= 3
+    assert any("mm" in op["name"] or "Linear" in op["name"] for op in update["top"])
