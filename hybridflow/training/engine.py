@@ -175,7 +175,9 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
         masked_softmax_fusion=False,
         apply_rope_fusion=False,
         persist_layer_norm=False,
-        gradient_accumulation_fusion=False,
+        # On CUDA each weight gradient is added into the fp32 main_grad by its own GEMM
+        # (megatron_patches/wgrad.py says why), not written out and added by DDP's hook.
+        gradient_accumulation_fusion=_wgrad_fusion(),
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
@@ -201,6 +203,11 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
         batch_p2p_comm=torch.cuda.is_available(),
         deallocate_pipeline_outputs=False,
     )
+
+
+def _wgrad_fusion() -> bool:
+    from megatron_patches import wgrad
+    return wgrad.apply()
 
 
 def _build_chunks(model: ModelConfig, layout: TrainLayout, tf_config, pg_collection):
@@ -580,6 +587,12 @@ class TrainEngine:
         )
         self.chunks = [DistributedDataParallel(self.tf_config, ddp_config, c, pg_collection=self.pg)
                        for c in chunks]
+        if self.tf_config.gradient_accumulation_fusion and model.tie_embeddings:
+            # The output layer adds its gradient of the shared table into main_grad itself and
+            # hands autograd a dummy; zeros, so DDP's hook still adds the lookup's gradient.
+            for chunk in chunks:
+                if chunk.pre_process:
+                    chunk.embedding.word_embeddings.weight.zero_out_wgrad = True
         # Megatron scales grads by 1/num_tokens when given them; our loss functions already
         # carry their own normalisation, so the count is dropped here.
         self.tf_config.finalize_model_grads_func = (
