@@ -81,6 +81,7 @@ def test_fused_gradients_equal_the_unfused_path():
         assert set(plain["grads"]) == set(fused["grads"])
         for name, grad in plain["grads"].items():
             # bf16 products summed in fp32 either way; the unfused path rounds each
-            # micro-batch's gradient to bf16 before adding it
-            torch.testing.assert_close(fused["grads"][name], grad, rtol=0.02,
-                                       atol=0.02 * grad.abs().max().item(), msg=name)
+            # micro-batch's gradient to bf16 before adding it: 0.17% apart on one H200. A tied
+            # table that lost the lookup's gradient (no zero_out_wgrad) is 98% apart.
+            error = (fused["grads"][name] - grad).norm() / max(grad.norm(), 1e-12)
+            assert error < 0.01, (name, float(error))
