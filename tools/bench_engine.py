@@ -56,7 +56,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench_rl_step import MODELS, matmul_params, matmul_rate, model_config  # noqa: E402
-from hybridflow.mapping.profile import print_profile, profile_step  # noqa: E402
+from hybridflow.profiling import print_profile, profile_step  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

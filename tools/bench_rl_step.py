@@ -379,7 +379,7 @@ def profile_iteration(trainer, items, tmp: Path, rows: list[dict], top: int) -> 
     """One more iteration, rank 0's ``PROFILED_CALLS`` under torch.profiler (``arm_profile``);
     each profile's idle time is against the timed iterations' mean of its phase (the profiler
     slows the host, so its own call is longer)."""
-    from hybridflow.mapping.profile import print_profile
+    from hybridflow.profiling import print_profile
     paths = {call: str(tmp / f"profile-{call}.json") for call in PROFILED_CALLS}
     trainer.actor.run("arm_profile", paths, top)
     run_iteration(trainer, items)

@@ -51,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run from a check
 import torch  # noqa: E402
 
 from hybridflow.models.config import ModelConfig  # noqa: E402
-from hybridflow.mapping.profile import print_profile, profile_step  # noqa: E402
+from hybridflow.profiling import print_profile, profile_step  # noqa: E402
 from hybridflow.models.params import DTYPES  # noqa: E402
 from hybridflow.rollout.base import SamplingConfig  # noqa: E402
 

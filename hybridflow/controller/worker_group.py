@@ -197,7 +197,7 @@ class Worker:
         def profiled(*args: Any, **kwargs: Any) -> Any:
             import json
 
-            from hybridflow.mapping.profile import profile_step
+            from hybridflow.profiling import profile_step
             out = []
             prof = profile_step(lambda: out.append(run(*args, **kwargs)), None, where[1])
             with open(where[0], "w") as f:
