@@ -119,6 +119,15 @@ def test_bench_layout_backend_and_budget_options_reach_the_run_config(tmp_path):
     assert args.micro_batch is None and args.forward_micro_batch is None
 
 
+def test_a_prediction_with_a_token_budget_is_refused_before_the_run(tmp_path, capsys):
+    # The cost model does not cover a budget; the bench said so as a traceback after set-up.
+    with pytest.raises(SystemExit) as e:
+        bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--calibration",
+                                  str(tmp_path / "c.json"), "--max-tokens-per-micro-batch", "64"])
+    assert e.value.code == 2
+    assert "does not cover a token budget" in capsys.readouterr().err
+
+
 def test_bench_lora_and_memory_cap_options_reach_the_run_config(tmp_path):
     args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--lora-rank", "8",
                                      "--lora-merge", "in_place", "--gpus-per-worker", "1",
