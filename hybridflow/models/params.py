@@ -400,28 +400,59 @@ def init_full_weights(metas: list[ParamMeta], seed: int = 0, std: float = 0.02,
     return out
 
 
-def stage_layers(num_layers: int, pp: int, pp_rank: int) -> range:
-    """Global layer indices held by pipeline stage ``pp_rank`` (an even split)."""
-    if num_layers % pp:
-        raise ValueError(f"layout.pp={pp} does not divide the model's {num_layers} layers; pick a "
-                         f"pp that divides {num_layers}")
+def stage_layer_counts(num_layers: int, pp: int, last: int | None = None) -> list[int]:
+    """Layers held by each of ``pp`` pipeline stages. ``last`` None: an even split; otherwise the
+    layout's ``last_stage_layers``: that many on the last stage and the rest split evenly over the
+    others, as Megatron-Core places them given ``num_layers_in_last_pipeline_stage``
+    (``get_transformer_layer_offset``). The last stage also computes the output layer and the
+    loss, so giving it fewer layers balances the stages; it also lets a pp that does not divide
+    the layers train (30 at pp=4: 8, 8, 8, 6).
+
+    The one place that says how layers split: the engine (through Megatron), the reshard plan,
+    the cost model and the memory estimate all read it. Errors name the layout's field."""
+    if last is None:
+        if num_layers % pp:
+            raise ConfigError("layout.pp", f"pp={pp} does not divide the model's {num_layers} "
+                                           f"layers; pick a pp that divides {num_layers}, or set "
+                                           "layout.last_stage_layers to split them unevenly")
+        return [num_layers // pp] * pp
+    field = "layout.last_stage_layers"
+    if pp == 1:
+        raise ConfigError(field, "needs layout.pp > 1 (one stage holds every layer); set it to "
+                                 "null or raise pp")
+    if not 1 <= last < num_layers:
+        raise ConfigError(field, f"{last} is not between 1 and the model's {num_layers} layers "
+                                 f"minus one; pick one of 1..{num_layers - 1}")
+    if (num_layers - last) % (pp - 1):
+        fits = [k for k in range(1, num_layers) if (num_layers - k) % (pp - 1) == 0]
+        raise ConfigError(field, f"the other {pp - 1} stages must split the remaining "
+                                 f"{num_layers - last} of {num_layers} layers evenly; pick one of "
+                                 f"{fits}")
+    return [(num_layers - last) // (pp - 1)] * (pp - 1) + [last]
+
+
+def stage_layers(num_layers: int, pp: int, pp_rank: int, last: int | None = None) -> range:
+    """Global layer indices held by pipeline stage ``pp_rank`` (``last``: see
+    ``stage_layer_counts``)."""
+    counts = stage_layer_counts(num_layers, pp, last)
     if not 0 <= pp_rank < pp:
         raise ValueError(f"pp_rank {pp_rank} outside a pipeline of {pp} stages")
-    per = num_layers // pp
-    return range(pp_rank * per, (pp_rank + 1) * per)
+    start = sum(counts[:pp_rank])
+    return range(start, start + counts[pp_rank])
 
 
-def owner_stage(meta: ParamMeta, pp: int, num_layers: int) -> int:
-    """Training pipeline stage that holds ``meta``: pre -> 0, post -> pp-1, layers by the split."""
+def owner_stage(meta: ParamMeta, pp: int, num_layers: int, last: int | None = None) -> int:
+    """Training pipeline stage that holds ``meta``: pre -> 0, post -> pp-1, layers by the split
+    (``last``: the layout's ``last_stage_layers``, see ``stage_layer_counts``)."""
     if meta.position == "pre":
         return 0
     if meta.position == "post":
         return pp - 1
-    if num_layers % pp:
-        stage_layers(num_layers, pp, 0)  # raises the message naming layout.pp
+    counts = stage_layer_counts(num_layers, pp, last)
     if not 0 <= meta.layer < num_layers:
         raise ValueError(f"{meta.name}: layer {meta.layer} outside a model of {num_layers} layers")
-    return meta.layer // (num_layers // pp)
+    # Every stage but the last holds counts[0] layers.
+    return min(meta.layer // counts[0], pp - 1)
 
 
 def num_layers_of(metas: list[ParamMeta]) -> int:

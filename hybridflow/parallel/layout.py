@@ -11,6 +11,8 @@ model-parallel group of ``p*t`` ranks there are ``dg = (p*t) / (pg*tg)`` generat
 
 so generation TP (PP) groups take ranks at stride ``t/tg`` (``p/pg``), and the ranks that share a
 generation shard -- the micro-DP group -- are those whose training shards concatenate into it.
+A generation stage holds the layers of the ``p/pg`` training stages it merges, so it follows the
+training split, ``last_stage_layers`` included (the rollout backends generate at pg = 1).
 One all-gather per micro-DP group builds the generation weights with no redundant copy.
 
 Everything here is pure: no process is started and no group is created.
@@ -40,6 +42,12 @@ class TrainLayout:
     """Data-parallel size d."""
     vpp: int | None = None
     """Virtual pipeline stages per pipeline rank (interleaved schedule); None for none."""
+    last_stage_layers: int | None = None
+    """Transformer layers on the last pipeline stage, the other stages splitting the rest evenly
+    (Megatron-Core's num_layers_in_last_pipeline_stage); None: every stage holds num_layers / pp.
+    The last stage also computes the output layer and the loss, so with a large vocabulary it is
+    the slowest and the others wait for it: fewer layers there balance the stages. It also
+    lets a pp that does not divide the layers train (30 layers at pp=4: 8, 8, 8 and 6)."""
 
     def __post_init__(self) -> None:
         for name in ("tp", "pp", "dp"):
@@ -48,6 +56,17 @@ class TrainLayout:
         if self.pp == 1 and (self.vpp or 1) > 1:
             raise ConfigError("vpp", "virtual pipeline stages need pp > 1; set vpp to null or "
                                      "raise pp")
+        # What needs the model's layer count is checked against it: models.params'
+        # stage_layer_counts, through the engine's check_model_fits_layout.
+        check_int("last_stage_layers", self.last_stage_layers, none_ok=True)
+        if self.last_stage_layers is not None and self.pp == 1:
+            raise ConfigError("last_stage_layers", "needs pp > 1 (one stage holds every layer); "
+                                                   "set last_stage_layers to null or raise pp")
+        if self.last_stage_layers is not None and self.vpp is not None:
+            # Megatron would split each stage's layers over its virtual chunks; the reshard and
+            # the cost model do not model that (nor does the reshard support vpp at all).
+            raise ConfigError("last_stage_layers", "is not supported together with vpp (virtual "
+                                                   "pipeline stages); set one of them to null")
 
     @property
     def world_size(self) -> int:
@@ -93,6 +112,8 @@ class TrainLayout:
 
     def __str__(self) -> str:
         v = f", vpp={self.vpp}" if self.vpp else ""
+        if self.last_stage_layers is not None:
+            v += f", last_stage_layers={self.last_stage_layers}"
         return f"tp={self.tp}, pp={self.pp}, dp={self.dp}{v}"
 
 

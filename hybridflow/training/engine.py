@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from hybridflow.algorithms.losses import vocab_parallel_entropy
 from hybridflow.errors import ArgumentError, ConfigError, check_choice, check_float, check_int
 from hybridflow.models.config import ModelConfig
-from hybridflow.models.params import DTYPES, ParamMeta, llama_param_metas, shard
+from hybridflow.models.params import (DTYPES, ParamMeta, llama_param_metas, shard,
+                                      stage_layer_counts)
 from hybridflow.parallel.groups import init_megatron_parallel
 from hybridflow.parallel.layout import TrainLayout
 from hybridflow.training.lora import LoraConfig
@@ -142,9 +143,12 @@ def check_model_fits_layout(model: ModelConfig, layout: TrainLayout, engine: Eng
     if model.vocab_size % t:
         raise ConfigError("layout.tp", f"tp={t} must divide model.vocab_size={model.vocab_size}")
     stages = p * (layout.vpp or 1)
-    if model.num_layers % stages:
+    if layout.last_stage_layers is not None:  # TrainLayout refuses it with vpp
+        stage_layer_counts(model.num_layers, p, layout.last_stage_layers)
+    elif model.num_layers % stages:
         raise ConfigError("layout.pp", f"pp*vpp={stages} must divide model.num_layers="
-                          f"{model.num_layers}")
+                          f"{model.num_layers}" + ("" if layout.vpp else
+                                                   ", or set layout.last_stage_layers"))
     if engine.sequence_parallel and t == 1:
         raise ConfigError("engine.sequence_parallel", "needs layout.tp > 1; set it to false")
 
@@ -181,6 +185,8 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
+        # Megatron's split is models.params.stage_layer_counts', which the reshard plan reads.
+        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         sequence_parallel=engine.sequence_parallel,
         params_dtype=dtype,
         pipeline_dtype=dtype,

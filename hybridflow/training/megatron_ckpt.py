@@ -2,11 +2,12 @@
 TrainEngine, and the HF <-> Megatron conversions that ``tools/convert_checkpoint.py`` runs.
 
 A checkpoint is the ``sharded_state_dict()`` of the engine's GPTModel chunks: every tensor is
-stored under a global key with its global shape (layers stacked along a global layer axis), so a
-checkpoint saved at one (tp, pp, vpp, dp) loads at any other. Beside it, ``hybridflow_model.json``
-holds our ModelConfig, so that nothing else is needed to rebuild the model, and ``tokenizer/``
-the tokenizer when there was one. Checkpoints are written into a temporary directory and renamed
-into place: the destination never holds a half-written checkpoint.
+stored under a global key with its global shape (layers stacked along a global layer axis, each
+at its global index), so a checkpoint saved at one (tp, pp, vpp, dp, last_stage_layers) loads at
+any other. Beside it, ``hybridflow_model.json`` holds our ModelConfig, so that nothing else is
+needed to rebuild the model, and ``tokenizer/`` the tokenizer when there was one. Checkpoints are
+written into a temporary directory and renamed into place: the destination never holds a
+half-written checkpoint.
 """
 
 from __future__ import annotations
@@ -96,7 +97,8 @@ def save_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike,
 def _write_model_file(engine, ckpt_dir: Path) -> None:
     layout = engine.layout
     info = {"format": _FORMAT, "model": dataclasses.asdict(engine.model_config),
-            "saved_at": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp}}
+            "saved_at": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp,
+                         "last_stage_layers": layout.last_stage_layers}}
     if engine.adapters is not None:
         info["lora"] = dataclasses.asdict(engine.adapters.config)
     (ckpt_dir / MODEL_FILE).write_text(json.dumps(info, indent=2) + "\n")

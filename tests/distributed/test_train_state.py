@@ -1,13 +1,14 @@
 """An engine's training state (weights + Adam state) saved and loaded: the steps after a load
 equal, bitwise, the steps an engine that never stopped takes, at the layout it was saved at and
-at another; and a step with non-finite gradients is not applied."""
+at another (uneven pipeline stages included); and a step with non-finite gradients is not
+applied."""
 
 import pytest
 import torch
 
 from hybridflow.parallel.spawn import spawn
 
-MODEL = dict(vocab_size=128, hidden_size=32, ffn_hidden_size=64, num_layers=2, num_heads=4,
+MODEL = dict(vocab_size=128, hidden_size=32, ffn_hidden_size=64, num_layers=4, num_heads=4,
              num_kv_heads=2, head_dim=8, max_position_embeddings=32)
 
 
@@ -69,7 +70,10 @@ def _load_then_continue(rank, world, ckpt, layout, distributed):
 @pytest.mark.parametrize("saved_at, distributed, loads", [
     # The same layout: bitwise. Others: the same state loads, and the steps after agree up to
     # the reduction order of the changed tp/dp sums.
+    # Saved at 2/2 layers per stage, loaded at 1/3: layers sit at global indices in the
+    # checkpoint, whichever stage holds them.
     (dict(tp=1, pp=2, dp=1), False, [(dict(tp=1, pp=2, dp=1), True),
+                                     (dict(tp=1, pp=2, dp=1, last_stage_layers=3), False),
                                      (dict(tp=2, pp=1, dp=1), False),
                                      (dict(tp=1, pp=1, dp=2), False)]),
     # Megatron's distributed optimizer (ZeRO-1) shards its state over dp (on CPU it reloads at

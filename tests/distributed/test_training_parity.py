@@ -1,4 +1,5 @@
-"""A training step at TP/PP/VPP/DP/SP and the distributed optimizer equals the single-process step.
+"""A training step at TP/PP/VPP/DP/SP, uneven pipeline stages and the distributed optimizer equals
+the single-process step.
 
 Each layout starts from the same full weights and sees the same global batch; the loss is a sum
 over tokens with a fixed scale, so every layout minimises the same objective. SGD keeps the
@@ -26,6 +27,8 @@ LAYOUTS_4 = [
     (dict(tp=1, pp=2, dp=2, vpp=2), False, False, (1, 2), "lm"),
     (dict(tp=1, pp=1, dp=4), False, True, (1, 2), "lm"),
     (dict(tp=2, pp=2, dp=1), False, False, (2, 8), "value"),
+    # uneven stages: 3 layers, then 1 and the output layer (layout.last_stage_layers)
+    (dict(tp=1, pp=2, dp=2, last_stage_layers=1), False, False, (2, 4), "lm"),
 ]
 
 
@@ -53,7 +56,7 @@ def value_loss_fn(values, mb):
 
 
 def run_layouts(rank, world, layouts, qwen):
-    from hybridflow.models.params import init_full_weights, llama_param_metas
+    from hybridflow.models.params import init_full_weights, llama_param_metas, stage_layers
     from hybridflow.errors import ConfigError
     from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
 
@@ -70,7 +73,15 @@ def run_layouts(rank, world, layouts, qwen):
             micro_batch_size=mbs, forward_micro_batch_size=forward_mbs, sequence_parallel=sp,
             optim=optim), head=head)
         engine.load_full_weights(full)
-        d, _, _ = layout.coords(rank)
+        d, pp_rank, _ = layout.coords(rank)
+        # The layers Megatron built on this rank must be the ones the reshard plan and the
+        # checkpoint code take it to hold (models.params.stage_layers).
+        held = sorted({int(n.split(".")[2]) for n, _ in engine.named_local_params()
+                       if n.startswith("decoder.layers.")})
+        split_ok = layout.vpp is not None or held == list(stage_layers(
+            model.num_layers, layout.pp, pp_rank, layout.last_stage_layers))
+        splits = [None] * world
+        torch.distributed.all_gather_object(splits, (rank, held, split_ok))
         per = BATCH // layout.dp
         mine = {k: v[d * per:(d + 1) * per] for k, v in batch.items()}
         per_token = engine.compute_logprobs if head == "lm" else engine.compute_values
@@ -89,7 +100,8 @@ def run_layouts(rank, world, layouts, qwen):
         weights = engine.full_weights()
         if rank == 0:  # the loss is the objective: every DP rank's share summed
             first_of_each_dp = [gathered[layout.rank(dd, 0, 0)] for dd in range(layout.dp)]
-            results.append({"logprobs": torch.cat(first_of_each_dp), "loss": metrics["loss"],
+            results.append({"layers": splits,
+                            "logprobs": torch.cat(first_of_each_dp), "loss": metrics["loss"],
                             "grad_norm": metrics["grad_norm"], "weights": weights,
                             "moved": max((weights[k] - full[k]).abs().max().item()
                                          for k in full if k in weights)})
@@ -113,6 +125,7 @@ def test_step_matches_single_process(runs, index):
     refs, multi = runs
     _, _, dist_opt, _, head = LAYOUTS_4[index]
     ref, got = refs[dist_opt, head], multi[index]
+    assert all(ok for _, _, ok in got["layers"]), got["layers"]  # (rank, layers held, as planned)
     assert ref["moved"] > 1e-4  # the step did change the weights
     torch.testing.assert_close(got["logprobs"], ref["logprobs"], atol=1e-5, rtol=1e-5)
     assert got["loss"] == pytest.approx(ref["loss"], rel=1e-5)

@@ -27,11 +27,38 @@ def test_world_size_mismatch_names_the_fix():
 
 
 @pytest.mark.parametrize("kw, field", [(dict(tp=0), "tp"), (dict(pp=-1), "pp"),
-                                        (dict(vpp=2), "vpp")])
+                                        (dict(vpp=2), "vpp"),
+                                        (dict(pp=2, last_stage_layers=0), "last_stage_layers")])
 def test_bad_sizes(kw, field):
     with pytest.raises(ConfigError) as e:
         TrainLayout(**kw)
     assert e.value.field == field
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(last_stage_layers=1), "needs pp > 1"),
+    (dict(pp=2, vpp=2, last_stage_layers=1), "not supported together with vpp"),
+])
+def test_uneven_split_is_refused_without_a_pipeline_or_with_vpp(kw, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        TrainLayout(**kw)
+    assert e.value.field == "last_stage_layers"
+
+
+@pytest.mark.parametrize("layout, message", [
+    (TrainLayout(pp=2, last_stage_layers=4), "4 is not between 1 and the model's 4 layers"),
+    (TrainLayout(pp=3, last_stage_layers=1), r"remaining 3 of 4 layers evenly; pick one of \[2\]"),
+])
+def test_uneven_split_that_does_not_fit_the_model_names_the_field(layout, message):
+    with pytest.raises(ConfigError, match=message) as e:
+        check_model_fits_layout(MODEL, layout, EngineConfig())
+    assert e.value.field == "layout.last_stage_layers"
+
+
+def test_uneven_split_lets_a_pp_that_does_not_divide_the_layers_fit():
+    check_model_fits_layout(MODEL, TrainLayout(pp=3, last_stage_layers=2), EngineConfig())
+    with pytest.raises(ConfigError, match="or set layout.last_stage_layers"):
+        check_model_fits_layout(MODEL, TrainLayout(pp=3), EngineConfig())
 
 
 @pytest.mark.parametrize("layout, message", [
