@@ -248,6 +248,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gen-pp", type=int, default=1)
     ap.add_argument("--layout", action="append", default=[], metavar="TP,PP,TG,PG",
                     help="a layout to measure (repeatable); replaces --train-tp/pp, --gen-tp/pp")
+    ap.add_argument("--last-stage-layers", type=int, default=None, metavar="L",
+                    help="layers on the last training stage of the layouts with pp > 1, the "
+                         "others splitting the rest (layout.last_stage_layers); default: even")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default="bf16")
     ap.add_argument("--bucket-mb", type=float, default=256.0,
                     help="the largest all-gather of packed (small) parameters")
@@ -307,7 +310,8 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
     mp = train_tp * train_pp
     if world % mp:
         raise SystemExit(f"train tp x pp = {mp} must divide the world size {world}")
-    train = TrainLayout(tp=train_tp, pp=train_pp, dp=world // mp)
+    train = TrainLayout(tp=train_tp, pp=train_pp, dp=world // mp,
+                        last_stage_layers=args.last_stage_layers if train_pp > 1 else None)
     gen = GenLayout(train=train, tp=gen_tp, pp=gen_pp)
     cfg = ModelConfig(arch="llama", max_position_embeddings=4096, **PRESETS[args.model])
     dtype = DTYPES[args.dtype]
@@ -336,8 +340,10 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
 
     shards = {m.name: fill_shard(m, train.tp, tp_rank, salt_of(m.name, args.seed,
                                                                 cfg.tie_embeddings), dtype, device)
-              for m in metas if owner_stage(m, train.pp, num_layers) == pp_rank}
-    layout = (f"t{train.tp}p{train.pp}d{train.dp}->tg{gen.tp}pg{gen.pp}")
+              for m in metas
+              if owner_stage(m, train.pp, num_layers, train.last_stage_layers) == pp_rank}
+    last = "" if train.last_stage_layers is None else f"l{train.last_stage_layers}"
+    layout = f"t{train.tp}p{train.pp}{last}d{train.dp}->tg{gen.tp}pg{gen.pp}"
     direct = sum(all(b.direct(k) is not None for k in range(b.members)) for b in st.buckets)
     kept = sum(b.storage_offset is not None for b in st.buckets)
     say(f"bench_reshard: {args.model} {args.dtype}, train ({train}) -> generation ({gen}), "
@@ -346,7 +352,8 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
 
     # ---- correctness and memory of one instrumented switch
     def check(tensors: dict[str, torch.Tensor]) -> float:
-        want = [m for m in metas if owner_stage(m, train.pp, num_layers) // gen.pp_stride == gen_pp]
+        want = [m for m in metas if owner_stage(m, train.pp, num_layers, train.last_stage_layers)
+                // gen.pp_stride == gen_pp]
         if [m.name for m in want] != list(tensors):
             return math.inf
         err = 0.0

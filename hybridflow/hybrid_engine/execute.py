@@ -211,7 +211,7 @@ def naive_gather(gen: GenLayout, metas: list[ParamMeta], rank: int,
     num_layers = num_layers_of(metas)
     out: dict[str, torch.Tensor] = {}
     for m in metas:
-        owner = owner_stage(m, train.pp, num_layers)
+        owner = owner_stage(m, train.pp, num_layers, train.last_stage_layers)
         if owner == pp_rank:
             local = train_shards[m.name].contiguous()
             if m.tp_dim is not None and train.tp > 1:

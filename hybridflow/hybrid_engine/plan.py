@@ -22,10 +22,13 @@ and pads the rest. What member ``(i, j)`` contributes:
 
 Bucketing. Parameters are arranged in *rows* aligned across the merged stages: row ``(slot, k)``
 holds the ``k``-th parameter of local layer ``slot`` of every stage, which has the same shape on
-every stage, so member segments are equally full and layer rows need no padding. Parameters outside
-the layers (embedding on the first stage; final norm and output layer on the last) form extra rows,
-TP-split and replicated ones apart, largest first, so that the embedding and the output layer share
-a row when both are in the group.
+every stage, so member segments are equally full and layer rows need no padding (but where the
+training split is uneven, ``layout.last_stage_layers``: a last stage with fewer layers than the
+stages merged with it pads its segments of the rows past its layers; one with more, the others).
+Parameters outside the layers (embedding on the first stage; final norm and output layer on the
+last) form extra rows, TP-split and replicated ones apart, largest first, so that the embedding and
+the output layer share a row when both are in the group. Generation stages merge consecutive
+training stages (``GenLayout``), so they hold the layers of those, whichever the split.
 
 Direct rows. A row whose all-gather reaches ``min_view_bytes`` gets a bucket of its own in which
 every member's segment is one contiguous slice of one training shard (the whole shard, or one half
@@ -269,8 +272,9 @@ def plan_reshard(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int, bucke
                               f"{m.shape}) into equal shards; pick a tp that divides it")
     num_layers = num_layers_of(metas)
     if num_layers:
-        stage_layers(num_layers, train.pp, 0)  # a clear error naming layout.pp
-    stage_of = {m.name: owner_stage(m, train.pp, num_layers) for m in metas}
+        stage_layers(num_layers, train.pp, 0, train.last_stage_layers)  # errors name layout.*
+    stage_of = {m.name: owner_stage(m, train.pp, num_layers, train.last_stage_layers)
+                for m in metas}
     if min_view_bytes is None:
         min_view_bytes = min(bucket_bytes, 1 << 20)
 
@@ -327,7 +331,8 @@ def copied_own_bytes(plan: ReshardPlan, rank: int, resident: bool = True) -> int
     total = 0
     for name, gp in plan.ranks[rank].stage.params.items():
         m = metas[name]
-        if gp.mode == "alias" or name in skip or owner_stage(m, train.pp, num_layers) != own_stage:
+        stage = owner_stage(m, train.pp, num_layers, train.last_stage_layers)
+        if gp.mode == "alias" or name in skip or stage != own_stage:
             continue
         total += math.prod(m.shard_shape(train.tp)) if m.tp_dim is not None else m.numel
     return total * plan.dtype_bytes
@@ -345,7 +350,8 @@ def _split(numel: int, parts: int) -> list[tuple[int, int]]:
 
 
 def _aligned_rows(metas: list[ParamMeta], stage_of: dict[str, int], stages: list[int],
-                  num_layers: int, pp: int) -> list[dict[int, ParamMeta]]:
+                  num_layers: int, pp: int, last: int | None
+                  ) -> list[dict[int, ParamMeta]]:
     """Rows of parameters aligned across the merged training ``stages``: {stage index: meta}."""
     layer_rows: dict[tuple[int, int], dict[int, ParamMeta]] = {}
     per_layer_count: dict[tuple[int, int], int] = {}
@@ -356,7 +362,7 @@ def _aligned_rows(metas: list[ParamMeta], stage_of: dict[str, int], stages: list
             continue
         i = stages.index(s)
         if m.position == "layer":
-            slot = m.layer - stage_layers(num_layers, pp, s).start
+            slot = m.layer - stage_layers(num_layers, pp, s, last).start
             k = per_layer_count.get((i, slot), 0)
             per_layer_count[(i, slot)] = k + 1
             layer_rows.setdefault((slot, k), {})[i] = m
@@ -437,7 +443,8 @@ def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int]
 
     units: list[_Row] = []
     if n > 1:
-        for row in _aligned_rows(metas, stage_of, stages, num_layers, gen.train.pp):
+        for row in _aligned_rows(metas, stage_of, stages, num_layers, gen.train.pp,
+                                 gen.train.last_stage_layers):
             units += _row_units(row, t, s, q, dtype_bytes, min_view_bytes, blocks)
 
     # Greedy: consecutive rows share a bucket while it stays within bucket_bytes; a solo row is a

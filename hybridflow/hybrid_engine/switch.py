@@ -128,7 +128,7 @@ def naive_recv_bytes(gen: GenLayout, metas: list[ParamMeta], rank: int, dtype_by
     num_layers = num_layers_of(metas)
     total = 0
     for m in metas:
-        if owner_stage(m, train.pp, num_layers) == pp_rank:
+        if owner_stage(m, train.pp, num_layers, train.last_stage_layers) == pp_rank:
             if m.tp_dim is not None and train.tp > 1:
                 total += (train.tp - 1) * math.prod(m.shard_shape(train.tp))
         elif train.pp > 1:
@@ -164,7 +164,7 @@ def redundant_bytes(tensors: dict[str, torch.Tensor], train_shards: dict[str, to
     total = 0
     for name, t in tensors.items():
         m = by_name[name]
-        if owner_stage(m, train.pp, num_layers) != pp_rank:
+        if owner_stage(m, train.pp, num_layers, train.last_stage_layers) != pp_rank:
             continue
         own = train_shards.get(name)
         if own is not None and _inside(own, t):

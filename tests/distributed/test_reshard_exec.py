@@ -27,7 +27,8 @@ from hybridflow.parallel.spawn import spawn
 
 MODEL = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=4, num_heads=8,
              num_kv_heads=4, head_dim=8)
-# ((tp, pp, dp), [(tg, pg), ...], qwen2?, single-tensor all-gather?, min_view_bytes)
+# ((tp, pp, dp[, last_stage_layers]), [(tg, pg), ...], qwen2?, single-tensor all-gather?,
+#  min_view_bytes)
 DIRECT = 16 * 1024  # all but the norms and the smallest layers are direct rows
 CASES_4 = [
     ((4, 1, 1), [(1, 1), (2, 1)], False, None, DIRECT),
@@ -39,6 +40,9 @@ CASES_4 = [
 CASES_2 = [
     ((2, 1, 1), [(1, 1)], True, None, DIRECT),
     ((1, 2, 1), [(1, 1)], False, None, 1 << 30),
+    # uneven stages (1 layer, then 3 and the output layer): one generation stage, and two that
+    # keep the training split
+    ((1, 2, 1, 3), [(1, 1), (1, 2)], True, None, DIRECT),
 ]
 
 
@@ -71,16 +75,17 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
     broadcast_gather(out, torch.arange(6.0) + 10 * rank)
     assert torch.equal(out, torch.cat([torch.arange(6.0) + 10 * r for r in range(world_size)]))
     done, modes = [], set()
-    for (t, p, d), gens, qwen, single, min_view_bytes in cases:
+    for (t, p, d, *last), gens, qwen, single, min_view_bytes in cases:
+        last = last[0] if last else None
         model = ModelConfig(**MODEL, arch="qwen2" if qwen else "llama", qkv_bias=qwen,
                             tie_embeddings=qwen)
         metas = llama_param_metas(model)
         full = _full_weights(metas, seed=t * 10 + p)
-        train = TrainLayout(tp=t, pp=p, dp=d)
+        train = TrainLayout(tp=t, pp=p, dp=d, last_stage_layers=last)
         _, pp_rank, tp_rank = train.coords(rank)
         num_layers = num_layers_of(metas)
         shards = {m.name: shard(full[m.name], m, t, tp_rank) for m in metas
-                  if owner_stage(m, p, num_layers) == pp_rank}
+                  if owner_stage(m, p, num_layers, last) == pp_rank}
         before = {k: v.clone() for k, v in shards.items()}
         train_groups = create_train_groups(train)
         for tg, pg in gens:
@@ -88,7 +93,7 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
             what = f"train {train} -> generation {gen}, rank {rank}"
             _, gen_pp, gen_tp = gen.coords(rank)
             want = {m.name: shard(full[m.name], m, tg, gen_tp) for m in metas
-                    if owner_stage(m, p, num_layers) // gen.pp_stride == gen_pp}
+                    if owner_stage(m, p, num_layers, last) // gen.pp_stride == gen_pp}
             plan = plan_reshard(gen, metas, dtype_bytes=4, bucket_bytes=48 * 1024,
                                 min_view_bytes=min_view_bytes)
             groups = create_micro_dp_groups(gen)
@@ -147,7 +152,7 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
                        if s > 1 and stacked_layout(by_name[n]) else w for n, w in want.items()}
             _check(got, stacked, stacked_plan, gen_pp, resident, what + " (stacked, resident)")
             norms = 4 * sum(m.numel for m in metas if m.tp_dim is None
-                            and owner_stage(m, p, num_layers) == pp_rank)
+                            and owner_stage(m, p, num_layers, last) == pp_rank)
             assert redundant_bytes(got, resident, metas, gen, rank) == (
                 norms if s > 1 and gen.pp_stride > 1 else 0), what
             back_to_training(got, resident)

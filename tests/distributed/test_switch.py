@@ -24,7 +24,8 @@ MODEL = dict(vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=4, 
              num_kv_heads=4, head_dim=8, max_position_embeddings=64)
 BATCH, SEQ = 4, 8
 MODES = ("3d", "naive", "resident")  # resident: mode 3d, stacked shards, parameters moved
-# (train (tp, pp, dp), generation (tg, pg), qwen2-shaped with tied embeddings?)
+# (train (tp, pp, dp[, last_stage_layers]), generation (tg, pg), qwen2-shaped with tied
+# embeddings?)
 CASES = [
     ((2, 2, 1), (1, 1), False),
     ((2, 1, 2), (1, 1), False),
@@ -33,12 +34,17 @@ CASES = [
     # tied, two generation stages: the last one gathers the output layer (the embedding's copy)
     ((2, 2, 1), (1, 2), True),
     ((2, 2, 1), (1, 1), True),
+    # uneven stages (Megatron's num_layers_in_last_pipeline_stage): 3 layers, then 1 and the
+    # output layer, gathered whole; and 1 then 3, kept as two generation stages
+    ((2, 2, 1, 1), (1, 1), True),
+    ((2, 2, 1, 3), (1, 2), False),
 ]
 
 
 def case_id(case) -> str:
-    (t, p, d), (tg, pg), tied = case
-    return f"t{t}p{p}d{d}-tg{tg}pg{pg}" + ("-tied" if tied else "")
+    (t, p, d, *last), (tg, pg), tied = case
+    return (f"t{t}p{p}" + "".join(f"l{n}" for n in last) + f"d{d}-tg{tg}pg{pg}"
+            + ("-tied" if tied else ""))
 
 
 def make_batch(seed: int) -> dict[str, torch.Tensor]:
@@ -70,11 +76,12 @@ def _run_case(rank: int, case) -> dict:
                                           num_layers_of, owner_stage, shard, unstack)
     from hybridflow.parallel.layout import TrainLayout
 
-    (t, p, d), (tg, pg), tied = case
+    (t, p, d, *last), (tg, pg), tied = case
+    last = last[0] if last else None
     model = ModelConfig(**MODEL, arch="qwen2" if tied else "llama", qkv_bias=tied,
                         tie_embeddings=tied)
     full = init_full_weights(llama_param_metas(model), seed=3)
-    layout = TrainLayout(tp=t, pp=p, dp=d)
+    layout = TrainLayout(tp=t, pp=p, dp=d, last_stage_layers=last)
     dp_rank = layout.coords(rank)[0]
     per = BATCH // d
 
@@ -130,7 +137,7 @@ def _run_case(rank: int, case) -> dict:
             errors.append(f"{what}: coords {(gw.gen_tp_rank, gw.gen_pp_rank)}")
         num_layers = num_layers_of(hybrid.metas)
         want_names = [m.name for m in hybrid.metas
-                      if owner_stage(m, p, num_layers) // gen.pp_stride == gen_pp]
+                      if owner_stage(m, p, num_layers, last) // gen.pp_stride == gen_pp]
         if list(gw.tensors) != want_names:
             errors.append(f"{what}: names {list(gw.tensors)} != {want_names}")
         metas = {m.name: m for m in hybrid.metas}
@@ -162,7 +169,7 @@ def _run_case(rank: int, case) -> dict:
         if resident:  # every shard is resident, but the norms where TP and PP merge at once
             stage = layout.coords(rank)[1]
             norms = 4 * sum(m.numel for m in hybrid.metas if m.tp_dim is None
-                            and owner_stage(m, p, num_layers) == stage)
+                            and owner_stage(m, p, num_layers, last) == stage)
             if gw.redundant_bytes != (norms if t > tg and p > pg else 0):
                 errors.append(f"{what}: {gw.redundant_bytes} redundant bytes with resident "
                               f"params")
@@ -210,11 +217,12 @@ def test_switch_round_trip(results, case):
     ranks = results[case_id(case)]
     errors = [e for r in ranks for e in r["errors"]]
     assert not errors, "\n".join(errors[:20])
-    (t, p, d), (tg, pg), _ = case
+    (t, p, d, *last), (tg, pg), _ = case
     first = ranks[0]
+    split = "".join(f", last_stage_layers={n}" for n in last)
     assert first["summary"].startswith(
-        f"HybridEngine: train view (tp={t}, pp={p}, dp={d}) -> generation view (tp={tg}, pp={pg}, "
-        f"micro-dp={(t // tg) * (p // pg)})")
+        f"HybridEngine: train view (tp={t}, pp={p}, dp={d}{split}) -> generation view (tp={tg}, "
+        f"pp={pg}, micro-dp={(t // tg) * (p // pg)})")
     if p > pg:  # the resident run moved the same bytes
         assert all(r["resident_bytes"] == r["3d_bytes"] for r in ranks)
     # Less than the per-tensor baseline unless generation holds the whole model (tg*pg = 1), where

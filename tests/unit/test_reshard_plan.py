@@ -12,7 +12,7 @@ from hybridflow.hybrid_engine.plan import copied_own_bytes, plan_reshard
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import (ParamMeta, llama_param_metas, num_layers_of,
                                       owner_stage, shard, stack, stacked_layout,
-                                      stage_layers, unshard, unstack)
+                                      stage_layer_counts, stage_layers, unshard, unstack)
 from hybridflow.errors import ConfigError
 from hybridflow.parallel.layout import GenLayout, LayoutError, TrainLayout
 
@@ -38,10 +38,22 @@ def _gen_layouts(max_mp: int = 8) -> list[GenLayout]:
                 train = TrainLayout(tp=t, pp=p, dp=d)
                 out += [GenLayout(train=train, tp=tg, pp=pg)
                         for tg in _divisors(t) for pg in _divisors(p)]
+    # Uneven splits of the 4 layers (layout.last_stage_layers): 3/1, 1/3, and 1/1/2 at a pp that
+    # does not divide them; generation stages then merge stages of different sizes.
+    for t in (1, 2):
+        for p, last in ((2, 1), (2, 3), (3, 2)):
+            train = TrainLayout(tp=t, pp=p, last_stage_layers=last)
+            out += [GenLayout(train=train, tp=tg, pp=pg)
+                    for tg in _divisors(t) for pg in _divisors(p)]
     return out
 
 
 LAYOUTS = _gen_layouts()
+
+
+def _layout_id(g: GenLayout) -> str:
+    last = "" if g.train.last_stage_layers is None else f"l{g.train.last_stage_layers}"
+    return f"t{g.train.tp}p{g.train.pp}{last}d{g.train.dp}-tg{g.tp}pg{g.pp}"
 
 
 def _full_weights(metas: list[ParamMeta], seed: int = 0) -> dict[str, torch.Tensor]:
@@ -57,7 +69,7 @@ def _train_shards(train: TrainLayout, metas: list[ParamMeta], full: dict[str, to
     for rank in range(train.world_size):
         _, pp_rank, tp_rank = train.coords(rank)
         out.append({m.name: shard(full[m.name], m, train.tp, tp_rank) for m in metas
-                    if owner_stage(m, train.pp, num_layers) == pp_rank})
+                    if owner_stage(m, train.pp, num_layers, train.last_stage_layers) == pp_rank})
     return out
 
 
@@ -110,8 +122,7 @@ def _check_storage_disjoint(st) -> None:
 
 @pytest.mark.parametrize("blocks", [False, True], ids=["standard", "stacked"])
 @pytest.mark.parametrize("model", sorted(MODELS))
-@pytest.mark.parametrize("gen", LAYOUTS, ids=lambda g: f"t{g.train.tp}p{g.train.pp}d{g.train.dp}"
-                                                       f"-tg{g.tp}pg{g.pp}")
+@pytest.mark.parametrize("gen", LAYOUTS, ids=_layout_id)
 def test_simulated_gather_matches_generation_shards(gen: GenLayout, model: str,
                                                     blocks: bool) -> None:
     metas = llama_param_metas(MODELS[model])
@@ -126,8 +137,9 @@ def test_simulated_gather_matches_generation_shards(gen: GenLayout, model: str,
     s = gen.tp_stride
     for rank, got in enumerate(results):
         _, gen_pp, gen_tp = gen.coords(rank)
-        expected = [m for m in metas if owner_stage(m, gen.train.pp, num_layers) // gen.pp_stride
-                    == gen_pp]
+        expected = [m for m in metas if owner_stage(m, gen.train.pp, num_layers,
+                                                    gen.train.last_stage_layers)
+                    // gen.pp_stride == gen_pp]
         assert list(got) == [m.name for m in expected], f"rank {rank} covers the wrong parameters"
         for m in expected:
             want = shard(full[m.name], m, gen.tp, gen_tp)
@@ -144,8 +156,7 @@ def test_simulated_gather_matches_generation_shards(gen: GenLayout, model: str,
         _check_storage_disjoint(st)
 
 
-@pytest.mark.parametrize("gen", LAYOUTS, ids=lambda g: f"t{g.train.tp}p{g.train.pp}d{g.train.dp}"
-                                                       f"-tg{g.tp}pg{g.pp}")
+@pytest.mark.parametrize("gen", LAYOUTS, ids=_layout_id)
 def test_stacked_shards_leave_nothing_to_copy(gen: GenLayout) -> None:
     """With ``blocks`` every TP-split shard can be resident (its generation tensor a view), at the
     same traffic: only norms are still copied, where TP and PP merge at once."""
@@ -160,7 +171,7 @@ def test_stacked_shards_leave_nothing_to_copy(gen: GenLayout) -> None:
         if gen.tp_stride > 1 and gen.pp_stride > 1:  # the replicated parameters of its stage
             stage = gen.train.coords(rank)[1]
             assert copied == 2 * sum(m.numel for m in metas if m.tp_dim is None and owner_stage(
-                m, gen.train.pp, num_layers) == stage)
+                m, gen.train.pp, num_layers, gen.train.last_stage_layers) == stage)
         else:
             assert modes <= {"alias", "view"} and copied == 0
 
@@ -197,7 +208,7 @@ def _even_metas(cfg: ModelConfig) -> list[ParamMeta]:
 def test_recv_bytes_is_the_paper_formula_for_an_even_model(model: str) -> None:
     metas = _even_metas(MODELS[model])
     M = 2 * sum(m.numel for m in metas)
-    for gen in LAYOUTS:
+    for gen in (g for g in LAYOUTS if g.train.last_stage_layers is None):  # even splits
         t, p, tg, pg = gen.train.tp, gen.train.pp, gen.tp, gen.pp
         plan = plan_reshard(gen, metas, dtype_bytes=2, bucket_bytes=1 << 20)
         formula = Fraction(t * p - tg * pg, tg * pg * t * p) * M
@@ -207,8 +218,7 @@ def test_recv_bytes_is_the_paper_formula_for_an_even_model(model: str) -> None:
             assert r.send_bytes == (0 if gen.micro_dp == 1 else M // (t * p))
 
 
-@pytest.mark.parametrize("gen", LAYOUTS, ids=lambda g: f"t{g.train.tp}p{g.train.pp}d{g.train.dp}"
-                                                       f"-tg{g.tp}pg{g.pp}")
+@pytest.mark.parametrize("gen", LAYOUTS, ids=_layout_id)
 def test_pieces_fill_the_start_of_each_segment(gen: GenLayout) -> None:
     """A member's ``extent`` (what the executor broadcasts on gloo) is its payload: its pieces
     tile the start of its segment, so no gap and no padding goes on the wire."""
@@ -300,6 +310,46 @@ def test_pipeline_split() -> None:
     assert stages["output_layer.weight"] == stages["decoder.final_layernorm.weight"] == 3
     assert stages["decoder.layers.2.mlp.linear_fc2.weight"] == 2
     assert "output_layer.weight" not in {m.name for m in llama_param_metas(QWEN2)}
+
+
+def test_uneven_pipeline_split_is_megatrons() -> None:
+    """``last`` (layout.last_stage_layers) on the last stage, the rest split evenly: the layer
+    offsets Megatron-Core's get_transformer_layer_offset gives num_layers_in_last_pipeline_stage."""
+    assert stage_layer_counts(30, 2, 13) == [17, 13]
+    assert stage_layer_counts(30, 4, 6) == [8, 8, 8, 6]  # a pp that does not divide 30
+    assert stage_layer_counts(4, 2) == [2, 2]
+    assert [stage_layers(30, 4, r, last=6) for r in range(4)] == [
+        range(0, 8), range(8, 16), range(16, 24), range(24, 30)]
+    assert [stage_layers(4, 2, r, last=3) for r in range(2)] == [range(0, 1), range(1, 4)]
+    # the last stage holding more layers than the others
+    metas = llama_param_metas(LLAMA)
+    for pp, last in ((2, 1), (2, 3), (3, 2)):
+        for m in metas:
+            stage = owner_stage(m, pp, 4, last)
+            if m.layer is not None:
+                assert m.layer in stage_layers(4, pp, stage, last), (pp, last, m.name)
+        by_name = {m.name: owner_stage(m, pp, 4, last) for m in metas}
+        assert by_name["embedding.word_embeddings.weight"] == 0
+        assert by_name["output_layer.weight"] == pp - 1
+    assert owner_stage(next(m for m in metas if m.layer == 1), 2, 4, last=3) == 1
+    assert owner_stage(next(m for m in metas if m.layer == 0), 2, 4, last=3) == 0
+    assert owner_stage(next(m for m in metas if m.layer == 2), 2, 4, last=1) == 0
+    assert owner_stage(next(m for m in metas if m.layer == 3), 2, 4, last=1) == 1
+
+
+@pytest.mark.parametrize("pp, last, message", [
+    (1, 2, "needs layout.pp > 1"),
+    (2, 0, "between 1 and"),
+    (2, 4, "between 1 and"),
+    (3, 1, r"split the remaining 3 of 4 layers evenly; pick one of \[2\]"),
+])
+def test_uneven_split_errors_name_the_field(pp, last, message) -> None:
+    with pytest.raises(ConfigError, match=message) as e:
+        stage_layer_counts(4, pp, last)
+    assert e.value.field == "layout.last_stage_layers"
+    with pytest.raises(ConfigError, match="layout.last_stage_layers") as e:
+        owner_stage(llama_param_metas(LLAMA)[1], pp, 4, last)
+    assert e.value.field == "layout.last_stage_layers"
 
 
 def test_bad_layouts_name_the_field() -> None:
