@@ -24,7 +24,8 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   ``grad_reduce_in_fp32``); Adam state ``P*12/(t*p)`` in bf16 (fp32 main weights and two
   moments) or ``P*8/(t*p)`` in fp32 (two moments; SGD's momentum: 8 and 4), divided by d with
   ``engine.optim.distributed`` (Megatron's distributed optimizer shards it over data-parallel
-  ranks; the grad buffer stays whole);
+  ranks; the grad buffer stays whole); with ``layout.last_stage_layers`` set, p is replaced by
+  ``L / L_max``, L_max the most layers a stage holds (``busiest_stage_share``);
 * stored activations of training: what autograd keeps for the backward in the engine's layer
   (Megatron-Core's local spec: RMSNorm, unfused attention with its softmax in fp32, SwiGLU, no
   dropout), per layer and token of a micro-batch of b sequences of s = data.max_prompt_tokens +
@@ -38,11 +39,12 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   al. 2022's ``s*b*h*(34 + 5*a*s/h)`` is for GPT's GeLU MLP with dropout; it undercounts
   SwiGLU.) Under 1F1B the first pipeline stage holds min(p, m) micro-batches in flight (m:
   micro-batches per optimizer step and data-parallel rank) of its L/p layers; the last stage
-  one, plus the logits: ``b*r*V/t`` entries of ``B + 8`` bytes (the logits, the cross entropy's
-  fp32 copy, turned into the softmax it keeps, and its gradient beside them: measured, on an H200
-  at 0.9B, micro-batches of 8 and 32), r = min(s, rollout.sampling.max_tokens + 1) the columns
-  the engine computes them over (``logit_columns``: from the column before the first response
-  token). The estimate takes the larger.
+  one (of its ``last_stage_layers`` layers when set, the first then holding
+  ``(L - last)/(p - 1)``), plus the logits: ``b*r*V/t`` entries of ``B + 8`` bytes (the logits,
+  the cross entropy's fp32 copy, turned into the softmax it keeps, and its gradient beside them:
+  measured, on an H200 at 0.9B, micro-batches of 8 and 32), r = min(s,
+  rollout.sampling.max_tokens + 1) the columns the engine computes them over (``logit_columns``:
+  from the column before the first response token). The estimate takes the larger.
   With ``engine.max_tokens_per_micro_batch`` = T a micro-batch is T tokens at width s' = min(s, T)
   (b = T/s', the widest one the budget allows: the scores grow with s' at a given T), m is at
   most one micro-batch per sequence, and the logits are T entries' (a micro-batch of short
@@ -222,9 +224,19 @@ def _with(resident: dict[str, dict[str, int]], role: str, part: str, value: int
     return out
 
 
-def _train_state(n: int, layout, engine) -> dict[str, int]:
-    """Weights, fp32 grads and optimizer state per GPU of a trained model of ``n`` parameters."""
-    mp = layout.tp * layout.pp
+def busiest_stage_share(num_layers: int, layout) -> float:
+    """The most layers a pipeline stage of ``layout`` holds, over ``num_layers / pp``: 1 for an
+    even split, more with ``layout.last_stage_layers`` (17 of 30 at pp=2: 1.13). The estimates
+    spread a model's parameters over the stages with their layers."""
+    from hybridflow.models.params import stage_layer_counts
+    counts = stage_layer_counts(num_layers, layout.pp, layout.last_stage_layers)
+    return max(counts) * layout.pp / num_layers
+
+
+def _train_state(n: int, layout, engine, num_layers: int) -> dict[str, int]:
+    """Weights, fp32 grads and optimizer state per GPU of a trained model of ``n`` parameters
+    and ``num_layers`` layers, on its busiest pipeline stage."""
+    mp = layout.tp * layout.pp / busiest_stage_share(num_layers, layout)
     b = DTYPE_BYTES[engine.dtype]
     per_param = {("adam", "bf16"): 12, ("adam", "fp32"): 8, ("sgd", "bf16"): 8,
                  ("sgd", "fp32"): 4}[(engine.optim.name, engine.dtype)]
@@ -265,17 +277,20 @@ def _training_activations(shape: ModelConfig, part, seq: int, samples: int,
                           response: int | None) -> int:
     """The stored activations of the largest training micro-batch on its busiest stage;
     ``response``: the response tokens of an LM head's logits (None: a value head, none)."""
+    from hybridflow.models.params import stage_layer_counts
     lay, eng = part.layout, part.engine
     width, b = _micro_batch_shape(eng, seq, forward=False)
     # Micro-batches per rank and mini-batch; under a budget at most one per sequence.
     micro = max(1, samples // (lay.dp * part.mini_batches
                                * (1 if eng.max_tokens_per_micro_batch else b)))
     layer = layer_activation_bytes(shape, width, b, lay.tp, eng.sequence_parallel, eng.dtype)
-    stage_layers = shape.num_layers / lay.pp
+    layers = stage_layer_counts(shape.num_layers, lay.pp, lay.last_stage_layers)
     logits = (0 if response is None
               else _logits(shape, _logit_tokens(eng, width, b, response), lay.tp, eng.dtype))
-    first = stage_layers * layer * min(lay.pp, micro)
-    last = stage_layers * layer + logits
+    # Under 1F1B stage 0 keeps min(pp, micro) micro-batches of its layers, the last stage one
+    # (and the logits); the stages between keep fewer than stage 0 of as many layers.
+    first = layers[0] * layer * min(lay.pp, micro)
+    last = layers[-1] * layer + logits
     return int(max(first, last))
 
 
@@ -302,7 +317,7 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
     from hybridflow.parallel.layout import GenLayout
     actor, r = cfg.actor, cfg.rollout
     n, b = param_count(shape), DTYPE_BYTES[actor.engine.dtype]
-    resident["actor"] = _train_state(n, actor.layout, actor.engine)
+    resident["actor"] = _train_state(n, actor.layout, actor.engine, shape.num_layers)
     resident["ref"] = {"weights": resident["actor"]["weights"]}
     gen = GenLayout(train=actor.layout, tp=r.tp)
     gen_weights = {"generation weights": int(n * b / (gen.tp * gen.pp))}
@@ -311,16 +326,18 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
         from hybridflow.rollout.megatron import fast_decode_default
         blocks = r.backend == "megatron" and fast_decode_default(True, r.tp)
         gen_weights["weights"] = _copied_shard_bytes(
-            tuple(vars(shape).items()), actor.layout.tp, actor.layout.pp, r.tp, b,
-            cfg.hybrid_engine.resident_for(actor, r), blocks)
+            tuple(vars(shape).items()), actor.layout.tp, actor.layout.pp,
+            actor.layout.last_stage_layers, r.tp, b, cfg.hybrid_engine.resident_for(actor, r),
+            blocks)
     if actor.lora.enabled:
         # The frozen base holds no grads or optimizer state, the adapters do; the reference is
         # the base itself. Generation takes merged copies of the adapted weights' shards, so
         # those base shards stay beside the generation storage (lora_merge copy).
         from hybridflow.training.lora import lora_param_counts
         adapted, a = lora_param_counts(shape, actor.lora)
-        mp = actor.layout.tp * actor.layout.pp
-        adapters = _train_state(a, actor.layout, actor.engine)
+        mp = (actor.layout.tp * actor.layout.pp
+              / busiest_stage_share(shape.num_layers, actor.layout))
+        adapters = _train_state(a, actor.layout, actor.engine, shape.num_layers)
         resident["actor"] = dict(adapters, weights=int(n * b / mp) + adapters["weights"])
         resident["ref"] = {}
         if cfg.hybrid_engine.mode == "3d" and cfg.hybrid_engine.lora_merge == "copy":
@@ -349,8 +366,8 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
 
 
 @functools.lru_cache(maxsize=256)
-def _copied_shard_bytes(fields: tuple, t: int, p: int, tg: int, b: int, resident: bool,
-                        blocks: bool) -> int:
+def _copied_shard_bytes(fields: tuple, t: int, p: int, last: int | None, tg: int, b: int,
+                        resident: bool, blocks: bool) -> int:
     """The most bytes of its own training shards a rank keeps beside its generation weights (the
     reshard plan's ``copied_own_bytes``): 0 with every shard resident. ``fields``: the model
     shape's (name, value) pairs, hashable for the cache."""
@@ -360,7 +377,7 @@ def _copied_shard_bytes(fields: tuple, t: int, p: int, tg: int, b: int, resident
     from hybridflow.parallel.layout import GenLayout, TrainLayout
 
     shape = ModelConfig(**dict(fields))
-    gen = GenLayout(train=TrainLayout(tp=t, pp=p), tp=tg)
+    gen = GenLayout(train=TrainLayout(tp=t, pp=p, last_stage_layers=last), tp=tg)
     metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings, gen)
     plan = plan_reshard(gen, metas, b, 256 << 20, blocks=blocks)
     return max(copied_own_bytes(plan, rank, resident) for rank in range(gen.train.world_size))
@@ -371,12 +388,14 @@ def _critic_side(cfg, group: str, shape: ModelConfig, seq: int, samples: int, re
     critic = cfg.critic
     n = param_count(shape, head="value")
     if group == "critic":
-        resident["critic"] = _train_state(n, critic.layout, critic.engine)
+        resident["critic"] = _train_state(n, critic.layout, critic.engine, shape.num_layers)
         updates["critic update"] = ("critic", _training_activations(shape, critic, seq, samples,
                                                                      None))
     else:
         b = DTYPE_BYTES[critic.engine.dtype]
-        resident[group] = {"weights": int(n * b / (critic.layout.tp * critic.layout.pp))}
+        share = busiest_stage_share(shape.num_layers, critic.layout)
+        resident[group] = {"weights": int(n * b * share / (critic.layout.tp
+                                                            * critic.layout.pp))}
     forward[group] = _forward_transient(shape, critic, seq, None)
 
 

@@ -19,8 +19,9 @@ of that dtype, B the device copy bandwidth, G(n) the all-gather rate in a group 
 * ``back_to_train``: the grad buffers given back zeroed, 4 bytes per trained parameter of the
   rank written at B;
 * forward-only passes (old and reference log-probs, values, reward and cost scores): per
-  sequence ``2 N_stage s`` plus attention's ``4 (L / p) h s^2`` on the busiest pipeline stage
-  (``N_stage``: its parameters in matmuls, the output layer's on the last; an LM head's output
+  sequence ``2 N_stage s`` plus attention's ``4 L_stage h s^2`` on the busiest pipeline stage
+  (``L_stage``: its layers, ``L / p`` or as ``layout.last_stage_layers`` splits them;
+  ``N_stage``: its parameters in matmuls, the output layer's on the last; an LM head's output
   layer, ``h V``, over r = min(s, response + 1) positions only, ``2 h V r``: the engine computes
   it from the column before the first response token, ``TrainEngine``), over the data- and
   tensor-parallel ranks at R, times the pipeline bubble ``1 + (p - 1) / m`` (m micro-batches per
@@ -93,8 +94,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.config.memory import (DTYPE_BYTES, MemoryEstimate, estimate_memory,
-                                      logit_columns, param_count)
+from hybridflow.config.memory import (DTYPE_BYTES, MemoryEstimate, busiest_stage_share,
+                                      estimate_memory, logit_columns, param_count)
 from hybridflow.errors import ConfigError
 from hybridflow.mapping.calibrate import Calibration
 from hybridflow.models.config import ModelConfig
@@ -142,16 +143,17 @@ class Prediction:
         return max(pool.peak[1] for pool in self.memory.pools)
 
 
-def stage_matmul_params(shape: ModelConfig, pp: int = 1, head: str = "lm") -> list[int]:
+def stage_matmul_params(shape: ModelConfig, pp: int = 1, head: str = "lm",
+                        last: int | None = None) -> list[int]:
     """Parameters that take part in matmuls on each of ``pp`` pipeline stages: the layers' and the
     final norm's, and the output layer's on the last stage (the input embedding is only indexed;
     a tied one is counted once, as the output layer; a value head replaces the output layer with
-    a [1, h] one)."""
+    a [1, h] one). ``last``: the layout's ``last_stage_layers`` (None: an even split)."""
     from hybridflow.models.params import llama_param_metas, owner_stage
     out = [0] * pp
     for m in llama_param_metas(shape):
         if m.position != "pre" and m.name != "output_layer.weight":
-            out[owner_stage(m, pp, shape.num_layers)] += m.numel
+            out[owner_stage(m, pp, shape.num_layers, last)] += m.numel
     out[-1] += shape.hidden_size * (1 if head == "value" else shape.vocab_size)
     return out
 
@@ -161,39 +163,58 @@ def matmul_params(shape: ModelConfig, head: str = "lm") -> int:
     return stage_matmul_params(shape, 1, head)[0]
 
 
-def attention_flops(shape: ModelConfig, seq: int, pp: int = 1) -> int:
+def attention_flops(shape: ModelConfig, seq: int, pp: int = 1,
+                    last: int | None = None) -> list[int]:
     """FLOPs of attention's two products (scores, weighted values) for one sequence of ``seq``
-    tokens on one of ``pp`` pipeline stages: ``4 (L / pp) h seq^2``."""
-    return 4 * shape.num_layers // pp * shape.hidden_size * seq * seq
+    tokens on each of ``pp`` pipeline stages: ``4 L_s h seq^2``, L_s the stage's layers
+    (``models.params.stage_layer_counts``; ``last`` as ``stage_matmul_params``')."""
+    from hybridflow.models.params import stage_layer_counts
+    return [4 * layers * shape.hidden_size * seq * seq
+            for layers in stage_layer_counts(shape.num_layers, pp, last)]
+
+
+def _stage_flops(shape: ModelConfig, head: str, seq: int, pp: int, last: int | None,
+                 adapters: int | None, response: int | None) -> list[tuple[float, float, float]]:
+    """Per pipeline stage, one sequence's forward FLOPs: (matmuls, attention, LoRA adapters). The
+    adapters spread over the stages with the layers they sit in."""
+    from hybridflow.models.params import stage_layer_counts
+    matmuls = [2 * n * seq for n in stage_matmul_params(shape, pp, head, last)]
+    if head == "lm" and response is not None:
+        matmuls[-1] -= 2 * shape.hidden_size * shape.vocab_size * (
+            seq - logit_columns(seq, response))
+    layers = stage_layer_counts(shape.num_layers, pp, last)
+    lora = [0.0 if adapters is None else 2 * adapters * n / shape.num_layers * seq
+            for n in layers]
+    return list(zip(matmuls, attention_flops(shape, seq, pp, last), lora))
 
 
 def forward_flops(shape: ModelConfig, head: str, seq: int, pp: int = 1,
-                  adapters: int | None = None, response: int | None = None) -> float:
-    """FLOPs of one sequence of ``seq`` tokens through the busiest of ``pp`` pipeline stages:
-    ``2 N_stage seq`` in the matmuls plus attention's ``4 (L / pp) h seq^2``; with LoRA adapters
-    of ``adapters`` parameters (switched on) their ``2 (adapters / pp) seq`` too. ``response``:
-    the sequence's response tokens, where an LM head's output layer runs over ``logit_columns``
-    of it only (``TrainEngine`` given the batch's response mask); None: over every position."""
-    stages = [2 * n * seq for n in stage_matmul_params(shape, pp, head)]
-    if head == "lm" and response is not None:
-        stages[-1] -= 2 * shape.hidden_size * shape.vocab_size * (
-            seq - logit_columns(seq, response))
-    flops = max(stages) + attention_flops(shape, seq, pp)
-    return flops if adapters is None else flops + 2 * adapters / pp * seq
+                  adapters: int | None = None, response: int | None = None,
+                  last: int | None = None) -> float:
+    """FLOPs of one sequence of ``seq`` tokens through the busiest of ``pp`` pipeline stages: for
+    each stage ``2 N_stage seq`` in the matmuls plus attention's ``4 L_stage h seq^2`` (its layers:
+    ``L / pp``, or with ``last``, the layout's ``last_stage_layers``, that many on the last stage
+    and the rest split evenly); with LoRA adapters of ``adapters`` parameters (switched on) their
+    ``2 (adapters L_stage / L) seq`` too. ``response``: the sequence's response tokens, where an
+    LM head's output layer runs over ``logit_columns`` of it only (``TrainEngine`` given the
+    batch's response mask); None: over every position."""
+    return max(sum(stage) for stage in _stage_flops(shape, head, seq, pp, last, adapters,
+                                                     response))
 
 
 def train_flops(shape: ModelConfig, head: str, seq: int, pp: int = 1,
-                adapters: int | None = None, response: int | None = None) -> float:
+                adapters: int | None = None, response: int | None = None,
+                last: int | None = None) -> float:
     """FLOPs of one sequence's training pass (forward and backward) through the busiest of ``pp``
     pipeline stages: three forwards (the backward's input and weight gradients are each a
     forward's matmuls; attention's backward is twice its forward). With LoRA adapters of
     ``adapters`` parameters the frozen base computes no weight gradient: its matmuls twice the
-    forward's, attention still three times, the adapters ``6 (adapters / pp) seq``.
-    ``response``: as ``forward_flops``'s."""
-    fwd = forward_flops(shape, head, seq, pp, response=response)
+    forward's, attention still three times, the adapters three times theirs.
+    ``response``, ``last``: as ``forward_flops``'s."""
+    stages = _stage_flops(shape, head, seq, pp, last, adapters, response)
     if adapters is None:
-        return 3 * fwd
-    return 2 * fwd + attention_flops(shape, seq, pp) + 6 * adapters / pp * seq
+        return 3 * max(m + a for m, a, _ in stages)
+    return max(2 * m + 3 * a + 3 * lora for m, a, lora in stages)
 
 
 def _rate(calib: Calibration, dtype: str) -> float:
@@ -231,11 +252,12 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
     b, rate = DTYPE_BYTES[eng.dtype], _rate(calib, eng.dtype)
     per_rank_samples = samples / lay.dp
     pass_flops = train_flops if kind == "train" else forward_flops
-    flops = pass_flops(shape, head, seq, lay.pp, adapters, response)
+    flops = pass_flops(shape, head, seq, lay.pp, adapters, response, lay.last_stage_layers)
+    share = busiest_stage_share(shape.num_layers, lay)  # 1 but for an uneven split
     compute = flops * per_rank_samples / (lay.tp * rate)
     m = max(1, math.ceil(per_rank_samples / micro_batch))
     tp_bytes = ((2 if kind == "train" else 1) * 2 * shape.num_layers * per_rank_samples * seq
-                * shape.hidden_size * b / lay.pp)
+                * shape.hidden_size * b * share / lay.pp)
     terms = {"compute": compute, "bubble": (lay.pp - 1) / m * compute,
              "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / gather_rate(calib, lay.tp)
                          if lay.tp > 1 else 0.0),
@@ -265,11 +287,13 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
                    adapters, response)
     steps = part.ppo_epochs * part.mini_batches
     trained = param_count(shape, head) if adapters is None else adapters
-    grads = 4 * trained / (lay.tp * lay.pp)
+    # The busiest stage's rank: the one the others wait for.
+    per_rank = trained * busiest_stage_share(shape.num_layers, lay) / (lay.tp * lay.pp)
+    grads = 4 * per_rank
     dp = (2 * (lay.dp - 1) / lay.dp * grads / (gather_rate(calib, lay.dp) / 2)
           if lay.dp > 1 else 0.0)
     profile = calib.profile(shape, eng.dtype, lay.tp)
-    adam = ADAM_BYTES * trained / (lay.tp * lay.pp) / calib.memory_bandwidth
+    adam = ADAM_BYTES * per_rank / calib.memory_bandwidth
     return {"compute": steps * fwd["compute"], "bubble": steps * fwd["bubble"],
             "tp_comm": steps * fwd["tp_comm"],
             "dp_allreduce": steps * dp, "fixed": steps * fwd["fixed"],
@@ -314,7 +338,7 @@ def _back_to_train(cfg: Any, shape: ModelConfig, calib: Calibration,
     with LoRA (``lora``: ``lora_param_counts``) the adapters' only, and merged in place the
     adapted base shards written back from host memory (``restore_base``)."""
     lay = cfg.actor.layout
-    mp = lay.tp * lay.pp
+    mp = lay.tp * lay.pp / busiest_stage_share(shape.num_layers, lay)
     trained = param_count(shape) if lora is None else lora[1]
     terms = {"zero_grads": 4 * trained / mp / calib.memory_bandwidth}
     if lora is not None and cfg.hybrid_engine.lora_merge == "in_place":
@@ -363,9 +387,11 @@ def switch_bytes(gen, metas: list, dtype_bytes: int, mode: str = "3d",
     our own reshard plan (``mode`` "3d") or verl's per-tensor path ("naive")."""
     from hybridflow.hybrid_engine.switch import switch_recv_bytes
     from hybridflow.models.params import num_layers_of, owner_stage
-    layers = num_layers_of(metas)
+    layers, train = num_layers_of(metas), gen.train
+    # A generation stage merges pp_stride consecutive training stages, whichever their split.
     storage = max(sum(math.prod(m.shard_shape(gen.tp)) for m in metas
-                      if owner_stage(m, gen.pp, layers) == stage)
+                      if owner_stage(m, train.pp, layers, train.last_stage_layers)
+                      // gen.pp_stride == stage)
                   for stage in range(gen.pp)) * dtype_bytes
     return max(switch_recv_bytes(gen, metas, dtype_bytes, mode, bucket_bytes)), storage
 
@@ -384,7 +410,9 @@ def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration,
                            int(cfg.rollout.bucket_mb * 2**20))
     terms = {"all_gather": recv / gather_rate(calib, gen.micro_dp) if gen.micro_dp > 1 else 0.0}
     if lora is not None:
-        adapted = lora[0] / (gen.train.tp * gen.train.pp)  # this rank's adapted shards
+        # this rank's adapted shards (the busiest stage's)
+        adapted = (lora[0] * busiest_stage_share(shape.num_layers, gen.train)
+                   / (gen.train.tp * gen.train.pp))
         terms["merge"] = (2 * cfg.actor.lora.rank * adapted / _rate(calib, "fp32")
                           + (MERGE_BYTES + 2 * b) * adapted / calib.memory_bandwidth)
     return terms

@@ -58,7 +58,8 @@ def candidates(cfg: Any, shape: ModelConfig) -> list[dict[str, Any]]:
                 or shape.ffn_hidden_size % tp or shape.vocab_size % tp:
             continue
         for pp in _divisors(world // tp):
-            if shape.num_layers % pp:
+            split = pp == cfg.actor.layout.pp and cfg.actor.layout.last_stage_layers is not None
+            if shape.num_layers % pp and not split:  # apply keeps the configured split
                 continue
             out += [_overrides(cfg, tp, pp, world // (tp * pp), tg, mb)
                     for tg in _divisors(tp) for mb in MICRO_BATCHES]
@@ -77,13 +78,17 @@ def _overrides(cfg: Any, tp: int, pp: int, dp: int, tg: int, mb: int) -> dict[st
 
 def apply(cfg: Any, overrides: dict[str, Any]) -> Any:
     """A copy of ``cfg`` with ``overrides`` set and checked by the config contract (raises its
-    ConfigError when the combination is refused)."""
+    ConfigError when the combination is refused). A configured ``layout.last_stage_layers`` is
+    kept where the mapping keeps the configured pp (it is a split of that pp's stages); other
+    pp's are split evenly."""
     from hybridflow.parallel.layout import TrainLayout
     c = copy.deepcopy(cfg)
     for role in ("actor", "critic"):
         if f"{role}.layout.tp" in overrides:
-            getattr(c, role).layout = TrainLayout(**{k: overrides[f"{role}.layout.{k}"]
-                                                     for k in ("tp", "pp", "dp")})
+            configured = getattr(cfg, role).layout
+            sizes = {k: overrides[f"{role}.layout.{k}"] for k in ("tp", "pp", "dp")}
+            last = configured.last_stage_layers if sizes["pp"] == configured.pp else None
+            getattr(c, role).layout = TrainLayout(**sizes, last_stage_layers=last)
         if f"{role}.engine.micro_batch_size" in overrides:
             getattr(c, role).engine.micro_batch_size = overrides[f"{role}.engine.micro_batch_size"]
     if "rollout.tp" in overrides:

@@ -77,6 +77,48 @@ def config(*overrides):
         "actor.engine.micro_batch_size=2", *overrides])
 
 
+# SmolLM2-135M's shape: the quickstart trains it at pp=2 on CPU.
+SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, ffn_hidden_size=1536, num_layers=30,
+                      num_heads=9, num_kv_heads=3, head_dim=64, tie_embeddings=True)
+
+
+def test_uneven_split_moves_the_busiest_stage():
+    from hybridflow.mapping.cost import attention_flops, forward_flops, stage_matmul_params
+    layer = sum(m.numel for m in llama_param_metas(SMOLLM2) if m.layer == 0)
+    post = 576 + 49152 * 576  # the final norm, the output layer (tied: counted here)
+    # Even: the last stage holds 15 layers and the output layer, the busiest.
+    assert stage_matmul_params(SMOLLM2, 2) == [15 * layer, 15 * layer + post]
+    # 20/10: stage 0 is now the busiest, by parameters.
+    assert stage_matmul_params(SMOLLM2, 2, last=10) == [20 * layer, 10 * layer + post]
+    assert stage_matmul_params(SMOLLM2, 4, last=6) == [8 * layer] * 3 + [6 * layer + post]
+    assert attention_flops(SMOLLM2, 12, 2, last=13) == [4 * n * 576 * 144 for n in (17, 13)]
+    # The quickstart's sequences: 64 prompt and 64 response tokens, the output layer over 65
+    # columns. 17/13 balances the stages' FLOPs better than 15/15, and the busiest stage becomes
+    # stage 0.
+    seq = 128
+    even = forward_flops(SMOLLM2, "lm", seq, 2, response=64)
+    uneven = forward_flops(SMOLLM2, "lm", seq, 2, response=64, last=13)
+    stage0 = 2 * 17 * layer * seq + 4 * 17 * 576 * seq ** 2
+    assert uneven == stage0 < even
+    assert even == 2 * (15 * layer + 576) * seq + 2 * 49152 * 576 * 65 + 4 * 15 * 576 * seq ** 2
+
+
+def test_uneven_split_shortens_the_predicted_passes():
+    shape = ["data.max_prompt_tokens=64", "rollout.sampling.max_tokens=64", "actor.layout.pp=2"]
+    cfg, uneven = config(*shape), config(*shape, "actor.layout.last_stage_layers=13")
+    even_p, uneven_p = (predict(c, {"model": SMOLLM2}, CALIB) for c in (cfg, uneven))
+    assert uneven_p.phases["ref_logprobs"] < even_p.phases["ref_logprobs"]
+    assert uneven_p.phases["update_actor"] < even_p.phases["update_actor"]
+
+
+def test_search_keeps_a_configured_split_at_its_pp_only():
+    cfg = config("actor.layout.pp=2", "actor.layout.last_stage_layers=1")
+    at = {"actor.layout.tp": 1, "actor.layout.dp": 1, "rollout.tp": 1,
+          "actor.engine.micro_batch_size": 2}
+    assert apply(cfg, {**at, "actor.layout.pp": 2}).actor.layout.last_stage_layers == 1
+    assert apply(cfg, {**at, "actor.layout.pp": 1}).actor.layout.last_stage_layers is None
+
+
 def test_cost_model_by_hand():
     # N in matmuls, per layer: qkv 32*16, proj 16*16, fc1 64*16, fc2 16*32, two norms 16 each;
     # final norm 16, output layer 64*16 (the untied input table is only indexed).
