@@ -6,7 +6,7 @@ seconds per step of each, phase by phase, and the ratio hybridflow / TRL.
     /work/trl-venv/bin/pip install torch==2.13.0
     /work/trl-venv/bin/pip install "trl==1.16.*" transformers==5.19.0 reasoning-gym==0.1.25
     python tools/bench_vs_trl.py --trl-python /work/trl-venv/bin/python [--layout pp2|dp2] \\
-        [--steps 4]
+        [--steps 4] [--set actor.layout.last_stage_layers=13 ...]
 
 The work (``WORKLOAD``): SmolLM2-135M-Instruct in fp32 (the checkpoint hybridflow prepares for
 ``model: smollm2``, loaded by both sides from the same directory), reasoning-gym basic_arithmetic
@@ -21,7 +21,8 @@ and walks them unshuffled.
 * hybridflow: ``hybridflow train experiments/smollm2/base.yaml`` with the overrides of
   ``hybridflow_overrides`` (one thread per rank, as in the quickstart); ``--layout pp2`` is the
   quickstart's actor layout (PP=2), ``dp2`` is DP=2; generation TP=1 either way, so 2 vLLM
-  replicas. Per step: ``timing/*_s`` of its metrics.jsonl (``step`` is the whole iteration;
+  replicas; ``--set KEY=VALUE`` adds an override of the layout or of how passes are batched
+  (``SETTABLE``; the work itself stays ``WORKLOAD``). Per step: ``timing/*_s`` of its metrics.jsonl (``step`` is the whole iteration;
   ``generate``, ``reshard``, ``weight_load``, ``rollout_sleep``, ``back_to_train`` are replica 0's
   worker's; ``reward``, ``ref_logprobs``, ``advantages``, ``update_actor`` the controller's).
 * TRL: ``GRPOTrainer`` in one process with 2 torch threads, transformers ``generate`` (no vLLM),
@@ -145,10 +146,30 @@ def completions_per_step(kwargs: dict, num_processes: int = 1) -> tuple[int, int
 # the hybridflow side (this venv)
 
 
-def run_hybridflow(layout: str, steps: int, micro_batch: int, workdir: Path) -> dict:
+# What ``--set`` may change on the hybridflow side: how the work is laid out and run, never the work.
+SETTABLE = ("actor.layout.", "actor.engine.forward_micro_batch_size",
+            "actor.engine.max_tokens_per_micro_batch")
+
+
+def check_settable(items: list[str]) -> list[str]:
+    """``--set`` items as given, or a ValueError naming the first that is not ``key=value`` or
+    whose key would change the compared work (``WORKLOAD``) rather than its layout."""
+    for item in items:
+        key, eq, _ = item.partition("=")
+        if not eq or not key:
+            raise ValueError(f"--set {item!r}: expected KEY=VALUE, e.g. "
+                             "actor.layout.last_stage_layers=13")
+        if not key.startswith(SETTABLE):
+            raise ValueError(f"--set {key}: only the layout and how passes are batched may "
+                             f"differ from TRL's side (keys starting {', '.join(SETTABLE)})")
+    return items
+
+
+def run_hybridflow(layout: str, steps: int, micro_batch: int, workdir: Path,
+                   extra: list[str] = ()) -> dict:
     name = f"bench-vs-trl-{layout}"
     cmd = [sys.executable, "-m", "hybridflow.cli", "train", str(BASE_CONFIG),
-           *hybridflow_overrides(layout, steps, micro_batch, str(workdir), name)]
+           *hybridflow_overrides(layout, steps, micro_batch, str(workdir), name), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline")
     _stream(cmd, env, "hybridflow")
@@ -334,6 +355,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--steps", type=int, default=4, help="steps per side; the first is warm-up")
     ap.add_argument("--micro-batch", type=int, default=4,
                     help="training micro-batch (sequences) of both sides (base.yaml's 4)")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", dest="set",
+                    help="an override of the hybridflow side's layout or batching (repeatable), "
+                         "e.g. actor.layout.last_stage_layers=13")
     ap.add_argument("--sides", default="hybridflow,trl",
                     help="comma-separated: which sides to run (default both)")
     ap.add_argument("--trl-gradient-checkpointing", action="store_true",
@@ -348,6 +372,10 @@ def parse_args(argv=None) -> argparse.Namespace:
         ap.error(f"--sides: unknown {sorted(unknown)}; hybridflow, trl")
     if args.steps < 2:
         ap.error("--steps must be >= 2: the first step is warm-up")
+    try:
+        check_settable(args.set)
+    except ValueError as e:
+        ap.error(str(e))
     if args.side is None and "trl" in args.sides and not args.trl_python:
         ap.error("--trl-python PATH is needed for the TRL side (or --sides hybridflow)")
     if args.side == "trl" and not (args.model_dir and args.workdir and args.result):
@@ -364,7 +392,8 @@ def report(result: dict) -> str:
     lines = ["| side | median step s | steps |", "| --- | --- | --- |"]
     for side in ("hybridflow", "trl"):
         if side in result:
-            label = f"hybridflow ({result['layout']})" if side == "hybridflow" else \
+            label = f"hybridflow ({' '.join([result['layout'], *result.get('set', [])])})" \
+                if side == "hybridflow" else \
                 f"TRL {result['trl'].get('version', '')}"
             lines.append(f"| {label} | {_fmt(result[side]['median_step_s'])} | "
                          f"{result[side]['steps']} |")
@@ -390,11 +419,12 @@ def main(argv=None) -> dict | None:
     workdir = Path(args.workdir or tmp.name)
     workdir.mkdir(parents=True, exist_ok=True)
     result: dict = {"workload": WORKLOAD, "layout": args.layout, "micro_batch": args.micro_batch,
+                    "set": args.set,
                     "model_dir": str(model_dir), "load_avg_before": os.getloadavg()[0]}
     try:
         if "hybridflow" in args.sides:
             result["hybridflow"] = run_hybridflow(args.layout, args.steps, args.micro_batch,
-                                                  workdir)
+                                                  workdir, args.set)
         if "trl" in args.sides:
             result["trl"] = run_trl_side(args.trl_python, model_dir, args.steps,
                                          args.micro_batch, workdir,

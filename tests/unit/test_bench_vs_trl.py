@@ -74,3 +74,16 @@ def test_arguments():
                 ["--sides", "vllm"]):
         with pytest.raises(SystemExit):
             bench.parse_args(bad)
+
+
+def test_set_changes_the_layout_only(tmp_path):
+    args = bench.parse_args(["--sides", "hybridflow", "--set", "actor.layout.last_stage_layers=13"])
+    assert args.set == ["actor.layout.last_stage_layers=13"]
+    overrides = bench.hybridflow_overrides("pp2", 3, 4, str(tmp_path), "b") + args.set
+    cfg = load_config(RLConfig, bench.BASE_CONFIG, overrides)
+    assert (cfg.actor.layout.pp, cfg.actor.layout.last_stage_layers) == (2, 13)
+    # The work compared with TRL's is not --set's to change.
+    for bad in ("actor.kl_loss_coef=0", "rollout.sampling.max_tokens=8", "train_batch_size=4",
+                "actor.layout.pp"):
+        with pytest.raises(SystemExit):
+            bench.parse_args(["--sides", "hybridflow", "--set", bad])
