@@ -15,7 +15,6 @@ def profile_step(fn, wall: float | None, top: int) -> dict:
     import time
 
     import torch
-    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
     gpu = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
@@ -28,18 +27,25 @@ def profile_step(fn, wall: float | None, top: int) -> dict:
             torch.cuda.synchronize()
         wall = time.perf_counter() - start if wall is None else wall
 
-    def self_us(e) -> float:
-        if gpu:  # kernels only: a CPU operation also reports the time of the kernels it launched
-            return e.self_device_time_total if e.device_type == DeviceType.CUDA else 0.0
-        return e.self_cpu_time_total
-
-    ops = sorted(prof.key_averages(), key=self_us, reverse=True)
-    busy = sum(self_us(e) for e in ops) / 1e6
+    ops = sorted(prof.key_averages(), key=lambda e: self_us(e, gpu), reverse=True)
+    busy = sum(self_us(e, gpu) for e in ops) / 1e6
     return {"wall_s": round(wall, 4), "busy_s": round(busy, 4),
             "idle": round(max(0.0, 1 - busy / wall), 3) if gpu else None,
-            "top": [{"name": e.key[:90], "calls": e.count, "s": round(self_us(e) / 1e6, 4),
-                     "share": round(self_us(e) / 1e6 / wall, 3)}
-                    for e in ops[:top] if self_us(e) > 0]}
+            "top": [{"name": e.key[:90], "calls": e.count, "s": round(self_us(e, gpu) / 1e6, 4),
+                     "share": round(self_us(e, gpu) / 1e6 / wall, 3)}
+                    for e in ops[:top] if self_us(e, gpu) > 0]}
+
+
+def self_us(event, gpu: bool) -> float:
+    """An averaged profiler event's own microseconds: on a GPU its kernels' device time, where a
+    CPU operation (which also reports the kernels it launched) and a ``record_function`` range's
+    span on the device timeline (``Optimizer.step#AdamW.step``: it spans the optimizer's kernels,
+    which count themselves) are 0; on CPU its self CPU time."""
+    from torch.autograd import DeviceType
+    if gpu:
+        kernel = event.device_type == DeviceType.CUDA and not event.is_user_annotation
+        return event.self_device_time_total if kernel else 0.0
+    return event.self_cpu_time_total
 
 
 def print_profile(what: str, prof: dict) -> None:
