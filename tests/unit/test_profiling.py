@@ -25,6 +25,7 @@ def test_a_range_on_the_device_timeline_is_not_a_kernel():
     assert self_us(cpu_op, gpu=False) == 7.0  # on CPU: the operation's own time
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU summary (a GPU's: the next test)")
 def test_cpu_profile_names_the_costliest_operations():
     a = torch.randn(256, 256)
     prof = profile_step(lambda: [a @ a for _ in range(4)], None, top=3)
