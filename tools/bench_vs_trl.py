@@ -22,9 +22,10 @@ and walks them unshuffled.
   ``hybridflow_overrides`` (one thread per rank, as in the quickstart); ``--layout pp2`` is the
   quickstart's actor layout (PP=2), ``dp2`` is DP=2; generation TP=1 either way, so 2 vLLM
   replicas; ``--set KEY=VALUE`` adds an override of the layout or of how passes are batched
-  (``SETTABLE``; the work itself stays ``WORKLOAD``). Per step: ``timing/*_s`` of its metrics.jsonl (``step`` is the whole iteration;
-  ``generate``, ``reshard``, ``weight_load``, ``rollout_sleep``, ``back_to_train`` are replica 0's
-  worker's; ``reward``, ``ref_logprobs``, ``advantages``, ``update_actor`` the controller's).
+  (``SETTABLE``; the work itself stays ``WORKLOAD``). Per step: ``timing/*_s`` of its
+  metrics.jsonl (``step`` is the whole iteration; ``generate``, ``reshard``, ``weight_load``,
+  ``rollout_sleep``, ``back_to_train`` are replica 0's worker's; ``reward``, ``ref_logprobs``,
+  ``advantages``, ``update_actor`` the controller's).
 * TRL: ``GRPOTrainer`` in one process with 2 torch threads, transformers ``generate`` (no vLLM),
   the config of ``trl_config_kwargs``: ``loss_type="dapo"`` (TRL's token-mean over the whole
   accumulated batch), constant lr, no gradient checkpointing (``--trl-gradient-checkpointing``
@@ -146,7 +147,7 @@ def completions_per_step(kwargs: dict, num_processes: int = 1) -> tuple[int, int
 # the hybridflow side (this venv)
 
 
-# What ``--set`` may change on the hybridflow side: how the work is laid out and run, never the work.
+# What ``--set`` may change on the hybridflow side: how the work is laid out and run, not the work.
 SETTABLE = ("actor.layout.", "actor.engine.forward_micro_batch_size",
             "actor.engine.max_tokens_per_micro_batch")
 
