@@ -71,8 +71,9 @@ def _calibrate(out: str, quick: bool, config: str | None, overrides: list[str],
     calibration = calibrate(quick=quick)
     if cfg is not None:
         from hybridflow.mapping.profile import profile_passes
+        lora = cfg.actor.lora
         print(f"profiling {cfg.model}'s passes ({cfg.actor.engine.dtype}, "
-              f"tp={cfg.actor.layout.tp})...",
+              f"tp={cfg.actor.layout.tp}{f', LoRA rank {lora.rank}' if lora.enabled else ''})...",
               flush=True)
         calibration.passes.append(profile_passes(cfg, calibration, quick=quick,
                                                  configured_only=configured_only))

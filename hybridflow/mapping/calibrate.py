@@ -95,13 +95,19 @@ class Calibration:
             raise ArgumentError("measured_at", f"must be an ISO 8601 date-time, got "
                                              f"{self.measured_at!r}") from None
 
-    def profile(self, shape, dtype: str, tp: int = 1) -> PassProfile | None:
+    def profile(self, shape, dtype: str, tp: int = 1, lora=None) -> PassProfile | None:
         """The pass profile of a model shape (``ModelConfig``) in ``dtype`` measured at ``tp``,
         else the one at tp = 1 (the cost model scales it and adds TP's communication), else
-        None. The newest first."""
-        found = [p for p in reversed(self.passes) if p.matches(shape, dtype)]
-        return next((p for p in found if p.tp == tp), None) or next(
-            (p for p in found if p.tp == 1), None)
+        None. The newest first. With ``lora`` (a LoraConfig of rank > 0), one measured with
+        those adapters, else full fine-tuning's (the cost model's LoRA floors over its
+        efficiencies: optimistic where the host bounds a micro-batch)."""
+        for key in ((lora, None) if lora is not None and lora.enabled else (None,)):
+            found = [p for p in reversed(self.passes) if p.matches(shape, dtype, key)]
+            profile = next((p for p in found if p.tp == tp), None) or next(
+                (p for p in found if p.tp == 1), None)
+            if profile is not None:
+                return profile
+        return None
 
     def to_json(self, path: str | os.PathLike) -> None:
         """Write to ``path`` atomically: a reader sees the old file or the new one, never half."""

@@ -58,14 +58,15 @@ and B of a row-parallel one, count as split: each is r rows or columns beside a 
   and the input gradients, twice the forward's ``2 N_stage s`` instead of three times; attention
   has no weights (its backward, input gradients alone, is twice its forward), so it stays at
   three times ``4 (L / p) h s^2``; the adapters add ``6 (A / p) s`` (forward, input and weight
-  gradients of their own matmuls). The profile's training efficiency (measured on full
-  fine-tuning) divides this floor as it divides the full one, not the forward's: a LoRA
-  micro-batch is a training micro-batch of the same model (autograd graph through every layer,
-  loss, backward schedule, host work per micro-batch), which the forward-only pass under
-  ``no_grad`` does not measure, and the weight-gradient GEMMs it drops have the shapes of the
-  input-gradient GEMMs it keeps, so they run at about the same efficiency. Optimistic where a
+  gradients of their own matmuls). A pass profile measured with the same adapters
+  (``calibrate --config`` of the LoRA config) divides it by its own training efficiency. Without
+  one, full fine-tuning's training efficiency divides it, not the forward's: a LoRA micro-batch
+  is a training micro-batch of the same model (autograd graph through every layer, loss,
+  backward schedule, host work per micro-batch), which the forward-only pass under ``no_grad``
+  does not measure, and the weight-gradient GEMMs it drops have the shapes of the input-gradient
+  GEMMs it keeps, so they run at about the same efficiency. That is optimistic where a
   micro-batch is launch-bound (the host's work, inside the efficiency, shrinks with the floor
-  here) and for the adapters' rank-r matmuls (below the large ones' efficiency). The
+  here: -34% for 7B on one H200, docs/planner.md) and for the adapters' rank-r matmuls. The
   data-parallel all-reduce, Adam and ``back_to_train``'s zeroed grad buffers are the adapters'
   alone (A trained parameters);
 * the old log-probs are the actor's forward with its adapters on, ``2 (A / p) s`` more per
@@ -224,6 +225,12 @@ def _rate(calib: Calibration, dtype: str) -> float:
     return calib.matmul_flops[dtype]
 
 
+def _profile(calib: Calibration, shape: ModelConfig, part):
+    """The pass profile for a model of ``shape`` trained or run as ``part`` (cfg.actor,
+    cfg.critic): at its dtype and tp, with the actor's LoRA adapters where it has them."""
+    return calib.profile(shape, part.engine.dtype, part.layout.tp, getattr(part, "lora", None))
+
+
 def gather_rate(calib: Calibration, n: int) -> float:
     """All-gather bytes received per rank per second in a group of n (> 1): the measured size
     nearest below n (the rate falls as groups grow), or the smallest measured."""
@@ -262,7 +269,7 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
              "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / gather_rate(calib, lay.tp)
                          if lay.tp > 1 else 0.0),
              "fixed": 0.0}
-    profile = calib.profile(shape, eng.dtype, lay.tp)
+    profile = _profile(calib, shape, part)
     if profile is not None:
         rows = min(micro_batch, per_rank_samples)
         if profile.tp == lay.tp:  # measured at this tp: its all-reduces are in the efficiency
@@ -292,7 +299,7 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
     grads = 4 * per_rank
     dp = (2 * (lay.dp - 1) / lay.dp * grads / (gather_rate(calib, lay.dp) / 2)
           if lay.dp > 1 else 0.0)
-    profile = calib.profile(shape, eng.dtype, lay.tp)
+    profile = _profile(calib, shape, part)
     adam = ADAM_BYTES * per_rank / calib.memory_bandwidth
     return {"compute": steps * fwd["compute"], "bubble": steps * fwd["bubble"],
             "tp_comm": steps * fwd["tp_comm"],
@@ -327,7 +334,7 @@ def _weight_load(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, 
     """The rollout backend taking the switch's tensors: their bytes at the copy bandwidth, over
     the profile's efficiency."""
     dtype = cfg.actor.engine.dtype
-    profile = calib.profile(shape, dtype, cfg.actor.layout.tp)
+    profile = _profile(calib, shape, cfg.actor)
     return {"copy": weights_bytes(shape, dtype, cfg.rollout.tp) / calib.memory_bandwidth
             / (profile.weight_load if profile is not None else 1.0)}
 
@@ -374,7 +381,7 @@ def _generate(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, flo
     terms = generation_floor(shape, dtype, calib,
                              math.ceil(cfg.train_batch_size * cfg.rollout.sampling.n / gen.replicas),
                              cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_tokens, gen.tp)
-    profile = calib.profile(shape, dtype, cfg.actor.layout.tp)
+    profile = _profile(calib, shape, cfg.actor)
     if profile is not None:
         terms = {k: v / profile.generate for k, v in terms.items()}
     return terms
@@ -461,5 +468,4 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
     _offload(cfg, memory, calib, terms)
     return Prediction(phases={k: sum(v.values()) for k, v in terms.items()},
                       memory=memory, terms=terms,
-                      profiled=calib.profile(model, cfg.actor.engine.dtype,
-                                             cfg.actor.layout.tp) is not None)
+                      profiled=_profile(calib, model, cfg.actor) is not None)

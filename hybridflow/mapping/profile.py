@@ -35,6 +35,13 @@ its TP communication term:
   measured seconds (prefill, sampling and host work included);
 * the backend's ``load_from_switch`` of the whole model (what the switch hands it at generation
   tp = 1): the weights' bytes at the copy bandwidth over the measured seconds.
+
+With ``actor.lora`` on, the engine is the actor's: the base frozen, the adapters on every targeted
+linear. The floors are then LoRA's (``cost.forward_flops`` and ``cost.train_flops`` with the
+adapters; Adam over the adapters alone), and the profile is kept under the adapters' rank and
+targets (``lora``): a LoRA micro-batch does less arithmetic per token than full fine-tuning's
+(no weight gradient of the base) but as much host work, so its efficiency is lower where the host
+bounds it, which the full fine-tuning profile does not show.
 """
 
 from __future__ import annotations
@@ -85,6 +92,9 @@ class PassProfile:
     train_fixed_s: float = 0.0
     """The same for a training step, the optimizer's step left out; 0 in files written before it
     was measured (their ``optimizer`` holds it)."""
+    lora: dict[str, Any] | None = None
+    """The LoRA adapters the passes trained (``lora_key``: ``actor.lora``'s rank and
+    target_modules); None: full fine-tuning."""
 
     def __post_init__(self):
         if not isinstance(self.shape, dict):
@@ -110,6 +120,12 @@ class PassProfile:
         check_int("tp", self.tp)
         for name in ("forward_fixed_s", "train_fixed_s"):
             check_float(name, getattr(self, name), low=0)
+        if self.lora is not None:
+            if not isinstance(self.lora, dict) or set(self.lora) != {"rank", "target_modules"}:
+                raise ArgumentError("lora", f"must be null or {{rank, target_modules}}, got "
+                                            f"{self.lora!r}")
+            from hybridflow.training.lora import LoraConfig
+            self.lora = lora_key(LoraConfig(**self.lora))
 
     def efficiency(self, kind: str, micro_batch: float) -> float:
         """``kind``'s (forward or train) efficiency at ``micro_batch`` sequences: linear in
@@ -123,18 +139,32 @@ class PassProfile:
                 return e0 + w * (e1 - e0)
         return values[-1]
 
-    def matches(self, shape: ModelConfig, dtype: str) -> bool:
-        return self.shape == dataclasses.asdict(shape) and self.dtype == dtype
+    def matches(self, shape: ModelConfig, dtype: str, lora=None) -> bool:
+        """Measured on ``shape`` in ``dtype``, with ``lora``'s adapters (a LoraConfig; None or
+        rank 0: full fine-tuning)."""
+        return (self.shape == dataclasses.asdict(shape) and self.dtype == dtype
+                and self.lora == lora_key(lora))
 
     def describe(self) -> str:
         def table(kind):
             return ", ".join(f"{b}: {e:.0%}" for b, e in zip(self.micro_batches,
                                                              getattr(self, kind)))
-        return (f"efficiencies at tp={self.tp}, pp=dp=1, {self.seq} tokens per sequence, by "
+        adapters = ("" if self.lora is None else f", LoRA rank {self.lora['rank']} on "
+                    f"{'/'.join(self.lora['target_modules'])}")
+        return (f"efficiencies at tp={self.tp}, pp=dp=1{adapters}, {self.seq} tokens per "
+                f"sequence, by "
                 f"micro-batch size: forward {table('forward')}; training {table('train')}; optimizer "
                 f"{self.optimizer:.1%}, generate ({self.backend}) {self.generate:.1%}, weight "
                 f"load {self.weight_load:.1%}; fixed seconds a pass: forward "
                 f"{self.forward_fixed_s:.3g}, training {self.train_fixed_s:.3g}")
+
+
+def lora_key(lora) -> dict[str, Any] | None:
+    """What of a LoraConfig a profile is kept under: the adapters' rank and targets (their
+    FLOPs and their number of matmuls); None for None or rank 0 (full fine-tuning)."""
+    if lora is None or not lora.enabled:
+        return None
+    return {"rank": lora.rank, "target_modules": list(lora.target_modules)}
 
 
 def profile_passes(cfg: Any, calib, quick: bool = False, configured_only: bool = False
@@ -187,23 +217,27 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) 
     ``times["generate"]``, ``times["weight_load"]`` (module docstring)."""
     from hybridflow.config.memory import param_count
     from hybridflow.mapping.cost import (ADAM_BYTES, forward_flops, generation_floor,
-                                         weights_bytes)
+                                         train_flops, weights_bytes)
+    from hybridflow.training.lora import lora_param_counts
     rate = calib.matmul_flops[cfg.actor.engine.dtype]
     response = cfg.rollout.sampling.max_tokens
     seq = cfg.data.max_prompt_tokens + response
-    # one sequence's forward, per TP rank; the output layer over the response, as measured
-    floor = forward_flops(shape, "lm", seq, response=response) / (tp * rate)
+    adapters = lora_param_counts(shape, cfg.actor.lora)[1] if cfg.actor.lora.enabled else None
+    # one sequence's passes, per TP rank; the output layer over the response, as measured
+    floors = {kind: flops(shape, "lm", seq, adapters=adapters, response=response) / (tp * rate)
+              for kind, flops in (("forward", forward_flops), ("train", train_flops))}
     sizes = sorted(times["forward"])
     out, fixed = {}, {}
-    for kind, flops, other in (("forward", 1, 0.0), ("train", 3, times["optimizer"])):
+    for kind, other in (("forward", 0.0), ("train", times["optimizer"])):
         out[kind], rest = [], []
         for b in sizes:
             one, two = times[kind][b]
             per_micro_batch = max(two - one, 1e-9)
-            out[kind].append(min(1.0, flops * floor * b / per_micro_batch))
+            out[kind].append(min(1.0, floors[kind] * b / per_micro_batch))
             rest.append(one - per_micro_batch - other)
         fixed[f"{kind}_fixed_s"] = max(0.0, statistics.median(rest))
-    adam = ADAM_BYTES * param_count(shape) / (tp * calib.memory_bandwidth)
+    trained = param_count(shape) if adapters is None else adapters
+    adam = ADAM_BYTES * trained / (tp * calib.memory_bandwidth)
     gen = sum(generation_floor(shape, cfg.actor.engine.dtype, calib, _share(cfg),
                                cfg.data.max_prompt_tokens, cfg.rollout.sampling.max_tokens,
                                tg=1).values())
@@ -212,7 +246,8 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) 
                        micro_batches=sizes, backend=cfg.rollout.backend,
                        optimizer=min(1.0, adam / max(times["optimizer"], 1e-9)),
                        generate=min(1.0, gen / times["generate"]),
-                       weight_load=load / max(times["weight_load"], 1e-9), tp=tp, **out, **fixed)
+                       weight_load=load / max(times["weight_load"], 1e-9), tp=tp,
+                       lora=lora_key(cfg.actor.lora), **out, **fixed)
 
 
 def micro_batch_sizes(cfg: Any, configured_only: bool = False) -> list[int]:
@@ -263,7 +298,8 @@ def _measure_passes(rank: int, world_size: int, cfg: Any, shape: ModelConfig, si
     def median(fn) -> float:  # warmed up once, below
         return timed_median(fn, sync, warmup=0, repeats=repeats, inner=1)
 
-    engine = TrainEngine(shape, TrainLayout(tp=world_size), cfg.actor.engine, head="lm")
+    engine = TrainEngine(shape, TrainLayout(tp=world_size), cfg.actor.engine, head="lm",
+                         lora=cfg.actor.lora)  # rank 0: full fine-tuning
 
     def optimizer_step():
         # The step train_step ends with, on the gradients the last one left (kept until the next

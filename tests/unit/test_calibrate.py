@@ -127,6 +127,20 @@ def test_cli_profiles_a_configs_model(tmp_path, capsys):
     (profile,) = Calibration.from_json(out).passes
     assert profile.micro_batches == [2] and profile.tp == 2
     assert "efficiencies at tp=2, pp=dp=1" in capsys.readouterr().out
+    # With LoRA the engine trains the adapters (the base frozen): a profile kept under them,
+    # which the LoRA config reads and full fine-tuning does not.
+    lora = [*run, "actor.lora.rank=2"]
+    assert main(["calibrate", "--quick", "--out", str(out), "--configured-sizes", "--config",
+                 *lora]) == 0
+    assert "profiling tiny-llama's passes (fp32, tp=1, LoRA rank 2)..." in capsys.readouterr().out
+    calib = Calibration.from_json(out)
+    (profile,) = calib.passes
+    assert profile.lora["rank"] == 2 and profile.micro_batches == [2]
+    assert 0 < profile.train[0] <= 1 and 0 < profile.optimizer <= 1
+    lora_cfg = load_config(RLConfig, None, lora)
+    assert calib.profile(shapes["model"], "fp32", lora=lora_cfg.actor.lora) == profile
+    assert calib.profile(shapes["model"], "fp32") is None
+    assert predict(lora_cfg, shapes, calib).profiled and not predict(cfg, shapes, calib).profiled
     with pytest.raises(SystemExit) as e:  # argparse's exit 2: it needs a config to profile
         main(["calibrate", "--quick", "--out", str(out), "--configured-sizes"])
     assert e.value.code == 2

@@ -10,7 +10,7 @@ import pytest
 
 from hybridflow.cli import main
 from hybridflow.config import RLConfig, load_config
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.mapping.calibrate import Calibration
 from hybridflow.mapping.cost import matmul_params, predict, switch_bytes
 from hybridflow.mapping.profile import PassProfile
@@ -314,21 +314,30 @@ def test_plan_cli(tmp_path, capsys):
     assert "cluster.calibration" in err and "hybridflow calibrate" in err
 
 
-def hand_profile(cfg, shape, efficiency, tp=1, fixed=None):
+def hand_profile(cfg, shape, efficiency, tp=1, fixed=None, adapters=None):
     """The seconds the profile's passes would take at ``tp`` if every pass ran at
     ``efficiency[kind][b]`` of its floor at micro-batch size b plus ``fixed[kind]`` seconds a
-    pass (default ``FIXED``), and Adam at ``efficiency["optimizer"]`` of its."""
+    pass (default ``FIXED``), and Adam at ``efficiency["optimizer"]`` of its. ``adapters``: the
+    LoRA adapters' parameters of ``cfg.actor.lora`` (their floors: the frozen base's matmuls
+    twice the forward's, attention three times, the adapters' forward 2 A a token, their
+    training 6 A; Adam over A)."""
     from hybridflow.config.memory import param_count
     from hybridflow.mapping.cost import ADAM_BYTES, forward_flops, generation_floor, weights_bytes
     fixed = FIXED if fixed is None else fixed
-    floor = forward_flops(shape, "lm", 12, response=4) / 1e9 / tp  # as profile_passes runs
-    adam = ADAM_BYTES * param_count(shape) / 1e9 / efficiency["optimizer"] / tp
+    forward = forward_flops(shape, "lm", 12, response=4)  # as profile_passes runs
+    floors = {"forward": forward / 1e9 / tp, "train": 3 * forward / 1e9 / tp}
+    if adapters is not None:
+        matmuls = forward - ATT  # a layer's attention 4 h s^2, as ATT counts it
+        floors = {"forward": (forward + 2 * adapters * 12) / 1e9 / tp,
+                  "train": (2 * matmuls + 3 * ATT + 6 * adapters * 12) / 1e9 / tp}
+    trained = param_count(shape) if adapters is None else adapters
+    adam = ADAM_BYTES * trained / 1e9 / efficiency["optimizer"] / tp
     times = {"optimizer": adam}
-    for kind, flops in (("forward", 1), ("train", 3)):
+    for kind in ("forward", "train"):
         extra = fixed[kind] + (adam if kind == "train" else 0.0)
         times[kind] = {}
         for b, e in efficiency[kind].items():
-            one = flops * floor * b / e  # one micro-batch of b sequences
+            one = floors[kind] * b / e  # one micro-batch of b sequences
             times[kind][b] = (one + extra, 2 * one + extra)
     from hybridflow.mapping.profile import _share  # one replica's samples, as measured
     gen = sum(generation_floor(shape, "fp32", CALIB, _share(cfg), 8, 4, tg=1).values())
@@ -368,6 +377,51 @@ def test_profile_fit_recovers_the_efficiencies():
     assert profile.efficiency("forward", 3) == pytest.approx(0.4 + math.log2(1.5) * 0.1)
     assert profile.efficiency("train", 0.5) == profile.train[0] == pytest.approx(0.1)
     assert profile.efficiency("train", 16) == profile.train[-1] == pytest.approx(0.3)
+
+
+def test_a_lora_profile_is_kept_under_its_adapters_and_read_for_them(tmp_path):
+    from hybridflow.mapping.profile import efficiencies
+    cfg = config("actor.lora.rank=4")
+    # The seconds a LoRA engine would take at half full fine-tuning's training efficiency (the
+    # host's work per micro-batch does not shrink with the floor): recovered against LoRA's
+    # floors, not full fine-tuning's.
+    lora_eff = EFFICIENCY | {"train": {b: e / 2 for b, e in EFFICIENCY["train"].items()},
+                             "optimizer": 0.05}
+    lora = efficiencies(cfg, SHAPE, CALIB, hand_profile(cfg, SHAPE, lora_eff,
+                                                        adapters=ADAPTERS))
+    assert lora.lora == {"rank": 4, "target_modules": list(cfg.actor.lora.target_modules)}
+    assert lora.train == pytest.approx([0.05, 0.125, 0.15])
+    assert lora.forward == pytest.approx([0.2, 0.4, 0.5])
+    assert lora.optimizer == pytest.approx(0.05)
+    assert lora.train_fixed_s == pytest.approx(FIXED["train"])
+    assert "LoRA rank 4 on linear_qkv/" in lora.describe()
+    full = PassProfile(**HAND)
+    calib = dataclasses.replace(CALIB, passes=[lora, full])
+    # Each run reads its own: full fine-tuning the full profile (though the LoRA one is newer),
+    # LoRA the LoRA one; LoRA of another rank full fine-tuning's (no profile of its adapters).
+    assert calib.profile(SHAPE, "fp32") is full
+    assert calib.profile(SHAPE, "fp32", lora=cfg.actor.lora) is lora
+    assert calib.profile(SHAPE, "fp32", lora=config("actor.lora.rank=8").actor.lora) is full
+    assert dataclasses.replace(CALIB, passes=[lora]).profile(SHAPE, "fp32") is None
+    floors = predict(cfg, {"model": SHAPE}, CALIB)
+    p = predict(cfg, {"model": SHAPE}, calib)
+    # micro-batches of 2: the LoRA training efficiency there (0.125), not full's (0.25)
+    assert p.terms["update_actor"]["compute"] == pytest.approx(
+        floors.terms["update_actor"]["compute"] / 0.125, rel=1e-12)
+    assert p.terms["update_actor"]["optimizer"] == pytest.approx(
+        floors.terms["update_actor"]["optimizer"] / 0.05, rel=1e-12)
+    assert p.terms["ref_logprobs"]["compute"] == pytest.approx(
+        floors.terms["ref_logprobs"]["compute"] / 0.4, rel=1e-12)
+    assert predict(config(), {"model": SHAPE}, calib).terms["update_actor"]["compute"] == \
+        pytest.approx(predict(config(), {"model": SHAPE}, CALIB).terms["update_actor"]["compute"]
+                      / 0.25, rel=1e-12)
+    # The file keeps the adapters' key; a bad one is named.
+    calib.to_json(tmp_path / "c.json")
+    assert Calibration.from_json(tmp_path / "c.json").passes == [lora, full]
+    with pytest.raises(ArgumentError, match="^lora: must be null or"):
+        PassProfile(**HAND, lora={"rank": 4})
+    with pytest.raises(ConfigError, match="rank"):
+        PassProfile(**HAND, lora={"rank": -1, "target_modules": ["linear_qkv"]})
 
 
 def test_profile_scales_the_prediction_of_its_model_only(tmp_path):
