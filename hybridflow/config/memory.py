@@ -233,10 +233,17 @@ def busiest_stage_share(num_layers: int, layout) -> float:
     return max(counts) * layout.pp / num_layers
 
 
+def busiest_rank_split(num_layers: int, layout) -> float:
+    """Into how many parts a rank of the busiest pipeline stage divides a model's parameters (its
+    layers' share of them, split over tp): tp * pp for an even split, less with
+    ``layout.last_stage_layers`` (tp * pp / ``busiest_stage_share``)."""
+    return layout.tp * layout.pp / busiest_stage_share(num_layers, layout)
+
+
 def _train_state(n: int, layout, engine, num_layers: int) -> dict[str, int]:
     """Weights, fp32 grads and optimizer state per GPU of a trained model of ``n`` parameters
     and ``num_layers`` layers, on its busiest pipeline stage."""
-    mp = layout.tp * layout.pp / busiest_stage_share(num_layers, layout)
+    mp = busiest_rank_split(num_layers, layout)
     b = DTYPE_BYTES[engine.dtype]
     per_param = {("adam", "bf16"): 12, ("adam", "fp32"): 8, ("sgd", "bf16"): 8,
                  ("sgd", "fp32"): 4}[(engine.optim.name, engine.dtype)]
@@ -335,8 +342,7 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
         # those base shards stay beside the generation storage (lora_merge copy).
         from hybridflow.training.lora import lora_param_counts
         adapted, a = lora_param_counts(shape, actor.lora)
-        mp = (actor.layout.tp * actor.layout.pp
-              / busiest_stage_share(shape.num_layers, actor.layout))
+        mp = busiest_rank_split(shape.num_layers, actor.layout)
         adapters = _train_state(a, actor.layout, actor.engine, shape.num_layers)
         resident["actor"] = dict(adapters, weights=int(n * b / mp) + adapters["weights"])
         resident["ref"] = {}
@@ -393,9 +399,8 @@ def _critic_side(cfg, group: str, shape: ModelConfig, seq: int, samples: int, re
                                                                      None))
     else:
         b = DTYPE_BYTES[critic.engine.dtype]
-        share = busiest_stage_share(shape.num_layers, critic.layout)
-        resident[group] = {"weights": int(n * b * share / (critic.layout.tp
-                                                            * critic.layout.pp))}
+        resident[group] = {"weights": int(n * b / busiest_rank_split(shape.num_layers,
+                                                                      critic.layout))}
     forward[group] = _forward_transient(shape, critic, seq, None)
 
 

@@ -95,8 +95,9 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.config.memory import (DTYPE_BYTES, MemoryEstimate, busiest_stage_share,
-                                      estimate_memory, logit_columns, param_count)
+from hybridflow.config.memory import (DTYPE_BYTES, MemoryEstimate, busiest_rank_split,
+                                      busiest_stage_share, estimate_memory, logit_columns,
+                                      param_count)
 from hybridflow.errors import ConfigError
 from hybridflow.mapping.calibrate import Calibration
 from hybridflow.models.config import ModelConfig
@@ -295,7 +296,7 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
     steps = part.ppo_epochs * part.mini_batches
     trained = param_count(shape, head) if adapters is None else adapters
     # The busiest stage's rank: the one the others wait for.
-    per_rank = trained * busiest_stage_share(shape.num_layers, lay) / (lay.tp * lay.pp)
+    per_rank = trained / busiest_rank_split(shape.num_layers, lay)
     grads = 4 * per_rank
     dp = (2 * (lay.dp - 1) / lay.dp * grads / (gather_rate(calib, lay.dp) / 2)
           if lay.dp > 1 else 0.0)
@@ -345,7 +346,7 @@ def _back_to_train(cfg: Any, shape: ModelConfig, calib: Calibration,
     with LoRA (``lora``: ``lora_param_counts``) the adapters' only, and merged in place the
     adapted base shards written back from host memory (``restore_base``)."""
     lay = cfg.actor.layout
-    mp = lay.tp * lay.pp / busiest_stage_share(shape.num_layers, lay)
+    mp = busiest_rank_split(shape.num_layers, lay)
     trained = param_count(shape) if lora is None else lora[1]
     terms = {"zero_grads": 4 * trained / mp / calib.memory_bandwidth}
     if lora is not None and cfg.hybrid_engine.lora_merge == "in_place":
@@ -418,8 +419,7 @@ def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration,
     terms = {"all_gather": recv / gather_rate(calib, gen.micro_dp) if gen.micro_dp > 1 else 0.0}
     if lora is not None:
         # this rank's adapted shards (the busiest stage's)
-        adapted = (lora[0] * busiest_stage_share(shape.num_layers, gen.train)
-                   / (gen.train.tp * gen.train.pp))
+        adapted = lora[0] / busiest_rank_split(shape.num_layers, gen.train)
         terms["merge"] = (2 * cfg.actor.lora.rank * adapted / _rate(calib, "fp32")
                           + (MERGE_BYTES + 2 * b) * adapted / calib.memory_bandwidth)
     return terms
