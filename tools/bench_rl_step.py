@@ -195,10 +195,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = ap.parse_args(argv)
     if args.profile_passes and args.calibration is None:
         ap.error("--profile-passes adds to a calibration file: give --calibration FILE")
-    if args.calibration is not None and args.max_tokens_per_micro_batch is not None:
-        # The trainer refuses the same config (cost.predict): refused here before any set-up.
-        ap.error("--calibration predicts the step, and the cost model does not cover a token "
-                 "budget yet: drop --max-tokens-per-micro-batch or --calibration")
     gpu = args.device == "cuda" or (args.device == "auto" and torch.cuda.is_available())
     if gpu and not torch.cuda.is_available():
         ap.error("--device cuda but CUDA is not available")

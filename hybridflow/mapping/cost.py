@@ -33,6 +33,12 @@ of that dtype, B the device copy bandwidth, G(n) the all-gather rate in a group 
   per optimizer step, at G(d) / 2, an all-reduce moving twice an all-gather's bytes) and Adam's
   step (28 bytes read and written per trained parameter at B).
 
+Micro-batches are of the configured sizes, or with ``engine.max_tokens_per_micro_batch`` = T of
+``T // s`` sequences (``micro_batch_rows``): the model counts every sequence at its full length s,
+so it takes the budget's fewest sequences a micro-batch and no padding either way (a real batch's
+shorter sequences pack more rows into a budget, and the padded path computes the batch's own
+width). The planner keeps a configured budget and does not search micro-batch sizes then.
+
 Alone these are floors: no kernel reaches R or B, and the host works per micro-batch. With a pass
 profile of the model in the calibration (``hybridflow.mapping.profile``, measured by
 ``hybridflow calibrate --config``), the compute and bubble terms are divided by the forward's or
@@ -284,6 +290,18 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
     return terms
 
 
+def micro_batch_rows(engine, seq: int, forward: bool) -> int:
+    """Sequences in one micro-batch of a pass as the cost model counts them (every sequence
+    ``seq`` tokens long): the configured micro-batch size (``forward``: the forward-only one, if
+    set), or with ``engine.max_tokens_per_micro_batch`` = T the ``T // seq`` full-length
+    sequences the budget packs (at least one)."""
+    if engine.max_tokens_per_micro_batch is not None:
+        return max(1, engine.max_tokens_per_micro_batch // seq)
+    if forward:
+        return engine.forward_micro_batch_size or engine.micro_batch_size
+    return engine.micro_batch_size
+
+
 def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration, head: str,
             adapters: int | None = None, response: int | None = None) -> dict[str, float]:
     """Seconds of a model's update (``part.ppo_epochs`` passes of ``part.mini_batches`` optimizer
@@ -291,8 +309,8 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
     then the only trained ones (else every parameter is); ``response``: as ``_forward``'s."""
     lay, eng = part.layout, part.engine
     per_step = samples / part.mini_batches
-    fwd = _forward(shape, part, per_step, seq, calib, head, eng.micro_batch_size, "train",
-                   adapters, response)
+    fwd = _forward(shape, part, per_step, seq, calib, head, micro_batch_rows(eng, seq, False),
+                   "train", adapters, response)
     steps = part.ppo_epochs * part.mini_batches
     trained = param_count(shape, head) if adapters is None else adapters
     # The busiest stage's rank: the one the others wait for.
@@ -428,15 +446,11 @@ def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration,
 def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Prediction:
     """Seconds of every phase of one iteration of ``cfg`` (an RLConfig) and its memory per GPU.
     ``shapes``: config key (model, reward_model, cost_model) -> the model's shape."""
-    for role in ("actor", "critic"):  # it counts micro-batches of micro_batch_size sequences
-        if getattr(cfg, role).engine.max_tokens_per_micro_batch is not None:
-            raise ConfigError(f"{role}.engine.max_tokens_per_micro_batch", "the cost model does "
-                              "not cover a token budget yet; plan without it (unset it)")
     model = shapes["model"]
     response = cfg.rollout.sampling.max_tokens  # the actor's output layer runs over these
     seq = cfg.data.max_prompt_tokens + response
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
-    fwd_mb = cfg.actor.engine.forward_micro_batch_size or cfg.actor.engine.micro_batch_size
+    fwd_mb = micro_batch_rows(cfg.actor.engine, seq, True)
     lora = None
     if cfg.actor.lora.enabled:
         from hybridflow.training.lora import lora_param_counts
@@ -452,7 +466,7 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
     # With LoRA the reference is the actor with its adapters off: the base's forward.
     terms["ref_logprobs"] = _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb,
                                      response=response)
-    critic_mb = cfg.critic.engine.forward_micro_batch_size or cfg.critic.engine.micro_batch_size
+    critic_mb = micro_batch_rows(cfg.critic.engine, seq, True)
     if cfg.algorithm.name == "ppo":
         terms["values"] = _forward(model, cfg.critic, samples, seq, calib, "value", critic_mb)
     for key in ("reward_model", "cost_model"):  # both inside the trainer's reward phase

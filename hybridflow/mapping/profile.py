@@ -252,13 +252,15 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) 
 
 def micro_batch_sizes(cfg: Any, configured_only: bool = False) -> list[int]:
     """The sizes to measure: the search's candidates (unless ``configured_only``) and the
-    configured ones, up to the step's samples."""
+    configured ones (a token budget's as the cost model counts it), up to the step's samples."""
     from hybridflow.mapping.search import MICRO_BATCHES
+    from hybridflow.mapping.cost import micro_batch_rows
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
     e = cfg.actor.engine
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
     search = () if configured_only else MICRO_BATCHES
-    return sorted({b for b in (*search, e.micro_batch_size, e.forward_micro_batch_size)
-                   if b is not None and b <= samples})
+    configured = {micro_batch_rows(e, seq, forward) for forward in (False, True)}
+    return sorted({b for b in (*search, *configured) if b <= samples})
 
 
 def _share(cfg: Any) -> int:
@@ -309,9 +311,11 @@ def _measure_passes(rank: int, world_size: int, cfg: Any, shape: ModelConfig, si
 
     times: dict = {"forward": {}, "train": {}}
     for k, b in enumerate(sizes):
-        # Both kinds of pass split by micro_batch_size here, forward_micro_batch_size unset.
+        # Both kinds of pass split by micro_batch_size here, forward_micro_batch_size and a
+        # token budget unset (all sequences are full-length: a budget would pack b of them).
         engine.config = dataclasses.replace(cfg.actor.engine, micro_batch_size=b,
-                                            forward_micro_batch_size=None)
+                                            forward_micro_batch_size=None,
+                                            max_tokens_per_micro_batch=None)
         if k == 0:  # the first calls allocate and compile
             engine.compute_logprobs(batch(b))
             engine.train_step(batch(b), loss_fn)

@@ -33,9 +33,10 @@ class Mapping:
 
     def describe(self) -> str:
         o = self.overrides
+        mb = o.get("actor.engine.micro_batch_size")
         return (f"actor tp={o['actor.layout.tp']} pp={o['actor.layout.pp']} "
                 f"dp={o['actor.layout.dp']}, generation tp={o['rollout.tp']}, "
-                f"micro-batch {o['actor.engine.micro_batch_size']}")
+                + ("the configured token budget" if mb is None else f"micro-batch {mb}"))
 
 
 def _divisors(n: int) -> list[int]:
@@ -61,18 +62,22 @@ def candidates(cfg: Any, shape: ModelConfig) -> list[dict[str, Any]]:
             split = pp == cfg.actor.layout.pp and cfg.actor.layout.last_stage_layers is not None
             if shape.num_layers % pp and not split:  # apply keeps the configured split
                 continue
+            # A configured token budget forms the micro-batches: no sizes to search then.
+            sizes = (None,) if cfg.actor.engine.max_tokens_per_micro_batch else MICRO_BATCHES
             out += [_overrides(cfg, tp, pp, world // (tp * pp), tg, mb)
-                    for tg in _divisors(tp) for mb in MICRO_BATCHES]
+                    for tg in _divisors(tp) for mb in sizes]
     return out
 
 
-def _overrides(cfg: Any, tp: int, pp: int, dp: int, tg: int, mb: int) -> dict[str, Any]:
-    """The keys of one mapping; PPO's critic and the reward and cost models take the actor's."""
+def _overrides(cfg: Any, tp: int, pp: int, dp: int, tg: int, mb: int | None) -> dict[str, Any]:
+    """The keys of one mapping; PPO's critic and the reward and cost models take the actor's.
+    ``mb`` None: the micro-batches as configured (a token budget), no key for them."""
+    size = {} if mb is None else {"engine.micro_batch_size": mb}
     o = {"actor.layout.tp": tp, "actor.layout.pp": pp, "actor.layout.dp": dp, "rollout.tp": tg,
-         "actor.engine.micro_batch_size": mb}
+         **{f"actor.{k}": v for k, v in size.items()}}
     if cfg.algorithm.name == "ppo" or cfg.reward_model is not None or cfg.cost_model is not None:
         o |= {"critic.layout.tp": tp, "critic.layout.pp": pp, "critic.layout.dp": dp,
-              "critic.engine.micro_batch_size": mb}
+              **{f"critic.{k}": v for k, v in size.items()}}
     return o
 
 
@@ -209,12 +214,14 @@ def plan_lines(cfg: Any, top: int = 5) -> list[str]:
 def _configured(cfg: Any) -> dict[str, Any]:
     """The configured mapping's keys."""
     a, c = cfg.actor, cfg.critic
+    budget = a.engine.max_tokens_per_micro_batch is not None  # micro_batch_size is unused then
     o = _overrides(cfg, a.layout.tp, a.layout.pp, a.layout.dp, cfg.rollout.tp,
-                   a.engine.micro_batch_size)
+                   None if budget else a.engine.micro_batch_size)
     if "critic.layout.tp" in o:  # the critic as configured, which may differ from the actor
         o |= {"critic.layout.tp": c.layout.tp, "critic.layout.pp": c.layout.pp,
-              "critic.layout.dp": c.layout.dp,
-              "critic.engine.micro_batch_size": c.engine.micro_batch_size}
+              "critic.layout.dp": c.layout.dp}
+        if not budget:
+            o["critic.engine.micro_batch_size"] = c.engine.micro_batch_size
     return o
 
 

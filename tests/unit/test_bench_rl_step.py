@@ -119,13 +119,32 @@ def test_bench_layout_backend_and_budget_options_reach_the_run_config(tmp_path):
     assert args.micro_batch is None and args.forward_micro_batch is None
 
 
-def test_a_prediction_with_a_token_budget_is_refused_before_the_run(tmp_path, capsys):
-    # The cost model does not cover a budget; the bench said so as a traceback after set-up.
-    with pytest.raises(SystemExit) as e:
-        bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--calibration",
-                                  str(tmp_path / "c.json"), "--max-tokens-per-micro-batch", "64"])
-    assert e.value.code == 2
-    assert "does not cover a token budget" in capsys.readouterr().err
+def test_a_token_budget_run_is_predicted(tmp_path):
+    # The cost model counts a budget's micro-batches (cost.micro_batch_rows): --calibration
+    # with --max-tokens-per-micro-batch is a run to predict, no longer refused.
+    import copy
+
+    from hybridflow.mapping.calibrate import Calibration
+    from hybridflow.mapping.cost import predict
+    from hybridflow.models.config import ModelConfig
+    args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--calibration",
+                                     str(tmp_path / "c.json"), "--max-tokens-per-micro-batch",
+                                     "128"])
+    cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert cfg.actor.engine.max_tokens_per_micro_batch == 128
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
+    assert 1 < 128 // seq < cfg.train_batch_size * cfg.rollout.sampling.n
+    shape = ModelConfig(vocab_size=64, hidden_size=16, ffn_hidden_size=32, num_layers=2,
+                        num_heads=2, num_kv_heads=1, head_dim=8)
+    calib = Calibration(device="test", devices=2, matmul_flops={"fp32": 1e9},
+                        memory_bandwidth=1e9, all_gather={2: 1e8}, broadcast={2: 1e8},
+                        host_to_device=None, torch="test", measured_at="2026-12-01T00:00:00")
+    # the same prediction as micro-batches of the budget's 128 // seq full-length sequences
+    sized = copy.deepcopy(cfg)
+    sized.actor.engine.max_tokens_per_micro_batch = None
+    sized.actor.engine.micro_batch_size = 128 // seq
+    assert predict(cfg, {"model": shape}, calib).terms == predict(sized, {"model": shape},
+                                                                  calib).terms
 
 
 def test_bench_lora_and_memory_cap_options_reach_the_run_config(tmp_path):

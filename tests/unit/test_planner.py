@@ -14,7 +14,7 @@ from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.mapping.calibrate import Calibration
 from hybridflow.mapping.cost import matmul_params, predict, switch_bytes
 from hybridflow.mapping.profile import PassProfile
-from hybridflow.mapping.search import apply, candidates, search
+from hybridflow.mapping.search import MICRO_BATCHES, apply, candidates, search
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import llama_param_metas
 from hybridflow.parallel.layout import GenLayout, TrainLayout
@@ -258,10 +258,28 @@ def test_lora_terms_split_over_the_stages_and_take_the_training_efficiency():
         one.terms["update_actor"]["optimizer"] / 0.5, rel=1e-12)
 
 
-def test_what_the_cost_model_does_not_cover_is_refused():
-    with pytest.raises(ConfigError) as e:
-        predict(config("actor.engine.max_tokens_per_micro_batch=64"), {"model": SHAPE}, CALIB)
-    assert e.value.field == "actor.engine.max_tokens_per_micro_batch"
+def test_a_token_budget_packs_its_full_length_sequences():
+    # 12 tokens a sequence: a budget of 24 packs 2 (micro-batches of 2, as micro_batch_size=2),
+    # of 35 still 2, of 59 four, of 12 one, and one even where the budget is below it.
+    budget = "actor.engine.max_tokens_per_micro_batch="
+    by_size = {b: predict(config(f"actor.engine.micro_batch_size={b}"), {"model": SHAPE},
+                          FIXED_CALIB) for b in (1, 2)}
+    for tokens, rows in ((24, 2), (35, 2), (59, 4), (12, 1), (8, 1)):
+        p = predict(config(budget + str(tokens), "actor.layout.pp=2", "rollout.tp=1"),
+                    {"model": SHAPE}, FIXED_CALIB)
+        sized = predict(config(f"actor.engine.micro_batch_size={rows}", "actor.layout.pp=2",
+                               "rollout.tp=1"), {"model": SHAPE}, FIXED_CALIB)
+        assert p.terms == sized.terms, tokens
+    assert by_size[1].phases["update_actor"] > by_size[2].phases["update_actor"]
+    # The planner keeps the budget: no micro-batch sizes searched, none in the overrides.
+    cfg = config(budget + "24", "actor.layout.dp=2", "rollout.tp=1")
+    found = candidates(cfg, SHAPE)
+    assert found and all("actor.engine.micro_batch_size" not in o for o in found)
+    assert len(found) == len(candidates(config("actor.layout.dp=2", "rollout.tp=1"), SHAPE)) \
+        // len(MICRO_BATCHES)
+    fits, _ = search(cfg, {"model": SHAPE}, FIXED_CALIB)
+    assert fits and fits[0].describe().endswith("the configured token budget")
+    assert apply(cfg, fits[0].overrides).actor.engine.max_tokens_per_micro_batch == 24
 
 
 def test_layout_terms_act():
