@@ -152,8 +152,8 @@ class PassProfile:
         adapters = ("" if self.lora is None else f", LoRA rank {self.lora['rank']} on "
                     f"{'/'.join(self.lora['target_modules'])}")
         return (f"efficiencies at tp={self.tp}, pp=dp=1{adapters}, {self.seq} tokens per "
-                f"sequence, by "
-                f"micro-batch size: forward {table('forward')}; training {table('train')}; optimizer "
+                f"sequence, by micro-batch size: forward {table('forward')}; training "
+                f"{table('train')}; optimizer "
                 f"{self.optimizer:.1%}, generate ({self.backend}) {self.generate:.1%}, weight "
                 f"load {self.weight_load:.1%}; fixed seconds a pass: forward "
                 f"{self.forward_fixed_s:.3g}, training {self.train_fixed_s:.3g}")
