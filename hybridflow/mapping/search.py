@@ -62,22 +62,34 @@ def candidates(cfg: Any, shape: ModelConfig) -> list[dict[str, Any]]:
             split = pp == cfg.actor.layout.pp and cfg.actor.layout.last_stage_layers is not None
             if shape.num_layers % pp and not split:  # apply keeps the configured split
                 continue
-            # A configured token budget forms the micro-batches: no sizes to search then.
-            sizes = (None,) if cfg.actor.engine.max_tokens_per_micro_batch else MICRO_BATCHES
+            # A role with a token budget has its micro-batches formed by it: no sizes to search
+            # where every role has one.
+            sized = [r for r in _roles(cfg)
+                     if getattr(cfg, r).engine.max_tokens_per_micro_batch is None]
             out += [_overrides(cfg, tp, pp, world // (tp * pp), tg, mb)
-                    for tg in _divisors(tp) for mb in sizes]
+                    for tg in _divisors(tp) for mb in (MICRO_BATCHES if sized else (None,))]
     return out
+
+
+def _roles(cfg: Any) -> tuple[str, ...]:
+    """The trained roles a mapping lays out: the actor; the critic too for PPO, whose layout the
+    reward and cost models share."""
+    critic = (cfg.algorithm.name == "ppo" or cfg.reward_model is not None
+              or cfg.cost_model is not None)
+    return ("actor", "critic") if critic else ("actor",)
 
 
 def _overrides(cfg: Any, tp: int, pp: int, dp: int, tg: int, mb: int | None) -> dict[str, Any]:
     """The keys of one mapping; PPO's critic and the reward and cost models take the actor's.
-    ``mb`` None: the micro-batches as configured (a token budget), no key for them."""
-    size = {} if mb is None else {"engine.micro_batch_size": mb}
-    o = {"actor.layout.tp": tp, "actor.layout.pp": pp, "actor.layout.dp": dp, "rollout.tp": tg,
-         **{f"actor.{k}": v for k, v in size.items()}}
-    if cfg.algorithm.name == "ppo" or cfg.reward_model is not None or cfg.cost_model is not None:
-        o |= {"critic.layout.tp": tp, "critic.layout.pp": pp, "critic.layout.dp": dp,
-              **{f"critic.{k}": v for k, v in size.items()}}
+    A role with a token budget (or ``mb`` None) gets no micro-batch key: its micro-batches stay
+    as configured."""
+    o: dict[str, Any] = {}
+    for role in _roles(cfg):
+        o |= {f"{role}.layout.tp": tp, f"{role}.layout.pp": pp, f"{role}.layout.dp": dp}
+        if role == "actor":
+            o["rollout.tp"] = tg
+        if mb is not None and getattr(cfg, role).engine.max_tokens_per_micro_batch is None:
+            o[f"{role}.engine.micro_batch_size"] = mb
     return o
 
 
@@ -214,13 +226,12 @@ def plan_lines(cfg: Any, top: int = 5) -> list[str]:
 def _configured(cfg: Any) -> dict[str, Any]:
     """The configured mapping's keys."""
     a, c = cfg.actor, cfg.critic
-    budget = a.engine.max_tokens_per_micro_batch is not None  # micro_batch_size is unused then
     o = _overrides(cfg, a.layout.tp, a.layout.pp, a.layout.dp, cfg.rollout.tp,
-                   None if budget else a.engine.micro_batch_size)
+                   a.engine.micro_batch_size)
     if "critic.layout.tp" in o:  # the critic as configured, which may differ from the actor
         o |= {"critic.layout.tp": c.layout.tp, "critic.layout.pp": c.layout.pp,
               "critic.layout.dp": c.layout.dp}
-        if not budget:
+        if "critic.engine.micro_batch_size" in o:
             o["critic.engine.micro_batch_size"] = c.engine.micro_batch_size
     return o
 

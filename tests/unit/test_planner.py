@@ -262,15 +262,14 @@ def test_a_token_budget_packs_its_full_length_sequences():
     # 12 tokens a sequence: a budget of 24 packs 2 (micro-batches of 2, as micro_batch_size=2),
     # of 35 still 2, of 59 four, of 12 one, and one even where the budget is below it.
     budget = "actor.engine.max_tokens_per_micro_batch="
-    by_size = {b: predict(config(f"actor.engine.micro_batch_size={b}"), {"model": SHAPE},
-                          FIXED_CALIB) for b in (1, 2)}
+    layout = ("actor.layout.pp=2", "rollout.tp=1")
+    sized = {b: predict(config(f"actor.engine.micro_batch_size={b}", *layout), {"model": SHAPE},
+                        FIXED_CALIB) for b in (1, 2, 4)}
+    # the sizes predict apart, so a budget's equality with one of them is its own
+    assert len({s.phases["update_actor"] for s in sized.values()}) == 3
     for tokens, rows in ((24, 2), (35, 2), (59, 4), (12, 1), (8, 1)):
-        p = predict(config(budget + str(tokens), "actor.layout.pp=2", "rollout.tp=1"),
-                    {"model": SHAPE}, FIXED_CALIB)
-        sized = predict(config(f"actor.engine.micro_batch_size={rows}", "actor.layout.pp=2",
-                               "rollout.tp=1"), {"model": SHAPE}, FIXED_CALIB)
-        assert p.terms == sized.terms, tokens
-    assert by_size[1].phases["update_actor"] > by_size[2].phases["update_actor"]
+        p = predict(config(budget + str(tokens), *layout), {"model": SHAPE}, FIXED_CALIB)
+        assert p.terms == sized[rows].terms, tokens
     # The planner keeps the budget: no micro-batch sizes searched, none in the overrides.
     cfg = config(budget + "24", "actor.layout.dp=2", "rollout.tp=1")
     found = candidates(cfg, SHAPE)
@@ -280,6 +279,12 @@ def test_a_token_budget_packs_its_full_length_sequences():
     fits, _ = search(cfg, {"model": SHAPE}, FIXED_CALIB)
     assert fits and fits[0].describe().endswith("the configured token budget")
     assert apply(cfg, fits[0].overrides).actor.engine.max_tokens_per_micro_batch == 24
+    # PPO: each role's budget keeps that role's micro-batches; the other's sizes are searched.
+    for with_budget, searched in (("critic", "actor"), ("actor", "critic")):
+        found = candidates(config("algorithm.name=ppo", "rollout.tp=1",
+                                  f"{with_budget}.engine.max_tokens_per_micro_batch=24"), SHAPE)
+        assert all(f"{with_budget}.engine.micro_batch_size" not in o for o in found)
+        assert {o[f"{searched}.engine.micro_batch_size"] for o in found} == set(MICRO_BATCHES)
 
 
 def test_layout_terms_act():
