@@ -37,7 +37,8 @@ Micro-batches are of the configured sizes, or with ``engine.max_tokens_per_micro
 ``T // s`` sequences (``micro_batch_rows``): the model counts every sequence at its full length s,
 so it takes the budget's fewest sequences a micro-batch and no padding either way (a real batch's
 shorter sequences pack more rows into a budget, and the padded path computes the batch's own
-width). The planner keeps a configured budget and does not search micro-batch sizes then.
+width). The planner keeps a configured budget and does not search that role's micro-batch
+sizes.
 
 Alone these are floors: no kernel reaches R or B, and the host works per micro-batch. With a pass
 profile of the model in the calibration (``hybridflow.mapping.profile``, measured by
