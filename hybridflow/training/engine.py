@@ -154,7 +154,8 @@ def check_model_fits_layout(model: ModelConfig, layout: TrainLayout, engine: Eng
 
 
 def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineConfig):
-    """Megatron's TransformerConfig for a Llama-family model; fusions that need CUDA are off."""
+    """Megatron's TransformerConfig for a Llama-family model; fusions that need CUDA or
+    Transformer Engine are off, except those megatron_patches stands in for."""
     import torch.nn.functional as F
     from megatron.core.transformer import TransformerConfig
 
@@ -177,7 +178,7 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
         bias_activation_fusion=False,
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
-        apply_rope_fusion=False,
+        apply_rope_fusion=_rope_fusion(),  # megatron_patches/rope.py's stand-in for TE's
         persist_layer_norm=False,
         # On CUDA each weight gradient is added into the fp32 main_grad by its own GEMM
         # (megatron_patches/wgrad.py says why), not written out and added by DDP's hook.
@@ -211,6 +212,11 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
     )
 
 
+def _rope_fusion() -> bool:
+    from megatron_patches import rope
+    return rope.apply()
+
+
 def _wgrad_fusion() -> bool:
     from megatron_patches import wgrad
     return wgrad.apply()
@@ -222,7 +228,11 @@ def _build_chunks(model: ModelConfig, layout: TrainLayout, tf_config, pg_collect
     from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage,
                                                        is_vp_first_stage, is_vp_last_stage)
 
+    from hybridflow.training import attention
+
     spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    if attention.ENABLED:  # SDPA in place of the local spec's unfused attention (its docstring)
+        spec.submodules.self_attention.submodules.core_attention = attention.SDPAttention
     chunks = []
     for vp in range(layout.vpp or 1):
         vp_stage = vp if layout.vpp else None
