@@ -7,7 +7,7 @@
         --new-tokens 128      # on GPU: fast path, Megatron's eager path and transformers
 
 Random prompts of ``--prompt-len`` tokens, ``--new-tokens`` generated for each (EOS ignored),
-greedy unless ``--temperature``. Measured after a warm-up call with the same settings (whose time,
+greedy unless ``--temperature``; ``--n`` samples of each (a batch of B rows is B/n prompts). Measured after a warm-up call with the same settings (whose time,
 CUDA-graph capture included, is ``first_call_seconds``): ``seconds`` for the whole generation,
 ``prefill_seconds`` for the same call with one new token (each the median of ``--repeats``
 calls), and from their difference the decode rate.
@@ -76,6 +76,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--new-tokens", type=int, default=64, help="tokens generated per prompt")
     ap.add_argument("--dtype", choices=sorted(DTYPES), default=None,
                     help="default: bf16 on GPU, fp32 on CPU")
+    ap.add_argument("--n", type=int, default=1,
+                    help="samples per prompt (GRPO's group): each batch is batch/n prompts x n")
     ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=3, help="timed calls; the median is reported")
@@ -99,11 +101,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--workdir", default=None, help="where random checkpoints are written "
                                                     "(default: a temporary directory)")
     args = ap.parse_args(argv)
-    for name in ("prompt_len", "new_tokens", "repeats"):
+    for name in ("prompt_len", "new_tokens", "repeats", "n"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     if min(args.batch) < 1:
         ap.error("--batch must be >= 1")
+    if args.n > 1 and args.temperature == 0:
+        ap.error("--n > 1 needs --temperature > 0: greedy samples of a prompt are all the same")
+    if any(b % args.n for b in args.batch):
+        ap.error(f"--batch: every size must be a multiple of --n {args.n} (rows = prompts x n)")
     return args
 
 
@@ -165,7 +171,8 @@ def time_generate(backend, prompts, sampling: SamplingConfig, repeats: int
         return time.perf_counter() - start, outputs
 
     first = timed(sampling)[0]
-    one = SamplingConfig(temperature=0, max_tokens=1, ignore_eos=True)
+    one = SamplingConfig(temperature=sampling.temperature, max_tokens=1, ignore_eos=True,
+                         n=sampling.n, seed=sampling.seed)
     prefill = statistics.median(timed(one)[0] for _ in range(repeats))
     totals = []
     for _ in range(repeats):
@@ -182,7 +189,7 @@ def time_generate(backend, prompts, sampling: SamplingConfig, repeats: int
 def measure(backend, prompts, sampling: SamplingConfig, repeats: int, floor: float | None,
             prefix: str = "") -> tuple[dict, list]:
     """Timings of one backend as result fields (names prefixed), and its outputs."""
-    batch, new = len(prompts), sampling.max_tokens
+    batch, new = len(prompts) * sampling.n, sampling.max_tokens
     total, prefill, first, outputs = time_generate(backend, prompts, sampling, repeats)
     decode = max(total - prefill, 1e-9)
     r = {"seconds": round(total, 4), "prefill_seconds": round(prefill, 4),
@@ -227,7 +234,7 @@ def main(argv=None) -> dict:
     on_gpu = torch.cuda.is_available()
     dtype = args.dtype or ("bf16" if on_gpu else "fp32")
     sampling = SamplingConfig(temperature=args.temperature, max_tokens=args.new_tokens,
-                              ignore_eos=True, seed=args.seed)
+                              ignore_eos=True, seed=args.seed, n=args.n)
     max_len = args.prompt_len + args.new_tokens + 8
     with tempfile.TemporaryDirectory(prefix="bench-rollout-", dir=args.workdir) as tmp:
         path = model_dir(args.model, dtype, Path(tmp))
@@ -300,9 +307,11 @@ def bench_batch(args, cfg, backend, hf, eager: bool, batch: int, sampling: Sampl
     """Time ``backend`` (and the baselines) at one batch size; prints and returns the result."""
     on_gpu = bandwidth is not None
     g = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(3, cfg.vocab_size, (batch, args.prompt_len), generator=g).tolist()
+    prompts = torch.randint(3, cfg.vocab_size, (batch // args.n, args.prompt_len),
+                            generator=g).tolist()
     result = dict(backend=args.backend, model=args.model, device=torch.cuda.get_device_name()
-                  if on_gpu else "cpu", dtype=dtype, batch=batch, prompt_len=args.prompt_len,
+                  if on_gpu else "cpu", dtype=dtype, batch=batch, n=args.n,
+                  prompt_len=args.prompt_len,
                   new_tokens=args.new_tokens, startup_seconds=round(startup, 3))
     floor = None
     if on_gpu and args.new_tokens > 1:

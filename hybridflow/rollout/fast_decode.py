@@ -219,8 +219,35 @@ def _triton_kernels() -> SimpleNamespace:
         act = (gate / (1.0 + tl.exp(-gate))).to(o_ptr.dtype.element_ty).to(tl.float32)
         tl.store(o_ptr + row * F_ + cols, (act * up).to(o_ptr.dtype.element_ty), mask=ok)
 
+    @triton.jit
+    def sample(l_ptr, q_ptr, tok_ptr, lp_ptr, inv_t, V, s_l, BLOCK: tl.constexpr):
+        # One program per row, one pass over the vocabulary: the token argmax(p_T / q) with
+        # p_T = softmax(logits / T) and q ~ Exp(1) (torch.multinomial's draw of one sample,
+        # as argmax(logits / T - log q)), and the raw log-softmax at it (online logsumexp).
+        row = tl.program_id(0).to(tl.int64)
+        m = tl.full((), float("-inf"), tl.float32)
+        total = tl.zeros((), tl.float32)
+        best = tl.full((), float("-inf"), tl.float32)
+        arg = tl.zeros((), tl.int32)
+        for start in range(0, V, BLOCK):
+            cols = start + tl.arange(0, BLOCK)
+            ok = cols < V
+            x = tl.load(l_ptr + row * s_l + cols, mask=ok, other=float("-inf")).to(tl.float32)
+            q = tl.load(q_ptr + row * V + cols, mask=ok, other=1.0)
+            new_m = tl.maximum(m, tl.max(x, 0))
+            total = total * tl.exp(m - new_m) + tl.sum(tl.exp(x - new_m), 0)
+            m = new_m
+            score = tl.where(ok, x * inv_t - tl.log(q), float("-inf"))
+            block_best = tl.max(score, 0)
+            block_arg = tl.argmax(score, 0) + start
+            arg = tl.where(block_best > best, block_arg, arg)
+            best = tl.maximum(best, block_best)
+        chosen = tl.load(l_ptr + row * s_l + arg).to(tl.float32)
+        tl.store(tok_ptr + row, arg.to(tl.int64))
+        tl.store(lp_ptr + row, chosen - m - tl.log(total))
+
     return SimpleNamespace(attention=attention, add_rms_norm=add_rms_norm, rope_kv=rope_kv,
-                           silu_mul=silu_mul, next_power_of_2=triton.next_power_of_2)
+                           silu_mul=silu_mul, sample=sample, next_power_of_2=triton.next_power_of_2)
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
@@ -292,6 +319,23 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     block = 1024
     k.silu_mul[(rows, -(-f // block))](gate_up, out, F_=f, BLOCK=block, num_warps=4)
     return out
+
+
+def sample_triton(logits: torch.Tensor, noise: torch.Tensor, temperature: float
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Temperature sampling in one kernel: logits [B, V] (last dim contiguous), noise [B, V]
+    fp32 ~ Exp(1) -> (tokens [B] int64 = argmax(softmax(logits / T) / noise), the raw model's
+    log-probs at them [B] fp32), as ``sample_tokens`` computes without top-k or top-p."""
+    k = _triton_kernels()
+    rows, vocab = logits.shape
+    if logits.stride(-1) != 1 or not noise.is_contiguous():
+        raise ValueError("sample_triton needs logits with a contiguous last dim and contiguous "
+                         "noise")
+    tokens = torch.empty(rows, dtype=torch.long, device=logits.device)
+    logprobs = torch.empty(rows, dtype=torch.float32, device=logits.device)
+    k.sample[(rows,)](logits, noise, tokens, logprobs, 1.0 / temperature, vocab, logits.stride(0),
+                      BLOCK=4096, num_warps=8)
+    return tokens, logprobs
 
 
 def check_triton_kernels(device: torch.device, dtype: torch.dtype) -> str | None:
@@ -565,19 +609,23 @@ class FastDecoder:
 
     # ------------------------------------------------------------------------------ decoding
     @torch.no_grad()
-    def begin(self, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> torch.Tensor:
-        """Prefill left-padded prompts ``ids`` [B, W] (``mask`` 1 = real token, each row's real
-        tokens contiguous at the right) for a session of up to ``steps`` new tokens; returns the
-        logits [B, V] of the first new token."""
-        rows, width = ids.shape
+    def begin(self, ids: torch.Tensor, mask: torch.Tensor, steps: int, repeat: int = 1
+              ) -> torch.Tensor:
+        """Prefill left-padded prompts ``ids`` [U, W] (``mask`` 1 = real token, each row's real
+        tokens contiguous at the right) for a session of up to ``steps`` new tokens over
+        U x ``repeat`` rows, row b continuing prompt b // repeat (GRPO's samples of a prompt);
+        returns the logits [U x repeat, V] of the first new token. Each prompt is prefilled
+        once and its K/V copied to the other rows of its group."""
+        prompts, width = ids.shape
+        rows = prompts * repeat
         self._ensure_cache(rows, width + steps)
         ptrs = self._weight_ptrs()
         if ptrs != self._ptrs:  # new parameter storage: the graphs point at the old
             self._graphs, self._pool, self._ptrs = {}, None, ptrs
         valid = mask.bool()
         self._valid.zero_()
-        self._valid[:, :width] = valid
-        self._start.copy_(width - valid.sum(dim=1))  # the first real slot of each row
+        self._valid[:, :width] = valid.repeat_interleave(repeat, dim=0)
+        self._start.copy_((width - valid.sum(dim=1)).repeat_interleave(repeat))  # first real slot
         self._next = width
         index = torch.arange(width, device=self.device)
         # Causal over real keys; a padding query also sees itself, so no row is fully masked
@@ -587,11 +635,17 @@ class FastDecoder:
         chunk = max(1, self.prefill_tokens // width)
         forward = self._prefill_triton if self.kernels == "triton" else self._forward
         logits = []
-        for r in range(0, rows, chunk):
+        for r in range(0, prompts, chunk):
             allowed = (causal & valid[r:r + chunk, None, :]) | diagonal
             allowed = allowed.repeat_interleave(self.per_group, dim=1)[:, None]  # [b,1,W*hpg,W]
-            logits.append(forward(ids[r:r + chunk], index, allowed, width, slice(r, r + chunk)))
-        return torch.cat(logits) if len(logits) > 1 else logits[0]
+            # Prompt u's K/V go to row u * repeat, the first of its group (a strided view).
+            first = slice(r * repeat, min(r + chunk, prompts) * repeat, repeat)
+            logits.append(forward(ids[r:r + chunk], index, allowed, width, first))
+        prompt_slots = self._cache[:, :, :, :, :width]
+        for j in range(1, repeat):
+            prompt_slots[:, :, j::repeat].copy_(prompt_slots[:, :, 0::repeat])
+        logits = torch.cat(logits) if len(logits) > 1 else logits[0]
+        return logits.repeat_interleave(repeat, dim=0) if repeat > 1 else logits
 
     @torch.no_grad()
     def step(self, tokens: torch.Tensor) -> torch.Tensor:

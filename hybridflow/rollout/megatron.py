@@ -56,9 +56,12 @@ class _MegatronSteps:
     def __init__(self, rollout: "MegatronRollout"):
         self.rollout, self.context, self.mask = rollout, None, None
 
-    def begin(self, ids: torch.Tensor, mask: torch.Tensor, steps: int) -> torch.Tensor:
+    def begin(self, ids: torch.Tensor, mask: torch.Tensor, steps: int, repeat: int = 1
+              ) -> torch.Tensor:
         from megatron.core.inference.contexts import StaticInferenceContext
 
+        if repeat > 1:  # no shared prefill here: every row computes its prompt
+            ids, mask = ids.repeat_interleave(repeat, 0), mask.repeat_interleave(repeat, 0)
         self.context = StaticInferenceContext(ids.shape[0], ids.shape[1] + steps)
         self.mask = mask
         logits = self.rollout._forward(ids, mask, self.context)
@@ -71,24 +74,27 @@ class _MegatronSteps:
 
 
 def decode(steps_impl, ids: torch.Tensor, mask: torch.Tensor, sampling: SamplingConfig,
-           generator: torch.Generator | None, stop_ids: list[int], pad_token_id: int):
-    """The sampling loop of both paths. ``steps_impl.begin(ids, mask, max_tokens)`` prefills the
-    left-padded prompts ids/mask [B, P] and returns the first logits [B, V];
-    ``steps_impl.step(tokens [B])`` feeds one token per row and returns the next logits.
+           generator: torch.Generator | None, stop_ids: list[int], pad_token_id: int,
+           repeat: int = 1):
+    """The sampling loop of both paths. ``steps_impl.begin(ids, mask, max_tokens, repeat)``
+    prefills the left-padded prompts ids/mask [U, P] for B = U x ``repeat`` rows (row b continues
+    prompt b // repeat) and returns the first logits [B, V]; ``steps_impl.step(tokens [B])``
+    feeds one token per row and returns the next logits.
 
     Returns (tokens [B, max_tokens] int64, log-probs [B, max_tokens] fp32, lengths [B], stopped
     [B] bool), on the device; positions after a row's stop hold pad_token_id."""
     device, steps = ids.device, sampling.max_tokens
     stops = torch.tensor(stop_ids, dtype=torch.long, device=device)
-    batch = ids.shape[0]
+    batch = ids.shape[0] * repeat
     new_tokens = torch.full((batch, steps), pad_token_id, dtype=torch.long, device=device)
     new_logprobs = torch.zeros((batch, steps), dtype=torch.float32, device=device)
     done = torch.zeros(batch, dtype=torch.bool, device=device)
     lengths = torch.full((batch,), steps, dtype=torch.long, device=device)
 
-    logits = steps_impl.begin(ids, mask, steps)
+    logits = steps_impl.begin(ids, mask, steps, repeat)
+    fused = getattr(steps_impl, "kernels", None) == "triton"  # FastDecoder's Triton kernels
     for t in range(steps):
-        tokens, logprobs = sample_tokens(logits, sampling, generator)
+        tokens, logprobs = sample_tokens(logits, sampling, generator, fused)
         tokens = torch.where(done, pad_token_id, tokens)
         new_tokens[:, t], new_logprobs[:, t] = tokens, logprobs
         if stop_ids:
@@ -103,15 +109,24 @@ def decode(steps_impl, ids: torch.Tensor, mask: torch.Tensor, sampling: Sampling
 
 
 def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
-                  generator: torch.Generator | None) -> tuple[torch.Tensor, torch.Tensor]:
+                  generator: torch.Generator | None, fused: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One sampling step on the logits' device. logits [B, V] (any float dtype) ->
-    (tokens [B] int64, log-probs of those tokens under the raw model [B] fp32)."""
+    (tokens [B] int64, log-probs of those tokens under the raw model [B] fp32). A sample is
+    torch.multinomial's draw of one, argmax(probs / q) with q ~ Exp(1) from ``generator``,
+    written out so that ``fused`` (the Triton kernel ``sample_triton``, CUDA) can take the same
+    noise when there is no top-k or top-p: one kernel instead of ~10 passes over [B, V]."""
     if sampling.greedy:  # log p = logit - logsumexp: no [B, V] log-softmax to write and read
         tokens = logits.argmax(dim=-1)
         chosen = logits.gather(-1, tokens[:, None]).squeeze(-1).float()
         return tokens, chosen - torch.logsumexp(logits.float(), dim=-1)
+    noise = torch.empty(logits.shape, dtype=torch.float32, device=logits.device)
+    noise.exponential_(generator=generator)
+    plain = not (sampling.top_k and sampling.top_k < logits.shape[-1]) and sampling.top_p >= 1.0
+    if fused and plain:
+        from hybridflow.rollout.fast_decode import sample_triton
+        return sample_triton(logits, noise, sampling.temperature)
     logits = logits.float()
-    raw = torch.log_softmax(logits, dim=-1)
     scores = logits / sampling.temperature
     if sampling.top_k and sampling.top_k < scores.shape[-1]:
         kth = scores.topk(sampling.top_k, dim=-1).values[:, -1:]
@@ -123,9 +138,9 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
         drop = probs.cumsum(dim=-1) - probs >= sampling.top_p
         sorted_scores = sorted_scores.masked_fill(drop, float("-inf"))
         scores = torch.full_like(scores, float("-inf")).scatter(-1, order, sorted_scores)
-    probs = scores.softmax(dim=-1)
-    tokens = torch.multinomial(probs, 1, generator=generator).squeeze(-1)
-    return tokens, raw.gather(-1, tokens[:, None]).squeeze(-1)
+    tokens = (scores.softmax(dim=-1) / noise).argmax(dim=-1)
+    chosen = logits.gather(-1, tokens[:, None]).squeeze(-1)
+    return tokens, chosen - torch.logsumexp(logits, dim=-1)
 
 
 def fast_decode_default(cuda: bool, tp: int) -> bool:
@@ -327,8 +342,10 @@ class MegatronRollout(RolloutBackend):
         out: list[RolloutOutput] = []
         for start in range(0, len(rows), self.max_batch_size):
             chunk = rows[start:start + self.max_batch_size]
-            prompts = [prompt_token_ids[i] for i, _ in chunk]
-            tokens, logprobs, reasons = self._decode(prompts, sampling, generator)
+            # Whole groups of a prompt's n samples: each prompt is prefilled once.
+            repeat = sampling.n if start % sampling.n == 0 and len(chunk) % sampling.n == 0 else 1
+            prompts = [prompt_token_ids[i] for i, j in chunk if j % repeat == 0]
+            tokens, logprobs, reasons = self._decode(prompts, sampling, generator, repeat)
             for (i, j), toks, lps, reason in zip(chunk, tokens, logprobs, reasons):
                 out.append(RolloutOutput(prompt_index=i, sample_index=j,
                                          prompt_token_ids=list(prompt_token_ids[i]),
@@ -367,9 +384,11 @@ class MegatronRollout(RolloutBackend):
         return self._fast.capture_seconds if self._fast is not None else 0.0
 
     def _decode(self, prompts: list[list[int]], sampling: SamplingConfig,
-                generator: torch.Generator | None):
+                generator: torch.Generator | None, repeat: int = 1):
+        """Rows = each of ``prompts`` ``repeat`` times in a row: lists of tokens, of log-probs
+        and finish reasons, one per row."""
         ids, mask = left_pad(prompts, self.pad_token_id, self.device)
-        batch = ids.shape[0]
+        batch = ids.shape[0] * repeat
         if self._stacked and not self.fast_decode:
             raise RuntimeError(f"{len(self._stacked)} parameters hold stacked shards (e.g. "
                                f"{sorted(self._stacked)[0]}), which only fast_decode computes "
@@ -377,7 +396,7 @@ class MegatronRollout(RolloutBackend):
         steps_impl = self.fast_decoder() if self.fast_decode else _MegatronSteps(self)
         tokens, logprobs, lengths, stopped = decode(
             steps_impl, ids, mask, sampling, generator, sampling.stop_ids(self.eos_token_ids),
-            self.pad_token_id)
+            self.pad_token_id, repeat)
         del steps_impl  # Megatron's path: its KV cache
         tokens, logprobs = tokens.cpu(), logprobs.cpu()
         lengths, stopped = lengths.tolist(), stopped.tolist()

@@ -158,6 +158,30 @@ def test_release_frees_and_decoding_starts_again(device):
 
 
 @pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("sampling", [GREEDY, SamplingConfig(temperature=1.0, max_tokens=13)])
+def test_repeated_prompts_are_prefilled_once(device, sampling):
+    """``repeat``: each prompt prefilled once for its group of rows gives what prefilling every
+    row gives (tokens, log-probs, the cache), with a third of the prefill's rows."""
+    cfg, hf, params, fast = setup("llama", device)
+    repeat = 3
+    rows = [p for p in PROMPTS for _ in range(repeat)]
+    ids, mask = left_pad(rows, 0, fast.device)
+    want = decode(fast, ids, mask, sampling, torch.Generator(device).manual_seed(0), [], 0)
+    cache = fast._cache.clone()
+    fast.release()  # a new cache: the rows' K/V must come from the group's one prefill
+    prefilled = []
+    forward = fast._forward
+    fast._forward = lambda ids, *a: prefilled.append(ids.shape[0]) or forward(ids, *a)
+    ids, mask = left_pad(PROMPTS, 0, fast.device)
+    got = decode(fast, ids, mask, sampling, torch.Generator(device).manual_seed(0), [], 0,
+                 repeat=repeat)
+    assert prefilled[0] == len(PROMPTS)  # then one row per decode step
+    assert torch.equal(got[0], want[0])
+    torch.testing.assert_close(got[1], want[1], atol=1e-5, rtol=0)
+    torch.testing.assert_close(fast._cache, cache, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("device", DEVICES)
 def test_sampling_is_seeded(device):
     cfg, hf, params, fast = setup("qwen2", device)
     sampled = SamplingConfig(temperature=0.8, top_k=40, top_p=0.9, max_tokens=13)
@@ -207,6 +231,21 @@ def triton_checks(device: str) -> dict:
             ref = F.scaled_dot_product_attention(q.float(), keys.float(), values.float(),
                                                  attn_mask=mask[:, None, None, :])
             out["attention"].append((str(dtype), (got.float() - ref).abs().max().item()))
+    # The one-kernel sampler against sample_tokens' torch ops on the same noise; a vocabulary
+    # of two blocks and a bit (4096 each), with row strides as the decode's logits have.
+    from hybridflow.rollout.fast_decode import sample_triton
+    from hybridflow.rollout.megatron import sample_tokens
+    out["sample"] = []
+    for dtype in dtypes:
+        logits = (3 * torch.randn(6, 8300, generator=gen)).to(device, dtype)
+        for temperature in (1.0, 0.6):
+            s = SamplingConfig(temperature=temperature, max_tokens=1)
+            want = sample_tokens(logits, s, torch.Generator(device).manual_seed(1))
+            noise = torch.empty(logits.shape, dtype=torch.float32, device=device)
+            got = sample_triton(logits, noise.exponential_(
+                generator=torch.Generator(device).manual_seed(1)), temperature)
+            out["sample"].append((str(dtype), got[0].tolist() == want[0].tolist(),
+                                  (got[1] - want[1]).abs().max().item()))
     for dtype in [torch.float32] + ([torch.bfloat16] if device == "cuda" else []):
         cfg, hf, params, plain = setup("qwen2", device, dtype, kernels="torch")
         fused = FastDecoder(cfg, params, dtype=dtype, device=torch.device(device),
@@ -248,6 +287,8 @@ def test_triton_kernels(device):
     assert all(why is None for why in out["check"].values()), out["check"]
     for dtype, err in out["attention"]:
         assert err < (1e-5 if dtype == "torch.float32" else 2e-2), (dtype, err)
+    for dtype, same, lp_err in out["sample"]:
+        assert same and lp_err < 1e-4, (dtype, lp_err)
     same, lp_err, graphs = out["torch.float32"]
     assert same and lp_err < 1e-5
     same, lp_err = out["torch.float32 stacked"]  # fc1 rows as s rows of [gate_j | up_j]

@@ -133,6 +133,13 @@ def test_sampler():
     a, _ = sample_tokens(logits, s, torch.Generator().manual_seed(4))
     b, _ = sample_tokens(logits, s, torch.Generator().manual_seed(4))
     assert torch.equal(a, b)
+    # The draw is torch.multinomial's, written out (same noise, same tokens), and its log-probs
+    # are the raw model's at any temperature.
+    want = torch.multinomial((logits / 0.7).softmax(-1), 1,
+                             generator=torch.Generator().manual_seed(4)).squeeze(-1)
+    assert torch.equal(a, want)
+    _, lp = sample_tokens(logits, s, torch.Generator().manual_seed(4))
+    torch.testing.assert_close(lp, raw.gather(-1, a[:, None]).squeeze(-1))
 
 
 def test_left_pad():
