@@ -170,8 +170,10 @@ def test_repeated_prompts_are_prefilled_once(device, sampling):
     cache = fast._cache.clone()
     fast.release()  # a new cache: the rows' K/V must come from the group's one prefill
     prefilled = []
-    forward = fast._forward
-    fast._forward = lambda ids, *a: prefilled.append(ids.shape[0]) or forward(ids, *a)
+    for name in ("_forward", "_prefill_triton"):  # the torch and the Triton kernels' prefill
+        forward = getattr(fast, name)
+        setattr(fast, name,
+                lambda ids, *a, f=forward: prefilled.append(ids.shape[0]) or f(ids, *a))
     ids, mask = left_pad(PROMPTS, 0, fast.device)
     got = decode(fast, ids, mask, sampling, torch.Generator(device).manual_seed(0), [], 0,
                  repeat=repeat)
