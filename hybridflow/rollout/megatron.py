@@ -6,7 +6,8 @@ The 3D-HybridEngine gives each rank its generation shard under Megatron names
 dtype and device already match). HF-named full weights also work (``update_weights_hf``).
 
 Decoding is static batching: one prefill over the left-padded prompts, then one token per step
-for the whole batch. Left padding follows the training engine's convention
+for the whole batch. The n samples of a prompt are prefilled once (``decode``'s ``repeat``; the
+fast path copies the prompt's K/V to the group's rows). Left padding follows the training engine's convention
 (``batch_attention_mask``: padding keys are masked; RoPE is relative, so the slots the padding
 takes do not change the real tokens' attention), so the log-probs here are the ones
 ``TrainEngine.compute_logprobs`` recomputes. Two paths compute the steps, on the same parameters
