@@ -7,8 +7,9 @@
         --new-tokens 128      # on GPU: fast path, Megatron's eager path and transformers
 
 Random prompts of ``--prompt-len`` tokens, ``--new-tokens`` generated for each (EOS ignored),
-greedy unless ``--temperature``; ``--n`` samples of each (a batch of B rows is B/n prompts). Measured after a warm-up call with the same settings (whose time,
-CUDA-graph capture included, is ``first_call_seconds``): ``seconds`` for the whole generation,
+greedy unless ``--temperature``; ``--n`` samples of each (a batch of B rows is B/n prompts).
+Measured after a warm-up call with the same settings (whose time, CUDA-graph capture included,
+is ``first_call_seconds``): ``seconds`` for the whole generation,
 ``prefill_seconds`` for the same call with one new token (each the median of ``--repeats``
 calls), and from their difference the decode rate.
 

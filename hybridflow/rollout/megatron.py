@@ -7,12 +7,12 @@ dtype and device already match). HF-named full weights also work (``update_weigh
 
 Decoding is static batching: one prefill over the left-padded prompts, then one token per step
 for the whole batch. The n samples of a prompt are prefilled once (``decode``'s ``repeat``; the
-fast path copies the prompt's K/V to the group's rows). Left padding follows the training engine's convention
-(``batch_attention_mask``: padding keys are masked; RoPE is relative, so the slots the padding
-takes do not change the real tokens' attention), so the log-probs here are the ones
-``TrainEngine.compute_logprobs`` recomputes. Two paths compute the steps, on the same parameters
-and with the same sampling loop (``decode``), so they give the same tokens (in fp32; bf16 rounds
-differently in each):
+fast path copies the prompt's K/V to the group's rows). Left padding follows the training
+engine's convention (``batch_attention_mask``: padding keys are masked; RoPE is relative, so the
+slots the padding takes do not change the real tokens' attention), so the log-probs here are
+the ones ``TrainEngine.compute_logprobs`` recomputes. Two paths compute the steps, on the same
+parameters and with the same sampling loop (``decode``), so they give the same tokens (in fp32;
+bf16 rounds differently in each):
 
 * ``fast_decode`` (default on GPU at TP = 1): ``hybridflow.rollout.fast_decode.FastDecoder``, a
   static KV cache and fixed-shape steps replayed as CUDA graphs, with fused Triton kernels on GPU;
