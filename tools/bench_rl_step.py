@@ -83,9 +83,10 @@ blocks the CUDA caching allocator took from the device during it (``_device_allo
 cache takes none) and of its retries (``_alloc_retries``: no room, its whole cache freed, the
 allocation tried again), the largest over ranks.
 
-``--profile N``: one more iteration after the timed ones, rank 0's actor calls of the update and
-the log-prob passes under torch.profiler (``Worker.arm_profile``): each one's N costliest kernels
-and the device's idle share of that phase's timed mean.
+``--profile N``: one more iteration after the timed ones, rank 0's actor calls of the generation
+(the switch and its way back included), the update and the log-prob passes under torch.profiler
+(``Worker.arm_profile``): each one's N costliest kernels and the device's idle share of that
+phase's timed mean.
 
 The last stdout line is one JSON object.
 """
@@ -371,8 +372,8 @@ def run_iteration(trainer, items) -> tuple[dict, object]:
 
 
 # the actor's worker calls --profile runs under torch.profiler, by the phase each one times
-PROFILED_CALLS = {"update_actor": "update_actor_s", "compute_log_prob": "old_logprobs_s",
-                  "compute_ref_log_prob": "ref_logprobs_s"}
+PROFILED_CALLS = {"generate": "generate_call_s", "update_actor": "update_actor_s",
+                  "compute_log_prob": "old_logprobs_s", "compute_ref_log_prob": "ref_logprobs_s"}
 
 
 def profile_iteration(trainer, items, tmp: Path, rows: list[dict], top: int) -> dict:

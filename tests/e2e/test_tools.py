@@ -95,7 +95,8 @@ def test_bench_rl_step_ppo_reports_every_phase(tmp_path):
     assert r["response_tokens"] > 0
     # --profile: one more iteration, rank 0's actor calls under torch.profiler; on-policy, the
     # step makes no compute_log_prob call, so it has no profile
-    assert set(r["call_profiles"]) == {"update_actor", "compute_ref_log_prob"}
+    assert set(r["call_profiles"]) == {"generate", "update_actor", "compute_ref_log_prob"}
+    assert r["call_profiles"]["generate"]["busy_s"] > 0
     update = r["call_profiles"]["update_actor"]
     assert 0 < update["busy_s"] and 1 <= len(update["top"]) <= 3
     assert any("mm" in op["name"] or "Linear" in op["name"] for op in update["top"])
