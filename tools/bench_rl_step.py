@@ -157,6 +157,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None, metavar="N",
                     help="engine.max_tokens_per_micro_batch of the actor and critic: micro-batches "
                     "by a token budget, sequences grouped by length, padding cut")
+    ap.add_argument("--keep-cache", action="store_true",
+                    help="rollout.keep_cache (megatron backend, GPU): the fast decoder's KV cache "
+                    "and CUDA graphs kept across the switch back, no capture after each wake")
     ap.add_argument("--ref-offload", action="store_true",
                     help="ref.offload: the reference's weights in host memory between uses")
     ap.add_argument("--offload-optimizer", action="store_true",
@@ -411,6 +414,7 @@ def run_config(args, path: Path, prompts: Path):
               "actor.lora.rank": args.lora_rank, "ray.gpu_memory_gib": args.gpu_memory_gib,
               **({"hybrid_engine.lora_merge": args.lora_merge} if args.lora_merge else {}),
               "rollout.backend": args.backend, "rollout.tp": args.gen_tp,
+              **({"rollout.keep_cache": True} if args.keep_cache else {}),
               "rollout.sampling": {"temperature": 1.0, "max_tokens": args.max_tokens,
                                    "n": args.n},
               "data.source": str(prompts), "data.max_prompt_tokens": args.prompt_max,
@@ -447,6 +451,7 @@ def main(argv=None) -> dict:
                   micro_batch_size=args.micro_batch,
                   forward_micro_batch_size=args.forward_micro_batch,
                   max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
+                  keep_cache=args.keep_cache,
                   ref_offload=args.ref_offload, offload_optimizer=args.offload_optimizer,
                   lora_rank=args.lora_rank, lora_merge=args.lora_merge,
                   gpu_memory_gib=args.gpu_memory_gib,

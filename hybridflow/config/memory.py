@@ -61,9 +61,9 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   naive mode keeps it besides), the KV cache ``2*L*(kv_heads/tg)*head_dim*b`` bytes per token of
   prompt + response for the sequences decoded together: the replica's share of the step's
   ``train_batch_size * n`` samples, at most ``MegatronRollout``'s max_batch_size at a time
-  (rollout.backend=megatron); vLLM takes ``rollout.kv_cache_mb`` and keeps its own copy of the
-  weights (tg = 1) in every phase; the hf backend keeps its own weights, the KV cache of the
-  whole share and every step's logits.
+  (rollout.backend=megatron; held in every phase with ``rollout.keep_cache``); vLLM takes
+  ``rollout.kv_cache_mb`` and keeps its own copy of the weights (tg = 1) in every phase; the hf
+  backend keeps its own weights, the KV cache of the whole share and every step's logits.
 
 Left out: CUDA context and allocator fragmentation (a few GiB: leave headroom), communication
 buffers, the reshard's buckets, embedding and output layers sitting on one pipeline stage only
@@ -357,9 +357,9 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
         resident["rollout"] = {"engine weights": int(n * b)}
         generation["rollout"] = {"kv cache": int(r.kv_cache_mb * 2**20)}
     elif r.backend == "megatron":
-        resident["rollout"] = {}
-        generation["rollout"] = {"kv cache": int(min(share, _megatron_max_batch()) * seq
-                                                 * per_token)}
+        kv = {"kv cache": int(min(share, _megatron_max_batch()) * seq * per_token)}
+        # rollout.keep_cache: the fast decoder's cache stays through every phase
+        resident["rollout"], generation["rollout"] = (kv, {}) if r.keep_cache else ({}, kv)
     else:  # hf: its own model, the whole share at once, every step's logits kept
         resident["rollout"] = {"engine weights": int(n * b)}
         generation["rollout"] = {"kv cache": int(share * seq * per_token),

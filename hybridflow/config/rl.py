@@ -136,6 +136,13 @@ class RolloutConfig:
     """All-gather bucket size of the 3D-HybridEngine."""
     kv_cache_mb: float = 256.0
     """vLLM KV-cache size (CPU needs it given)."""
+    keep_cache: bool = False
+    """megatron backend on GPUs at tp 1 (its fast decoder): keep the KV cache and the CUDA graphs
+    of the decode step across the switch back to training, instead of freeing them after each
+    generate call and capturing the graphs again at the next one. Costs the KV cache's memory in
+    every phase (``hybridflow check`` counts it); the graphs are replayed as they are while the
+    generation weights keep their storage (an unchanged layout: the training tensors themselves),
+    captured again when they move."""
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, BACKENDS)
@@ -452,6 +459,9 @@ class RLConfig:
               for k in ("micro_batch_size", "forward_micro_batch_size")),
             ("reward", self.reward_model is not None, "remove reward_model"),
             ("rollout.kv_cache_mb", self.rollout.backend != "vllm", "rollout.backend=vllm"),
+            ("rollout.keep_cache", self.rollout.backend != "megatron" or self.rollout.tp != 1
+             or not self.ray.gpus_per_worker, "rollout.backend=megatron with rollout.tp=1 on GPUs "
+             "(ray.gpus_per_worker > 0): only its fast decoder has a cache and graphs to keep"),
             *((f"data.{k}", self.data.source != "reasoning_gym", "data.source=reasoning_gym")
               for k in ("tasks", "task_kwargs")),
             ("data.size", self.data.source not in ("reasoning_gym", "synthetic"),

@@ -164,7 +164,8 @@ class ActorRolloutRefWorker(Worker):
             return backend(self.model_config, dtype=self.actor_cfg.engine.dtype,
                            max_model_len=max_len, seed=seed,
                            eos_token_ids=eos_token_ids(self.model_dir),
-                           pg_collection=generation_process_groups(self.gen))
+                           pg_collection=generation_process_groups(self.gen),
+                           keep_cache=r.keep_cache)
         kwargs = dict(dtype=self.actor_cfg.engine.dtype, max_model_len=max_len,
                       seed=seed)
         if r.backend == "vllm":

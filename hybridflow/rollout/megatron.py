@@ -16,8 +16,9 @@ bf16 rounds differently in each):
 
 * ``fast_decode`` (default on GPU at TP = 1): ``hybridflow.rollout.fast_decode.FastDecoder``, a
   static KV cache and fixed-shape steps replayed as CUDA graphs, with fused Triton kernels on GPU;
-  the cache and graphs stay allocated between ``generate`` calls until ``sleep``. On one H200,
-  0.9B model, batch 256: 53% of the HBM roofline of the decode steps (docs/benchmarks.md);
+  the cache and graphs stay allocated between ``generate`` calls until ``sleep`` (and across it
+  with ``keep_cache``: no capture after the RL step's switch when the weights stay put). On one
+  H200, 0.9B model, batch 256: 53% of the HBM roofline of the decode steps (docs/benchmarks.md);
 * otherwise Megatron-Core's own forward with its KV cache (``StaticInferenceContext``), freed
   after every call; launch-bound on GPU (~10x more host time per step than GPU time; 4%).
 
@@ -156,7 +157,7 @@ class MegatronRollout(RolloutBackend):
     def __init__(self, model: str | os.PathLike | ModelConfig, *, dtype: str = "fp32",
                  max_model_len: int = 2048, max_batch_size: int = 256, seed: int = 0,
                  eos_token_ids: Iterable[int] | None = None, pad_token_id: int = 0,
-                 pg_collection=None, fast_decode: bool | None = None):
+                 pg_collection=None, fast_decode: bool | None = None, keep_cache: bool = False):
         """``model``: an HF checkpoint directory (config and weights loaded from it) or a
         ModelConfig (weights arrive later through ``load_generation_weights``).
         ``max_batch_size``: most sequences (prompts x n) decoded together; larger calls run in
@@ -169,7 +170,11 @@ class MegatronRollout(RolloutBackend):
         ``fast_decode``: decode with ``FastDecoder`` (CUDA graphs on GPU, eager on CPU) instead of
         Megatron's forward; None = on for a CUDA device at TP = 1 (TP > 1 works eagerly and is
         checked on CPU, but its graphs have not been run on GPUs yet, so it is opt-in). The
-        attribute of that name may be switched between ``generate`` calls."""
+        attribute of that name may be switched between ``generate`` calls. ``keep_cache``:
+        ``sleep`` keeps the fast decoder's KV cache and CUDA graphs (they stay allocated while the
+        caller trains); the next call replays the graphs as they are if the parameters kept their
+        storage (the switch at an unchanged layout hands over the training tensors themselves),
+        instead of capturing them again. Needs ``fast_decode``."""
         from hybridflow.models.hf import load_hf_config, load_hf_state_dict
 
         if dtype not in DTYPES:
@@ -205,6 +210,12 @@ class MegatronRollout(RolloutBackend):
         self._calls = 0  # generate calls so far: with the seed, decides the next call's draws
         self.fast_decode = (fast_decode_default(self.device.type == "cuda", self.tp)
                             if fast_decode is None else bool(fast_decode))
+        if keep_cache and not self.fast_decode:
+            raise ArgumentError("keep_cache", "keeps the fast decoder's KV cache and CUDA graphs, "
+                                "and this rollout decodes with Megatron's forward (fast_decode "
+                                "off, the default on CPU and at generation TP > 1); set "
+                                "fast_decode or drop keep_cache")
+        self.keep_cache = keep_cache
         self._fast = None  # the FastDecoder, built on first use
         self._unloaded = set(self.params)
         self._warned_sleep = False
@@ -407,11 +418,12 @@ class MegatronRollout(RolloutBackend):
 
     # ------------------------------------------------------------------------------ memory
     def sleep(self) -> None:
-        """Frees the fast path's KV cache and CUDA graphs (Megatron's path frees its cache after
-        every call) and returns cached blocks to the device (GPU). Dropping the references frees
-        them (nothing here is held by a reference cycle); no ``gc.collect()``: a full collection
-        in a worker that holds Megatron's modules took 0.2 s, each RL step."""
-        if self._fast is not None:
+        """Frees the fast path's KV cache and CUDA graphs unless ``keep_cache`` (Megatron's path
+        frees its cache after every call) and returns cached blocks to the device (GPU). Dropping
+        the references frees them (nothing here is held by a reference cycle); no
+        ``gc.collect()``: a full collection in a worker that holds Megatron's modules took 0.2 s,
+        each RL step."""
+        if self._fast is not None and not self.keep_cache:
             self._fast.release()
         if self.device.type == "cuda":
             torch.cuda.empty_cache()

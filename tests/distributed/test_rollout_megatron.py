@@ -78,6 +78,15 @@ def megatron_checks(rank, world, ckpt):
     rollout.sleep()  # frees the cache without a gc.collect()
     r["fast_released"] = rollout._fast._cache is None and cache() is None
     rollout.fast_decode = False
+    # keep_cache: sleep keeps the fast decoder's cache, and the next call decodes in it
+    kept = MegatronRollout(ckpt, max_model_len=MAX_MODEL_LEN, fast_decode=True, keep_cache=True)
+    first = summary(kept.generate(PROMPTS, SAMPLED))
+    cache = kept._fast._cache
+    kept.sleep()
+    r["kept"] = first, summary(kept.generate(PROMPTS, SAMPLED)), kept._fast._cache is cache
+    kept.close()
+    r["keep_cache_refused"] = _errors(lambda: MegatronRollout(ckpt, max_model_len=MAX_MODEL_LEN,
+                                                              keep_cache=True))
     engine.load_full_weights(hf_to_megatron(new, CFG))
     r["updated_logprobs"] = logprob_pairs(engine, updated)
 
@@ -153,7 +162,9 @@ def megatron_tp2(rank, world, ckpt):
 
 
 def fast_on_cuda(rank, world, ckpt):
-    """Fast path (CUDA graphs) and Megatron's path on the GPU, fp32 and bf16."""
+    """Fast path (CUDA graphs) and Megatron's path on the GPU, fp32 and bf16; graphs kept across
+    ``sleep`` (``keep_cache``), and captured again once the weights move."""
+    from hybridflow.models.hf import load_hf_state_dict
     from hybridflow.rollout.megatron import MegatronRollout
 
     out = {}
@@ -167,6 +178,20 @@ def fast_on_cuda(rank, world, ckpt):
         out[dtype] = ([summary(o) for o in fast], [summary(o) for o in eager],
                       [o.logprobs for o in fast[0]], [o.logprobs for o in eager[0]], graphs)
         rollout.close()
+    kept = MegatronRollout(ckpt, max_model_len=MAX_MODEL_LEN, keep_cache=True)
+    first = summary(kept.generate(PROMPTS, SAMPLED))
+    captured, graphs = kept.capture_seconds, dict(kept._fast._graphs)
+    kept.sleep()
+    again = summary(kept.generate(PROMPTS, SAMPLED))
+    replayed = kept.capture_seconds == captured and kept._fast._graphs == graphs
+    new = perturbed(load_hf_state_dict(ckpt))
+    kept.update_weights_hf(new.items())  # new parameter tensors: the graphs are captured again
+    kept.sleep()
+    moved = summary(kept.generate(PROMPTS, SAMPLED))
+    fresh = MegatronRollout(ckpt, max_model_len=MAX_MODEL_LEN)
+    fresh.update_weights_hf(new.items())
+    out["kept"] = (first, again, replayed, moved, summary(fresh.generate(PROMPTS, SAMPLED)),
+                   kept.capture_seconds > captured)
     return out
 
 
@@ -260,6 +285,13 @@ def test_fast_path_sees_new_weights_and_sleep_frees_its_cache(results):
     assert results["fast_released"]
 
 
+def test_keep_cache_keeps_the_fast_decoders_cache_across_sleep(results):
+    first, again, same_cache = results["kept"]
+    assert first == again == results["sampled"]  # seeded: the same samples, in the kept cache
+    assert same_cache
+    assert "fast_decode" in results["keep_cache_refused"]  # Megatron's path: nothing to keep
+
+
 @pytest.fixture(scope="module")
 def tp2_ranks(ckpt):
     return spawn(megatron_tp2, 2, ckpt)
@@ -298,3 +330,8 @@ def test_fast_path_on_cuda_matches_megatron_path(ckpt):
     same = [i for i, (f, e) in enumerate(zip(fast[0], eager[0])) if f[2][:1] == e[2][:1]]
     assert len(same) >= 2, (fast[0], eager[0])
     assert all(abs(fast_lp[i][0] - eager_lp[i][0]) < 0.05 for i in same), (fast_lp, eager_lp)
+    # keep_cache: the graphs survive sleep (no capture, same samples) while the weights stay put;
+    # new weights are seen (captured again, the samples of a fresh rollout on them)
+    first, again, replayed, moved, fresh, recaptured = out["kept"]
+    assert first == again and replayed
+    assert moved == fresh and moved != first and recaptured

@@ -158,3 +158,11 @@ def test_bench_lora_and_memory_cap_options_reach_the_run_config(tmp_path):
     args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--lora-rank", "8"])
     cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
     assert cfg.hybrid_engine.lora_merge == "copy" and cfg.ray.gpu_memory_gib is None
+    assert not cfg.rollout.keep_cache
+
+
+def test_bench_keep_cache_reaches_the_run_config(tmp_path):
+    args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--backend",
+                                     "megatron", "--gpus-per-worker", "1", "--keep-cache"])
+    cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert cfg.rollout.keep_cache and cfg.rollout.backend == "megatron"

@@ -323,6 +323,14 @@ def test_memory_estimate_by_hand():
     (plain,) = estimate_memory(load_config(RLConfig, None, [
         *cfg_args, "actor.engine.optim.distributed=false"]), {"model": shape}).pools
     assert plain.phases["generation"]["actor"]["weights"] == 0
+    # rollout.keep_cache: the KV cache stays through training and the forward passes too
+    (kept,) = estimate_memory(load_config(RLConfig, None, [
+        *cfg_args, "ray.gpus_per_worker=1", "rollout.keep_cache=true"]), {"model": shape}).pools
+    kv = {"kv cache": 2 * 32 * (2 * 2 * 2 * 16 * 2)}
+    assert {phase: parts["rollout"] for phase, parts in kept.phases.items()} == {
+        phase: kv for phase in pool.phases}
+    assert kept.phases["generation"] == pool.phases["generation"]
+    assert kept.total("actor update") == pool.total("actor update") + kv["kv cache"]
     # a forward-only pass: the bf16 logits and the cross entropy's fp32 copy
     assert pool.phases["inference"]["actor"]["forward transient"] == 17 * 1000 / 2 * (2 + 4)
     assert pool.peak == ("actor update", sum(sum(r.values()) for r in update.values()))
