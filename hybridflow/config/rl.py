@@ -23,6 +23,7 @@ from hybridflow.errors import ConfigError, check_choice, check_float, check_int
 from hybridflow.hybrid_engine.switch import LORA_MERGES, MODES
 from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.rollout.base import SamplingConfig
+from hybridflow.rollout.megatron import fast_decode_default
 from hybridflow.tracking import TrackingConfig
 from hybridflow.training.engine import EngineConfig, OptimConfig
 from hybridflow.training.lora import LoraConfig
@@ -459,9 +460,11 @@ class RLConfig:
               for k in ("micro_batch_size", "forward_micro_batch_size")),
             ("reward", self.reward_model is not None, "remove reward_model"),
             ("rollout.kv_cache_mb", self.rollout.backend != "vllm", "rollout.backend=vllm"),
-            ("rollout.keep_cache", self.rollout.backend != "megatron" or self.rollout.tp != 1
-             or not self.ray.gpus_per_worker, "rollout.backend=megatron with rollout.tp=1 on GPUs "
-             "(ray.gpus_per_worker > 0): only its fast decoder has a cache and graphs to keep"),
+            # the workers' MegatronRollout decodes with its fast decoder where the default says
+            ("rollout.keep_cache", self.rollout.backend != "megatron" or not fast_decode_default(
+                bool(self.ray.gpus_per_worker), self.rollout.tp), "rollout.backend=megatron with "
+             "rollout.tp=1 on GPUs (ray.gpus_per_worker > 0): only its fast decoder has a cache "
+             "and graphs to keep"),
             *((f"data.{k}", self.data.source != "reasoning_gym", "data.source=reasoning_gym")
               for k in ("tasks", "task_kwargs")),
             ("data.size", self.data.source not in ("reasoning_gym", "synthetic"),
