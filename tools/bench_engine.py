@@ -56,6 +56,7 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 from bench_rl_step import MODELS, matmul_params, matmul_rate, model_config  # noqa: E402
+from hybridflow.parallel.host import cpu_rank_settings  # noqa: E402
 from hybridflow.profiling import print_profile, profile_step  # noqa: E402
 
 
@@ -109,7 +110,7 @@ def _init_world() -> tuple[int, int]:
         dist.init_process_group("nccl" if gpu else "gloo", store=dist.HashStore(), rank=0,
                                 world_size=1)
     if not gpu:
-        torch.set_num_threads(1)  # as the RL workers run
+        cpu_rank_settings()  # as the RL workers run
     return rank, world
 
 

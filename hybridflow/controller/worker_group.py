@@ -21,6 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.batch import Batch
+from hybridflow.parallel.host import cpu_rank_settings
 from hybridflow.parallel.spawn import free_port
 from hybridflow.errors import ConfigError, RunError, check_float, check_int
 
@@ -149,7 +150,7 @@ class Worker:
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray gives each actor its own GPU, visible as device 0
         else:
-            torch.set_num_threads(1)
+            cpu_rank_settings()
         if rendezvous.gpu_memory_gib is not None:
             cap_gpu_memory(rendezvous.gpu_memory_gib)
         dist.init_process_group(backend, init_method=rendezvous.init_method, rank=rank,

@@ -7,6 +7,7 @@ import torch
 from hybridflow.batch import Batch
 from hybridflow.controller.worker_group import RayConfig, Worker, WorkerGroup
 from hybridflow.parallel.layout import TrainLayout
+from tests.unit.test_host import large_block_probe
 
 
 class EchoWorker(Worker):
@@ -26,6 +27,9 @@ class EchoWorker(Worker):
         torch.distributed.all_reduce(x)
         return x.item()
 
+    def large_block_probe(self):
+        return large_block_probe()["in_heap"]
+
     def double(self, batch):
         d, _, t = self.layout.coords(self.rank)
         return Batch({"x": batch["x"] * 2, "dp": torch.full_like(batch["x"], d)},
@@ -44,6 +48,12 @@ def group():
 
 def test_ranks_form_one_gloo_world(group):
     assert group.run("world_sum") == [10.0] * 4
+
+
+def test_cpu_workers_keep_freed_memory(group):
+    """Worker.__init__ calls cpu_rank_settings: a large block comes from the heap, not a mapping
+    of its own (tests/unit/test_host.py shows the default's)."""
+    assert group.run("large_block_probe") == [True] * 4
 
 
 def test_run_by_dp_splits_by_data_group_and_collects_output_ranks(group):
