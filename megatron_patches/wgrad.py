@@ -1,4 +1,4 @@
-"""The weight gradient accumulated into Megatron's fp32 ``main_grad`` by its own GEMM, on CUDA.
+"""The weight gradient accumulated into Megatron's fp32 ``main_grad`` by its own GEMM.
 
 Target: megatron-core 0.16.1 (``megatron.core.tensor_parallel.layers``).
 
@@ -10,7 +10,9 @@ micro-batch, 10 bytes per parameter of traffic that is not the GEMM's. Profiled 
 on one H200 (micro-batch 4, 8 micro-batches): that add was the costliest kernel, 0.20 s of 1.25 s.
 ``torch.addmm(main_grad, dY^T, X, out_dtype=float32, out=main_grad)`` has cuBLAS multiply the bf16
 operands and add the product into the fp32 buffer in one kernel (beta = 1), which is what the
-extension's ``wgrad_gemm_accum_fp32`` does; this module stands in for the extension.
+extension's ``wgrad_gemm_accum_fp32`` does; this module stands in for the extension. On CPU (an
+fp32 engine) it is ``main_grad.addmm_``, one BLAS call with beta = 1: no weight gradient tensor
+per linear and micro-batch (SmolLM2-135M's output layer alone: 113 MB), and no separate add.
 
 What Megatron does with it (unchanged): the linear's backward calls the stand-in, marks the weight
 ``grad_added_to_main_grad``, and hands autograd a dummy gradient that DDP's hook then skips. A
@@ -19,7 +21,7 @@ be marked ``zero_out_wgrad``, so the dummy is zeros and the hook adds the other 
 ``TrainEngine`` does that.
 
 ``tests/unit/test_wgrad_fusion.py`` fails if Megatron's call site or its availability flag changes,
-and (on a GPU) checks the gradients equal the unfused path's.
+and checks the gradients equal the unfused path's (fp32 on CPU, bf16 on a GPU).
 """
 
 from __future__ import annotations
@@ -53,19 +55,18 @@ def wgrad_gemm_accum_fp16(total_input, grad_output, main_grad) -> None:
 
 
 def apply() -> bool:
-    """On CUDA: make this module Megatron's ``fused_weight_gradient_mlp_cuda`` (unless the real
-    extension is installed); returns whether ``gradient_accumulation_fusion`` can be switched
-    on. On CPU (or with ``ENABLED`` False) nothing changes and it returns False: the fallback of
-    Megatron's fused branch allocates its dummy gradient on the CUDA device."""
+    """Make this module Megatron's ``fused_weight_gradient_mlp_cuda`` (unless the real extension
+    is installed); returns whether ``gradient_accumulation_fusion`` can be switched on (False with
+    ``ENABLED`` False). On CPU, Megatron's fused branch allocates its dummy gradient on the CUDA
+    device: the CPU patch of that backward (megatron_patches.PATCHES) moves it to the CPU."""
     import inspect
 
-    import torch
     from megatron.core.tensor_parallel import layers
     if CALL_SITE not in inspect.getsource(layers) or not hasattr(layers, FLAG):
         raise PatchError("megatron.core.tensor_parallel.layers no longer calls "
                          f"{CALL_SITE!r} behind {FLAG}; megatron_patches.wgrad targets "
                          "megatron-core 0.16.1")
-    if not (ENABLED and torch.cuda.is_available()):
+    if not ENABLED:
         return False
     if not getattr(layers, FLAG):
         layers.fused_weight_gradient_mlp_cuda = sys.modules[__name__]
