@@ -55,7 +55,10 @@ far fewer with ``--max-tokens-per-micro-batch``), which ``mfu_padded_*`` counts,
 layer over the positions the engine computes it at (``logits_padded``: from each micro-batch's
 first response column minus one); ``padded_fraction`` = (tokens_padded - tokens_real) /
 tokens_padded, the share of computed positions that are padding. On CPU the "matmul rate" is one
-thread's (the workers run one thread each) and there is no roofline.
+thread's (the workers run one thread each), and there is no roofline. A CPU's rate drifts between
+and within runs (0.082-0.100 TFLOP/s on one 2-core machine in one hour), so on CPU the driver
+measures it again after each timed iteration, while the workers wait: ``matmul_tflops`` is the
+mean of those samples and the one at the start (``matmul_tflops_samples``).
 
 Floors (``floor_s``), at the rates measured in this run: each training and forward-only pass
 its FLOPs above over the matmul rate (what its MFU divides); generation replica 0's prefill and
@@ -498,6 +501,7 @@ def main(argv=None) -> dict:
             trainer._start_workers()
             result["workers_start_s"] = round(time.perf_counter() - t, 2)
             rows = []
+            rates = [result["matmul_tflops"] * 1e12]
             for it in range(args.warmup + args.iters):
                 m, batch = run_iteration(trainer, items)
                 timed = it >= args.warmup
@@ -512,6 +516,8 @@ def main(argv=None) -> dict:
                         batch["attention_mask"], batch["response_mask"], cfg.actor)
                     m["response_tokens"] = int(batch["response_mask"].sum())
                     rows.append(m)
+                    if args.device == "cpu":  # this machine's rate drifts: sample it again
+                        rates.append(matmul_rate("cpu", 1024, 5))
                 print(("timed" if timed else "warm-up") + f" iteration {it + 1}: step "
                       f"{m['step_s']:.3f}s, generate {m['generate_call_s']:.3f}s, score "
                       f"{m['score_call_s']:.3f}s, update {m['update_call_s']:.3f}s, reward "
@@ -521,6 +527,12 @@ def main(argv=None) -> dict:
                                                             args.profile)
         finally:
             trainer.close()
+    if len(rates) > 1:
+        result["matmul_tflops_samples"] = [round(r / 1e12, 4) for r in rates]
+        result["matmul_tflops"] = round(statistics.mean(rates) / 1e12, 4)
+        print(f"matmul rate: {result['matmul_tflops']} TFLOP/s per rank, the mean of "
+              f"{result['matmul_tflops_samples']} (at the start and after each timed "
+              "iteration)", flush=True)
 
     summarize(result, rows, cfg_model, args)
     memory_pairs(result, rows, cfg, cfg_model)

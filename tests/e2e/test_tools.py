@@ -81,6 +81,9 @@ def test_bench_rl_step_ppo_reports_every_phase(tmp_path):
                   "update_critic", "update_actor", "step"):
         assert r["phases_s"][phase] >= 0, phase
     assert r["forward_micro_batch_size"] == 4 and r["colocate"] is True
+    # the CPU rate sampled at the start and after the timed iteration; the floors use the mean
+    samples = r["matmul_tflops_samples"]
+    assert len(samples) == 2 and r["matmul_tflops"] == pytest.approx(sum(samples) / 2, abs=1e-4)
     # each phase's floor at this run's rates (the switch's from the calibration file), the
     # step's ratio to their sum
     assert set(r["floor_s"]) == {"generate", "reshard", "ref_logprobs", "values",
