@@ -44,6 +44,8 @@ def wgrad_gemm_accum_fp32(total_input, grad_output, main_grad) -> None:
     import torch
     if grad_output.dtype == main_grad.dtype:  # an fp32 engine
         main_grad.addmm_(grad_output.t(), total_input)
+    elif main_grad.device.type == "cpu":  # no mixed-dtype addmm on CPU: the operands in fp32
+        main_grad.addmm_(grad_output.t().float(), total_input.float())
     else:
         torch.addmm(main_grad, grad_output.t(), total_input, out_dtype=torch.float32,
                     out=main_grad)

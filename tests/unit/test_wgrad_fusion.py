@@ -30,6 +30,11 @@ def test_the_stand_in_accumulates_the_weight_gradient():
     expected = main + dy.t() @ x
     wgrad.wgrad_gemm_accum_fp32(x, dy, main)
     torch.testing.assert_close(main, expected)
+    # bf16 operands into the fp32 buffer (a bf16 engine), products accumulated in fp32
+    bx, bdy = x.bfloat16(), dy.bfloat16()
+    again = main.clone()
+    wgrad.wgrad_gemm_accum_fp32(bx, bdy, again)
+    torch.testing.assert_close(again, main + bdy.float().t() @ bx.float())
     half = main.to(torch.bfloat16)
     wgrad.wgrad_gemm_accum_fp16(x.bfloat16(), dy.bfloat16(), half)
     torch.testing.assert_close(half.float(), expected + dy.t() @ x, atol=0.1, rtol=0.02)
