@@ -33,6 +33,8 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, q
     # per process; with several workers that buries the output that matters.
     warnings.filterwarnings("ignore", module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
+    import torch
+
     from hybridflow.parallel.host import cpu_rank_settings
     cpu_rank_settings()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
