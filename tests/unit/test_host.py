@@ -3,6 +3,7 @@ serves a large block with its own mmap, unmapped at free, so each allocation of 
 page in again; with the setting, large blocks come from the heap, which keeps freed memory
 resident for the next allocation that fits."""
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -46,10 +47,11 @@ def _spawned_rank(rank, world_size):
 
 def _default_process() -> dict:
     """``large_block_probe`` in a fresh interpreter with glibc's defaults."""
-    code = "from tests.unit.test_host import large_block_probe; print(large_block_probe())"
+    code = ("import json; from tests.unit.test_host import large_block_probe; "
+            "print(json.dumps(large_block_probe()))")
     out = subprocess.run([sys.executable, "-c", code], check=True, capture_output=True,
                          text=True, cwd=Path(__file__).parents[2]).stdout
-    return eval(out)  # noqa: S307 - our own dict's repr
+    return json.loads(out)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
