@@ -548,6 +548,8 @@ class TrainEngine:
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
+        from hybridflow.training.embedding import use_main_grad_lookup
+
         check_model_fits_layout(model, layout, engine)
         if head not in ("lm", "value"):
             raise ArgumentError("head", f"unknown head {head!r}; use lm or value")
@@ -596,6 +598,9 @@ class TrainEngine:
             # no fp32 grad buffer (4 bytes a parameter, 3.3 GiB of a 0.9B reference).
             for chunk in chunks:
                 chunk.requires_grad_(False)
+        # The lookup's gradient added into main_grad by row, not as a dense table (its module).
+        lookup_into_main_grad = any([use_main_grad_lookup(c.embedding.word_embeddings)
+                                     for c in chunks if c.pre_process])
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=engine.optim.distributed,
@@ -605,10 +610,13 @@ class TrainEngine:
                        for c in chunks]
         if self.tf_config.gradient_accumulation_fusion and model.tie_embeddings:
             # The output layer adds its gradient of the shared table into main_grad itself and
-            # hands autograd a dummy; zeros, so DDP's hook still adds the lookup's gradient.
+            # hands autograd a dummy. With Megatron's lookup the dummy must be zeros, so that
+            # DDP's hook still adds the lookup's gradient (Megatron marks it so only at PP=1);
+            # by row the lookup adds its own, and the dummy stays unfilled, as every weight's.
             for chunk in chunks:
                 if chunk.pre_process:
-                    chunk.embedding.word_embeddings.weight.zero_out_wgrad = True
+                    chunk.embedding.word_embeddings.weight.zero_out_wgrad = (
+                        not lookup_into_main_grad)
         # Megatron scales grads by 1/num_tokens when given them; our loss functions already
         # carry their own normalisation, so the count is dropped here.
         self.tf_config.finalize_model_grads_func = (

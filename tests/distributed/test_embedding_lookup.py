@@ -1,0 +1,88 @@
+"""hybridflow.training.embedding: the lookup's gradient added into main_grad by row.
+
+A training step's gradients (every weight's ``main_grad``) equal those of Megatron's lookup, which
+writes a dense table gradient that DDP's hook adds. This holds with the table tied and untied, at
+TP=1, TP=2 (tokens of the other rank's vocabulary shard) and PP=2 (the tied table on both
+stages), over gloo. It also shows what changed: no gradient of the table reaches autograd (the
+hook has nothing to add), and the output layer's dummy is no longer zeroed.
+"""
+
+import pytest
+import torch
+
+from hybridflow.parallel.spawn import spawn
+
+MODEL = dict(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_heads=4,
+             num_kv_heads=2, head_dim=16, max_position_embeddings=32)
+TABLE = "embedding.word_embeddings.weight"
+
+
+def run(rank, world, layouts):
+    from hybridflow.models.config import ModelConfig
+    from hybridflow.models.params import init_full_weights, llama_param_metas
+    from hybridflow.parallel.layout import TrainLayout
+    from hybridflow.training import embedding
+    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    g = torch.Generator().manual_seed(1)
+    # Token ids over the whole vocabulary: at TP=2 each rank sees ids of the other's shard.
+    batch = {"input_ids": torch.randint(0, 128, (4, 16), generator=g),
+             "attention_mask": torch.ones(4, 16, dtype=torch.long),
+             "weight": torch.rand(4, 16, generator=g)}
+
+    def loss_fn(logprobs, mb):
+        return -(logprobs * mb["weight"]).sum() / 64, {}
+
+    out = {}
+    for layout in layouts:
+        for tie in (False, True):
+            model = ModelConfig(**MODEL, tie_embeddings=tie)
+            full = init_full_weights(llama_param_metas(model), seed=3, std=0.3)
+            for by_row in (False, True):
+                embedding.ENABLED = by_row
+                engine = TrainEngine(model, TrainLayout(**layout), EngineConfig(
+                    micro_batch_size=2, dtype="fp32",
+                    optim=OptimConfig(name="sgd", clip_grad=0.0)))
+                engine.load_full_weights(full)
+                table = dict(engine.named_local_params()).get(TABLE)
+                seen = []  # gradients autograd hands the table (DDP's hook then adds them)
+                if table is not None:
+                    table.register_hook(lambda grad: seen.extend([] if grad is None else [1]))
+                engine.train_step(batch, loss_fn)  # two micro-batches: one accumulation at least
+                out[str(layout), tie, by_row] = {
+                    "holds_table": table is not None, "table_autograd": len(seen),
+                    "zero_out_wgrad": getattr(table, "zero_out_wgrad", False),
+                    "grads": {n: w.main_grad.clone() for n, w in engine.named_local_params()}}
+    return out
+
+
+def check(results, layouts):
+    for rank_out in results:
+        for layout in layouts:
+            for tie in (False, True):
+                dense, by_row = rank_out[str(layout), tie, False], rank_out[str(layout), tie, True]
+                assert set(dense["grads"]) == set(by_row["grads"])
+                for name, grad in dense["grads"].items():
+                    torch.testing.assert_close(by_row["grads"][name], grad, rtol=1e-5,
+                                               atol=1e-6, msg=f"{layout} tie={tie} {name}")
+                if not dense["holds_table"]:  # PP=2's last stage: its copy is the output layer
+                    assert layout.get("pp", 1) > 1
+                    continue
+                # Megatron's lookup hands autograd a dense table each micro-batch, and a tied
+                # table needs the output layer's dummy zeroed so that the hook adds it. By row,
+                # a table gets no gradient through autograd but the output layer's dummy where
+                # that layer shares it, left unfilled.
+                assert dense["table_autograd"] == 2
+                same_stage = tie and layout.get("pp", 1) == 1  # the output layer uses it too
+                assert by_row["table_autograd"] == (2 if same_stage else 0)
+                assert dense["zero_out_wgrad"] == tie and not by_row["zero_out_wgrad"]
+
+
+def test_gradients_by_row_equal_the_dense_lookup_at_tp1():
+    layouts = [{}]
+    check(spawn(run, 1, layouts), layouts)
+
+
+@pytest.mark.slow
+def test_gradients_by_row_equal_the_dense_lookup_at_tp2_and_pp2():
+    layouts = [{"tp": 2}, {"pp": 2}]
+    check(spawn(run, 2, layouts), layouts)
