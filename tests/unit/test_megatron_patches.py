@@ -56,3 +56,29 @@ def test_patch_keeps_zero_argument_super_working():
     patch = next(p for p in PATCHES if p.target.endswith("MixedPrecisionOptimizer.__init__"))
     fn = patch.function()
     assert "__class__" in fn.__code__.co_freevars or "super()" not in inspect.getsource(fn)
+
+
+def test_the_fallback_scale_is_in_place_for_one_tensor():
+    # The clip by the total norm scales every gradient into itself: no scaled copy any more.
+    # Another destination (a copy between dtypes) still gets Megatron's src * scale, rounded
+    # as before.
+    megatron_patches.apply()
+    if torch.cuda.is_available():
+        pytest.skip("patches are applied only without CUDA")
+    from megatron.core.utils import local_multi_tensor_scale
+    grads = [torch.randn(64, 8), torch.randn(5)]
+    expected = [g * 0.37 for g in grads]
+    before = [g.data_ptr() for g in grads]
+    with torch.profiler.profile(record_shapes=True) as prof:
+        local_multi_tensor_scale(2048, None, [grads, grads], 0.37)
+    assert [g.data_ptr() for g in grads] == before
+    # (a 0-dim copy of the Python scale may remain; no gradient-sized product or copy)
+    sized = [(e.key, e.input_shapes[0]) for e in prof.key_averages(group_by_input_shape=True)
+             if e.key in ("aten::mul", "aten::copy_") and e.input_shapes and e.input_shapes[0]]
+    assert sized == []
+    for g, e in zip(grads, expected):
+        torch.testing.assert_close(g, e, atol=0, rtol=0)
+    half = torch.randn(16).bfloat16()
+    out = torch.empty(16)
+    local_multi_tensor_scale(2048, None, [[half], [out]], 0.5)
+    torch.testing.assert_close(out, (half * 0.5).float(), atol=0, rtol=0)
