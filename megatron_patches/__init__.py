@@ -1,4 +1,5 @@
-"""The smallest changes megatron-core needs to train on CPU with gloo.
+"""The smallest changes megatron-core needs to train on CPU with gloo, and one that keeps its
+fallback gradient scale (no apex/TE) from copying every gradient there.
 
 Target: megatron-core 0.16.1. Applied only when CUDA is absent; each patch is a literal text
 replacement inside one function (see _source.py), so a patch that stops matching the installed

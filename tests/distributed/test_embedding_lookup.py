@@ -12,8 +12,6 @@ import torch
 
 from hybridflow.parallel.spawn import spawn
 
-MODEL = dict(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_heads=4,
-             num_kv_heads=2, head_dim=16, max_position_embeddings=32)
 TABLE = "embedding.word_embeddings.weight"
 
 
@@ -23,19 +21,13 @@ def run(rank, world, layouts, dtype="fp32"):
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training import embedding
     from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
-    g = torch.Generator().manual_seed(1)
+    from tests.distributed.update_common import GRAD_MODEL, weighted_logprob_batch
     # Token ids over the whole vocabulary: at TP=2 each rank sees ids of the other's shard.
-    batch = {"input_ids": torch.randint(0, 128, (4, 16), generator=g),
-             "attention_mask": torch.ones(4, 16, dtype=torch.long),
-             "weight": torch.rand(4, 16, generator=g)}
-
-    def loss_fn(logprobs, mb):
-        return -(logprobs * mb["weight"]).sum() / 64, {}
-
+    batch, loss_fn = weighted_logprob_batch()
     out = {}
     for layout in layouts:
         for tie in (False, True):
-            model = ModelConfig(**MODEL, tie_embeddings=tie)
+            model = ModelConfig(**GRAD_MODEL, tie_embeddings=tie)
             full = init_full_weights(llama_param_metas(model), seed=3, std=0.3)
             for by_row in (False, True):
                 embedding.ENABLED = by_row

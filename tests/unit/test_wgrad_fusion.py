@@ -40,26 +40,16 @@ def test_the_stand_in_accumulates_the_weight_gradient():
     torch.testing.assert_close(half.float(), expected + dy.t() @ x, atol=0.1, rtol=0.02)
 
 
-MODEL = dict(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, num_heads=4,
-             num_kv_heads=2, head_dim=16, max_position_embeddings=32)
-
-
 def run(rank, world, dtype):
     from hybridflow.models.config import ModelConfig
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
-    g = torch.Generator().manual_seed(1)
-    batch = {"input_ids": torch.randint(0, 128, (4, 16), generator=g),
-             "attention_mask": torch.ones(4, 16, dtype=torch.long),
-             "weight": torch.rand(4, 16, generator=g)}
-
-    def loss_fn(logprobs, mb):
-        return -(logprobs * mb["weight"]).sum() / 64, {}
-
+    from tests.distributed.update_common import GRAD_MODEL, weighted_logprob_batch
+    batch, loss_fn = weighted_logprob_batch()
     out = {}
     for tie in (False, True):
-        model = ModelConfig(**MODEL, tie_embeddings=tie)
+        model = ModelConfig(**GRAD_MODEL, tie_embeddings=tie)
         full = init_full_weights(llama_param_metas(model), seed=3, std=0.3)
         for fused in (False, True):
             wgrad.ENABLED = fused
