@@ -10,11 +10,12 @@ hundred rows; this pays two fills and two adds over all 49152 rows of SmolLM2-13
 training step (``bench_engine --profile``): each was a pass over memory that had gone cold.
 
 ``MainGradEmbedding`` is Megatron's module with another forward. Its lookup adds the rows'
-gradients into ``main_grad`` with one ``index_put_(accumulate=True)`` and gives autograd no
-gradient for the table. (On CUDA, ``index_put_`` sums through sorted indices, so the result is
-deterministic.) The hook then has nothing to add for the lookup. The output layer's dummy can
-stay uninitialised, as it is for every other weight. Without ``main_grad`` (no DDP wrapper), the
-lookup returns the dense gradient, as ``F.embedding`` does.
+gradients into ``main_grad`` with one indexed add and gives autograd no gradient for the table.
+The add is the deterministic one of each device: ``index_put_(accumulate=True)`` on CUDA (it sums
+through sorted indices), ``index_add_`` on CPU (in index order). The hook then has nothing to
+add for the lookup. The output layer's dummy can stay uninitialised, as it is for every other
+weight. Without ``main_grad`` (no DDP wrapper), the lookup returns the dense gradient, as
+``F.embedding`` does.
 
 ``ENABLED = False`` keeps Megatron's forward; the tests compare the two.
 """
@@ -54,8 +55,11 @@ class _LookupIntoMainGrad(torch.autograd.Function):
         dense = into is None
         if dense:
             into = torch.zeros_like(table)
-        into.index_put_((ids.reshape(-1),), grad.reshape(-1, grad.shape[-1]).to(into.dtype),
-                        accumulate=True)
+        index, rows = ids.reshape(-1), grad.reshape(-1, grad.shape[-1]).to(into.dtype)
+        if into.is_cuda:  # through sorted indices: deterministic (index_add_ uses atomics there)
+            into.index_put_((index,), rows, accumulate=True)
+        else:  # in index order: deterministic (index_put_'s accumulate may split over threads)
+            into.index_add_(0, index, rows)
         return None, into if dense else None, None
 
 
