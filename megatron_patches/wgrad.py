@@ -18,7 +18,8 @@ What Megatron does with it (unchanged): the linear's backward calls the stand-in
 ``grad_added_to_main_grad``, and hands autograd a dummy gradient that DDP's hook then skips. A
 weight that also receives an ordinary gradient (the input embedding tied to the output layer) must
 be marked ``zero_out_wgrad``, so the dummy is zeros and the hook adds the other gradient;
-``TrainEngine`` does that.
+``TrainEngine`` does that where the lookup is Megatron's (``hybridflow/training/embedding.py``
+adds its gradient by row instead, and the dummy need not be zeroed).
 
 ``tests/unit/test_wgrad_fusion.py`` fails if Megatron's call site or its availability flag changes,
 and checks the gradients equal the unfused path's (fp32 on CPU, bf16 on a GPU).
