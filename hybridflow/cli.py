@@ -38,8 +38,8 @@ def _train(cfg) -> None:
 
 
 def _check(cfg) -> None:
-    from hybridflow.config.check import check_run
-    from hybridflow.mapping.search import plan_layout, run_prediction
+    from hybridflow.preflight import check_run
+    from hybridflow.planner.search import plan_layout, run_prediction
     cfg = plan_layout(cfg)
     checked = check_run(cfg)
     print(checked.summary(cfg))
@@ -50,14 +50,14 @@ def _check(cfg) -> None:
 
 
 def _plan(cfg) -> None:
-    from hybridflow.mapping.search import plan_lines
+    from hybridflow.planner.search import plan_lines
     print("\n".join(plan_lines(cfg)))
 
 
 def _calibrate(out: str, quick: bool, config: str | None, overrides: list[str],
                configured_only: bool = False) -> None:
     from pathlib import Path
-    from hybridflow.mapping.calibrate import calibrate
+    from hybridflow.planner.calibrate import calibrate
     directory = Path(out).parent
     if not directory.is_dir():  # checked first: the measurement takes minutes
         raise ConfigError("--out", f"{out}: directory {directory} does not exist; create it or "
@@ -70,7 +70,7 @@ def _calibrate(out: str, quick: bool, config: str | None, overrides: list[str],
         cfg = load_config(RLConfig, config, overrides)
     calibration = calibrate(quick=quick)
     if cfg is not None:
-        from hybridflow.mapping.profile import profile_passes
+        from hybridflow.planner.profile import profile_passes
         lora = cfg.actor.lora
         print(f"profiling {cfg.model}'s passes ({cfg.actor.engine.dtype}, "
               f"tp={cfg.actor.layout.tp}{f', LoRA rank {lora.rank}' if lora.enabled else ''})...",

@@ -22,8 +22,9 @@ import torch
 
 from hybridflow.batch import Batch
 from hybridflow.config import RLConfig, make_config
-from hybridflow.config.check import SCORERS, check_run
-from hybridflow.mapping.search import plan_layout, run_prediction
+from hybridflow.config.sources import SCORERS
+from hybridflow.preflight import check_run
+from hybridflow.planner.search import plan_layout, run_prediction
 from hybridflow.data.prompts import PromptItem
 from hybridflow.errors import ConfigError, RunError, check_int
 from hybridflow.rollout.base import SamplingConfig
@@ -100,8 +101,9 @@ class RLTrainer:
         from hybridflow.algorithms import AdaptiveKLController, FixedKLController
         from hybridflow.algorithms.safe_rlhf import LagrangeMultiplier
         from hybridflow.config.cluster import gpu_pools
-        from hybridflow.controller.worker_group import ResourcePool, WorkerGroup
-        from hybridflow.controller.workers import ActorRolloutRefWorker, CriticWorker
+        from hybridflow.workers.group import ResourcePool, WorkerGroup
+        from hybridflow.workers.actor import ActorRolloutRefWorker
+        from hybridflow.workers.critic import CriticWorker
 
         cfg = self.config
         start = time.perf_counter()
@@ -272,7 +274,7 @@ class RLTrainer:
         Returns this call's metric rows. A SIGTERM ends it cleanly at the next step's end."""
         from hybridflow.checkpoint import remove_partial_checkpoints
         from hybridflow.config import to_yaml
-        from hybridflow.config.check import resume_plan
+        from hybridflow.preflight import resume_plan
         from hybridflow.data.loader import PromptSampler
         from hybridflow.rewards import describe_reward_fn
         from hybridflow.validation import check_validation, split_held_out
@@ -595,7 +597,7 @@ def _take_groups(rounds: list[Batch], chosen: list[tuple[int, int]]) -> Batch:
     """The samples of the ``chosen`` (round, group) pairs, in that order, as one batch whose
     groups are renumbered 0, 1, ... (each round's generate numbers its own from 0); the rounds'
     numeric meta (timings, resharded bytes) summed, their device memory the largest."""
-    from hybridflow.controller.worker_group import MEMORY, max_memory_meta
+    from hybridflow.workers.group import MEMORY, max_memory_meta
     parts = []
     for k, (r, group) in enumerate(chosen):
         rows = [i for i, g in enumerate(rounds[r]["group"]) if g == group]

@@ -72,7 +72,7 @@ Memory (GPU): every worker call reports its process's allocator peak and what st
 (``memory/<call>_peak_gib``, ``_resident_gib``; the trainer logs them every step), and the
 generate call its peak between the switch's release of the training state and the switch back
 (``memory/generation_peak_gib``);
-``memory_gib`` sets, per phase of ``hybridflow.config.memory``'s estimate, the GPU's measured
+``memory_gib`` sets, per phase of ``hybridflow.planner.memory``'s estimate, the GPU's measured
 peak (the phase's fullest call, plus the other colocated worker's resident bytes) beside the
 estimate, by worker process and in total; ``peak_memory_gib`` is the fullest phase's pair.
 
@@ -118,7 +118,7 @@ from hybridflow.models.config import ModelConfig  # noqa: E402
 
 from bench_reshard import PRESETS  # noqa: E402
 from bench_rollout import LLAMA_09B, copy_bandwidth, decode_bytes  # noqa: E402
-from hybridflow.mapping.cost import matmul_params  # noqa: E402,F401 (bench_engine's too)
+from hybridflow.planner.cost import matmul_params  # noqa: E402,F401 (bench_engine's too)
 from hybridflow.models.params import DTYPES  # noqa: E402
 from hybridflow.hybrid_engine.switch import LORA_MERGES  # noqa: E402
 
@@ -286,7 +286,7 @@ def length_reward(response: str) -> float:
 def matmul_rate(device: str, size: int, iters: int) -> float:
     """FLOP/s of one large bf16 (GPU) / fp32 (CPU, one thread) ``torch.matmul``: calibrate's
     measurement, ``iters`` calls a sample (the median of 5)."""
-    from hybridflow.mapping.calibrate import matmul_rate as measure
+    from hybridflow.planner.calibrate import matmul_rate as measure
     dev = torch.device(device)
     return measure(dev, "bf16" if dev.type == "cuda" else "fp32", size, warmup=1, repeats=5,
                    inner=max(1, iters // 5))
@@ -479,8 +479,8 @@ def main(argv=None) -> dict:
         prompts.write_text("".join(json.dumps(r) + "\n" for r in records))
         cfg = run_config(args, path, prompts)
         if args.profile_passes:
-            from hybridflow.mapping.calibrate import Calibration
-            from hybridflow.mapping.profile import profile_passes
+            from hybridflow.planner.rates import Calibration
+            from hybridflow.planner.profile import profile_passes
             t = time.perf_counter()
             calib = Calibration.from_json(args.calibration)
             calib.passes.append(profile_passes(cfg, calib,
@@ -640,8 +640,8 @@ def floors(result: dict, rows: list[dict], flops: dict[str, float], n_params: in
     if not received:  # nothing moved (or no switch: the hf backend)
         out["reshard"] = 0.0
     elif args.calibration is not None:
-        from hybridflow.mapping.calibrate import Calibration
-        from hybridflow.mapping.cost import gather_rate
+        from hybridflow.planner.rates import Calibration
+        from hybridflow.planner.cost import gather_rate
         out["reshard"] = received / gather_rate(Calibration.from_json(args.calibration),
                                                 result["gen_micro_dp"])
     result["floor_s"] = {k: round(v, 5) for k, v in out.items()}
@@ -651,7 +651,7 @@ def floors(result: dict, rows: list[dict], flops: dict[str, float], n_params: in
     result["floor_ratio_phases"] = round(measured / sum(out.values()), 3)
 
 
-# the estimate's phases (hybridflow.config.memory) -> the worker calls that run in them
+# the estimate's phases (hybridflow.planner.memory) -> the worker calls that run in them
 MEMORY_PHASES = {"generation": ("generation",),  # generate's, from the switch's release on
                  "inference": ("compute_log_prob", "compute_ref_log_prob", "compute_values"),
                  "actor update": ("update_actor",), "critic update": ("update_critic",)}
@@ -669,7 +669,7 @@ def memory_pairs(result: dict, rows: list[dict], cfg, shape: ModelConfig) -> Non
     GPU for the phase; ``workers`` splits both by worker process (the actor's holds the actor,
     rollout and reference roles). Neither side counts the CUDA context or the allocator's cached
     free blocks."""
-    from hybridflow.config.memory import GIB, estimate_memory
+    from hybridflow.planner.memory import GIB, estimate_memory
     if not any(k.startswith("memory/") for k in rows[0]):
         return
     pools = estimate_memory(cfg, {"model": shape}).pools

@@ -7,7 +7,7 @@ and the reward and cost models have ``critic.layout.world_size`` ranks each. Wit
 ``ray.colocate`` the groups of equal world size share one ``ResourcePool`` of that many bundles
 (HybridFlow's colocated placement: they take turns on the same GPUs); without it every group has
 a pool of its own. Each bundle holds ``ray.gpus_per_worker`` GPUs. The memory on those GPUs is
-estimated in ``hybridflow.config.memory``.
+estimated in ``hybridflow.planner.memory``.
 """
 
 from __future__ import annotations

@@ -3,7 +3,7 @@
 Each dataclass checks its own fields in ``__post_init__`` and names them relative to itself
 (``ActorConfig`` raises ``clip_ratio_low``); ``hybridflow.config.build_config`` prefixes the path
 (``actor.clip_ratio_low``). ``RLConfig.__post_init__`` checks what spans sections (batch sizes vs
-layouts, algorithm vs options); what needs the model's shape is in ``hybridflow.config.check``.
+layouts, algorithm vs options); what needs the model's shape is in ``hybridflow.preflight``.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from hybridflow.algorithms.losses import AGG_MODES, LEVELS
 from hybridflow.algorithms.mismatch import RolloutCorrectionConfig
 from hybridflow.checkpoint import CheckpointConfig
 from hybridflow.config.cluster import ClusterConfig, check_cluster
-from hybridflow.controller.worker_group import RayConfig
+from hybridflow.workers.group import RayConfig
 from hybridflow.data.prompts import PromptDataConfig
 from hybridflow.errors import ConfigError, check_choice, check_float, check_int
 from hybridflow.hybrid_engine.switch import LORA_MERGES, MODES

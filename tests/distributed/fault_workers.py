@@ -8,7 +8,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from hybridflow.controller.worker_group import Worker
+from hybridflow.workers.group import Worker
 from hybridflow.errors import ConfigError
 
 
@@ -60,7 +60,7 @@ def main() -> None:
 
     import ray
 
-    from hybridflow.controller.worker_group import RayConfig, WorkerGroup
+    from hybridflow.workers.group import RayConfig, WorkerGroup
 
     group = WorkerGroup(FaultWorker, 2, ray_config=RayConfig(num_cpus=1), name="orphans")
     node = ray._private.worker._global_node  # Ray's own servers, for the test to check
@@ -69,7 +69,7 @@ def main() -> None:
     group.actors[1].sleep.remote(600)
     group.actors[0].world_sum.remote()
     # Everything this driver started (Ray's agents and the reaper included), for the test.
-    from hybridflow.controller.reaper import descendants
+    from hybridflow.workers.reaper import descendants
     everything = list(descendants(os.getpid()))
     print(json.dumps({"workers": group.pids, "servers": servers, "all": everything}), flush=True)
     time.sleep(600)

@@ -7,7 +7,7 @@ import os
 import pytest
 
 from hybridflow.errors import ConfigError
-from hybridflow.controller.worker_group import RayConfig, ResourcePool, Worker, WorkerGroup
+from hybridflow.workers.group import RayConfig, ResourcePool, Worker, WorkerGroup
 
 
 class GpuWorker(Worker):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from hybridflow.batch import Batch
-from hybridflow.controller.worker_group import RayConfig, Worker, WorkerGroup
+from hybridflow.workers.group import RayConfig, Worker, WorkerGroup
 from hybridflow.parallel.layout import TrainLayout
 from tests.unit.test_host import large_block_probe
 

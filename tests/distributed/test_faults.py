@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.controller.worker_group import RayConfig, WorkerGroup, init_ray
+from hybridflow.workers.group import RayConfig, WorkerGroup, init_ray
 from hybridflow.errors import ConfigError, RunError
 from hybridflow.parallel.spawn import free_port
 from tests.distributed.fault_workers import FaultWorker

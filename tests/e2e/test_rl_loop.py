@@ -63,8 +63,8 @@ def test_ppo_megatron_backend_reward_model_layout_auto(tmp_path, capsys):
     # The reward comes from a (random, tiny, Qwen2-shaped) reward model scoring the last token.
     # layout=auto: the planner maps the run onto its 2 ranks at start-up, from the cost model;
     # with cluster.calibration every step also logs the cost model's seconds per phase.
-    from hybridflow.config.check import model_sources
-    from hybridflow.mapping.search import resolve_auto
+    from hybridflow.config.sources import model_sources
+    from hybridflow.planner.search import resolve_auto
     from tests.unit.test_planner import CALIB
     CALIB.to_json(tmp_path / "calibration.json")
     # Configured at pp=2 (a pipeline bubble), which the planner moves off: to tp=2 at these rates.

@@ -66,7 +66,7 @@ def test_bench_rl_step_ppo_reports_every_phase(tmp_path):
              "--workdir", str(tmp_path), "--calibration", str(tmp_path / "calibration.json"),
              "--profile-passes", "--profile", "3")
     # the model's passes profiled first and kept in the calibration file
-    from hybridflow.mapping.calibrate import Calibration
+    from hybridflow.planner.rates import Calibration
     (profile,) = Calibration.from_json(tmp_path / "calibration.json").passes
     assert r["profile"]["forward"] == profile.forward and profile.backend == "megatron"
     # the cost model's seconds for the measured phases, and their sum; one on-policy update

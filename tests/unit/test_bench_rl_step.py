@@ -12,8 +12,8 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_rl_step  # noqa: E402
-from hybridflow.config.memory import GIB, estimate_memory  # noqa: E402
-from hybridflow.controller.worker_group import max_memory_meta, memory_meta  # noqa: E402
+from hybridflow.planner.memory import GIB, estimate_memory  # noqa: E402
+from hybridflow.workers.group import max_memory_meta, memory_meta  # noqa: E402
 from hybridflow.models.tiny import tiny_llama_config  # noqa: E402
 
 
@@ -124,8 +124,8 @@ def test_a_token_budget_run_is_predicted(tmp_path):
     # with --max-tokens-per-micro-batch is a run to predict, no longer refused.
     import copy
 
-    from hybridflow.mapping.calibrate import Calibration
-    from hybridflow.mapping.cost import predict
+    from hybridflow.planner.rates import Calibration
+    from hybridflow.planner.cost import predict
     from hybridflow.models.config import ModelConfig
     args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--calibration",
                                      str(tmp_path / "c.json"), "--max-tokens-per-micro-batch",

@@ -9,7 +9,8 @@ import pytest
 
 from hybridflow.cli import main
 from hybridflow.errors import ConfigError
-from hybridflow.mapping.calibrate import Calibration, calibrate
+from hybridflow.planner.calibrate import calibrate
+from hybridflow.planner.rates import Calibration
 
 
 LOG: list[str] = []  # the lines the one measurement below logged
@@ -100,8 +101,8 @@ def test_cli_bad_out_directory_exits_2_and_writes_nothing(tmp_path, capsys):
 def test_cli_profiles_a_configs_model(tmp_path, capsys):
     # --config: the model's passes measured at the actor's tp; the cost model then uses them.
     from hybridflow.config import RLConfig, load_config
-    from hybridflow.config.check import model_sources
-    from hybridflow.mapping.cost import predict
+    from hybridflow.config.sources import model_sources
+    from hybridflow.planner.cost import predict
     out = tmp_path / "c.json"
     run = ["model=tiny-llama", "rollout.backend=megatron", "train_batch_size=2",
            "rollout.sampling.n=2", "data.max_prompt_tokens=16", "rollout.sampling.max_tokens=8",

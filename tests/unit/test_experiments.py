@@ -9,8 +9,8 @@ import yaml
 
 from hybridflow.cli import main
 from hybridflow.config import RLConfig, load_config, to_yaml
-from hybridflow.config.check import check_run
-from hybridflow.config.memory import estimate_memory, layer_activation_bytes, param_count
+from hybridflow.preflight import check_run
+from hybridflow.planner.memory import estimate_memory, layer_activation_bytes, param_count
 from hybridflow.data.loader import tokenize_prompts
 from hybridflow.data.prompts import SYNTHETIC_FIRST_ID, PromptDataConfig, load_prompts
 from hybridflow.errors import ConfigError
@@ -185,7 +185,7 @@ def test_paper_config_is_the_papers_workload(path):
 
 
 def test_the_readme_table_is_what_check_estimates():
-    from hybridflow.config.memory import GIB
+    from hybridflow.planner.memory import GIB
     rows = {}
     for line in (EXPERIMENTS / "README.md").read_text().splitlines():
         cells = [c.strip() for c in line.strip("|").split("|")]

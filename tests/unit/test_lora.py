@@ -106,7 +106,7 @@ def test_a_failed_generation_switches_back_to_training():
     # rollout fails, or a checkpoint saved afterwards would hold the merged weights as the base.
     from types import SimpleNamespace
 
-    from hybridflow.controller.workers import ActorRolloutRefWorker
+    from hybridflow.workers.actor import ActorRolloutRefWorker
 
     calls = []
 

@@ -11,10 +11,10 @@ import pytest
 from hybridflow.cli import main
 from hybridflow.config import RLConfig, load_config
 from hybridflow.errors import ArgumentError, ConfigError
-from hybridflow.mapping.calibrate import Calibration
-from hybridflow.mapping.cost import matmul_params, predict, switch_bytes
-from hybridflow.mapping.profile import PassProfile
-from hybridflow.mapping.search import MICRO_BATCHES, apply, candidates, search
+from hybridflow.planner.rates import Calibration
+from hybridflow.planner.cost import matmul_params, predict, switch_bytes
+from hybridflow.planner.rates import PassProfile
+from hybridflow.planner.search import MICRO_BATCHES, apply, candidates, search
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import llama_param_metas
 from hybridflow.parallel.layout import GenLayout, TrainLayout
@@ -56,7 +56,7 @@ def test_switch_volume_and_generation_memory_are_table_2(t, p, tg, pg):
 
 @pytest.mark.parametrize("mode", ["3d", "naive"])
 def test_check_reports_the_switch_bytes_the_cost_model_times(mode):
-    from hybridflow.config.check import _reshard_bytes
+    from hybridflow.preflight import _reshard_bytes
     from hybridflow.hybrid_engine.switch import generation_metas
     shape = ModelConfig(vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=4,
                         num_heads=8, num_kv_heads=8, head_dim=8)
@@ -83,7 +83,7 @@ SMOLLM2 = ModelConfig(vocab_size=49152, hidden_size=576, ffn_hidden_size=1536, n
 
 
 def test_uneven_split_moves_the_busiest_stage():
-    from hybridflow.mapping.cost import attention_flops, forward_flops, stage_matmul_params
+    from hybridflow.planner.cost import attention_flops, forward_flops, stage_matmul_params
     layer = sum(m.numel for m in llama_param_metas(SMOLLM2) if m.layer == 0)
     post = 576 + 49152 * 576  # the final norm, the output layer (tied: counted here)
     # Even: the last stage holds 15 layers and the output layer, the busiest.
@@ -344,8 +344,8 @@ def hand_profile(cfg, shape, efficiency, tp=1, fixed=None, adapters=None):
     LoRA adapters' parameters of ``cfg.actor.lora`` (their floors: the frozen base's matmuls
     twice the forward's, attention three times, the adapters' forward 2 A a token, their
     training 6 A; Adam over A)."""
-    from hybridflow.config.memory import param_count
-    from hybridflow.mapping.cost import ADAM_BYTES, forward_flops, generation_floor, weights_bytes
+    from hybridflow.planner.memory import param_count
+    from hybridflow.planner.cost import ADAM_BYTES, forward_flops, generation_floor, weights_bytes
     fixed = FIXED if fixed is None else fixed
     forward = forward_flops(shape, "lm", 12, response=4)  # as profile_passes runs
     floors = {"forward": forward / 1e9 / tp, "train": 3 * forward / 1e9 / tp}
@@ -362,7 +362,7 @@ def hand_profile(cfg, shape, efficiency, tp=1, fixed=None, adapters=None):
         for b, e in efficiency[kind].items():
             one = floors[kind] * b / e  # one micro-batch of b sequences
             times[kind][b] = (one + extra, 2 * one + extra)
-    from hybridflow.mapping.profile import _share  # one replica's samples, as measured
+    from hybridflow.planner.profile import _share  # one replica's samples, as measured
     gen = sum(generation_floor(shape, "fp32", CALIB, _share(cfg), 8, 4, tg=1).values())
     times["generate"] = gen / efficiency["generate"]
     times["weight_load"] = weights_bytes(shape, "fp32", 1) / 1e9 / efficiency["weight_load"]
@@ -379,7 +379,7 @@ FIXED = {"forward": 0.003, "train": 0.011}
 def test_profile_fit_recovers_the_efficiencies():
     import math
 
-    from hybridflow.mapping.profile import efficiencies, micro_batch_sizes
+    from hybridflow.planner.profile import efficiencies, micro_batch_sizes
     cfg = config()
     assert micro_batch_sizes(cfg) == [1, 2, 4]  # the search's sizes up to the 4 samples
     # --configured-sizes: only the config's (training and forward micro-batch)
@@ -403,7 +403,7 @@ def test_profile_fit_recovers_the_efficiencies():
 
 
 def test_a_lora_profile_is_kept_under_its_adapters_and_read_for_them(tmp_path):
-    from hybridflow.mapping.profile import efficiencies
+    from hybridflow.planner.profile import efficiencies
     cfg = config("actor.lora.rank=4")
     # The seconds a LoRA engine would take at half full fine-tuning's training efficiency (the
     # host's work per micro-batch does not shrink with the floor): recovered against LoRA's
@@ -448,7 +448,7 @@ def test_a_lora_profile_is_kept_under_its_adapters_and_read_for_them(tmp_path):
 
 
 def test_profile_scales_the_prediction_of_its_model_only(tmp_path):
-    from hybridflow.mapping.profile import efficiencies
+    from hybridflow.planner.profile import efficiencies
     cfg = config("actor.layout.dp=2", "rollout.tp=1")
     profile = efficiencies(cfg, SHAPE, CALIB, hand_profile(cfg, SHAPE, EFFICIENCY))
     calib = dataclasses.replace(CALIB, passes=[profile])
@@ -480,7 +480,7 @@ def test_profile_scales_the_prediction_of_its_model_only(tmp_path):
 def test_a_profile_at_the_layouts_tp_replaces_its_tp_communication(tmp_path):
     import json
 
-    from hybridflow.mapping.profile import efficiencies
+    from hybridflow.planner.profile import efficiencies
     cfg = config("actor.layout.tp=2", "rollout.tp=1", "actor.layout.dp=1")
     at_1 = efficiencies(cfg, SHAPE, CALIB, hand_profile(cfg, SHAPE, EFFICIENCY))
     at_2 = efficiencies(cfg, SHAPE, CALIB, hand_profile(cfg, SHAPE, EFFICIENCY, tp=2), tp=2)
@@ -589,7 +589,7 @@ def test_calibration_without_passes_loads_and_a_bad_profile_is_named(tmp_path):
 
 
 def test_layout_auto_takes_the_fastest_mapping(tmp_path):
-    from hybridflow.mapping.search import resolve_auto
+    from hybridflow.planner.search import resolve_auto
     calib = tmp_path / "c.json"
     CALIB.to_json(calib)
     base = ("actor.layout.dp=2", "actor.layout.pp=2", "train_batch_size=4",

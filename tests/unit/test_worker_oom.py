@@ -4,7 +4,7 @@ the node's memory, not Ray's traceback (seen when PPO on SmolLM2 outgrew a 24 Gi
 import pytest
 import ray
 
-from hybridflow.controller.worker_group import WorkerGroup
+from hybridflow.workers.group import WorkerGroup
 from hybridflow.errors import RunError
 
 RAY_MESSAGE = ("1 worker(s) were killed due to the node running low on memory. Memory on the "
@@ -35,7 +35,7 @@ def test_out_of_memory_is_a_run_error(monkeypatch):
 
 @pytest.mark.skipif(__import__("torch").cuda.is_available(), reason="the CPU's answer")
 def test_a_gpu_memory_cap_without_a_gpu_is_refused_naming_the_key():
-    from hybridflow.controller.worker_group import cap_gpu_memory
+    from hybridflow.workers.group import cap_gpu_memory
     from hybridflow.errors import ConfigError
     with pytest.raises(ConfigError, match="no GPU") as e:
         cap_gpu_memory(24)

@@ -16,8 +16,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hybridflow.errors import ConfigError
-from hybridflow.mapping.calibrate import Calibration
-from hybridflow.mapping.cost import Prediction, predict
+from hybridflow.planner.rates import Calibration
+from hybridflow.planner.cost import Prediction, predict
 from hybridflow.models.config import ModelConfig
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
@@ -118,7 +118,7 @@ def search(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> tupl
         list[Mapping], dict[str, int]]:
     """The mappings that fit, fastest first, and how many candidates each check refused
     ({"config": n, "memory": n})."""
-    from hybridflow.config.memory import check_memory_fits
+    from hybridflow.planner.memory import check_memory_fits
     from hybridflow.training.engine import check_model_fits_layout
     fits, refused = [], {"config": 0, "memory": 0}
     for overrides in candidates(cfg, shapes["model"]):
@@ -168,7 +168,7 @@ def plan_layout(cfg: Any, log=print) -> Any:
     shapes looked up, the choice logged in one line."""
     if not cfg.planned_keys:
         return cfg
-    from hybridflow.config.check import model_sources
+    from hybridflow.config.sources import model_sources
     chosen, mapping = resolve_auto(cfg, model_sources(cfg)[1])
     log(f"planner ({', '.join(cfg.planned_keys)}): {mapping.describe()}, predicted step "
         f"{mapping.prediction.step:.3g} s; as overrides: "
@@ -195,7 +195,7 @@ def run_prediction(cfg: Any, shapes: dict[str, ModelConfig]) -> Prediction | Non
 def plan_lines(cfg: Any, top: int = 5) -> list[str]:
     """What ``hybridflow plan`` prints: the fastest mappings that fit, each phase's predicted
     seconds and the peak memory per device, then where the configured mapping stands."""
-    from hybridflow.config.check import model_sources
+    from hybridflow.config.sources import model_sources
     calib = load_calibration(cfg)
     _, shapes = model_sources(cfg)
     fits, refused = search(cfg, shapes, calib)

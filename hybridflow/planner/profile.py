@@ -1,7 +1,7 @@
 """How close this machine's passes of one model come to the cost model's floors: the efficiencies
 ``hybridflow calibrate --config CONFIG`` measures and the cost model divides its floors by.
 
-The floors (``hybridflow.mapping.cost``) assume every matmul at the rate of one large square
+The floors (``hybridflow.planner.cost``) assume every matmul at the rate of one large square
 product and every decode step at the copy bandwidth. Real passes are slower, by a factor that
 depends on the model's shapes (many small matmuls, the attention, the vocabulary's softmax), on
 the micro-batch size (a GPU's matmuls of a few thousand tokens run far below its peak) and on the
@@ -50,121 +50,10 @@ import dataclasses
 import math
 import os
 import statistics
-from dataclasses import dataclass
 from typing import Any
 
-from hybridflow.errors import ArgumentError, check_float, check_int
 from hybridflow.models.config import ModelConfig
-
-
-@dataclass(kw_only=True)
-class PassProfile:
-    """The measured efficiencies of one model's passes on this machine."""
-
-    shape: dict[str, Any]
-    """The model's ``ModelConfig`` fields: the cost model uses a profile for this shape only."""
-    dtype: str
-    """The engines' dtype it was measured in ("fp32", "bf16")."""
-    seq: int
-    """Tokens per sequence it was measured at (prompt + response)."""
-    micro_batches: list[int]
-    """The micro-batch sizes b measured, ascending."""
-    backend: str
-    """The rollout backend whose ``generate`` was measured."""
-    forward: list[float]
-    """Per size in ``micro_batches``: the floor seconds of a forward pass over b sequences / the
-    measured seconds of one such micro-batch (0 < x, usually < 1)."""
-    train: list[float]
-    """The same for a training micro-batch's forward + backward."""
-    optimizer: float
-    """Adam's floor / the optimizer step measured (in files without ``train_fixed_s``: / the
-    whole of t(b) - T(b), the training step's fixed cost included)."""
-    generate: float
-    """The generation floor / the measured ``generate`` call."""
-    weight_load: float
-    """The weights' bytes at the copy bandwidth / the measured ``load_from_switch`` of the whole
-    model (above 1 where the backend takes the tensors without a copy)."""
-    tp: int = 1
-    """The tensor-parallel size the passes were measured at (generation always at tp = 1)."""
-    forward_fixed_s: float = 0.0
-    """Seconds of a forward-only pass that do not grow with its micro-batches (module
-    docstring), at ``tp``; 0 in files written before it was measured."""
-    train_fixed_s: float = 0.0
-    """The same for a training step, the optimizer's step left out; 0 in files written before it
-    was measured (their ``optimizer`` holds it)."""
-    lora: dict[str, Any] | None = None
-    """The LoRA adapters the passes trained (``lora_key``: ``actor.lora``'s rank and
-    target_modules); None: full fine-tuning."""
-
-    def __post_init__(self):
-        if not isinstance(self.shape, dict):
-            raise ArgumentError("shape", f"must be a model shape's fields, got {self.shape!r}")
-        check_int("seq", self.seq)
-        if not isinstance(self.micro_batches, list) or not self.micro_batches:
-            raise ArgumentError("micro_batches", f"must be a list of sizes, got "
-                                                 f"{self.micro_batches!r}")
-        for b in self.micro_batches:
-            check_int("micro_batches", b)
-        if self.micro_batches != sorted(set(self.micro_batches)):
-            raise ArgumentError("micro_batches", f"must ascend without repeats, got "
-                                                 f"{self.micro_batches}")
-        for name in ("forward", "train"):
-            values = getattr(self, name)
-            if not isinstance(values, list) or len(values) != len(self.micro_batches):
-                raise ArgumentError(name, f"must hold one efficiency per micro-batch size "
-                                          f"{self.micro_batches}, got {values!r}")
-            for v in values:
-                check_float(name, v, low=0, low_open=True)
-        for name in ("optimizer", "generate", "weight_load"):
-            check_float(name, getattr(self, name), low=0, low_open=True)
-        check_int("tp", self.tp)
-        for name in ("forward_fixed_s", "train_fixed_s"):
-            check_float(name, getattr(self, name), low=0)
-        if self.lora is not None:
-            if not isinstance(self.lora, dict) or set(self.lora) != {"rank", "target_modules"}:
-                raise ArgumentError("lora", f"must be null or {{rank, target_modules}}, got "
-                                            f"{self.lora!r}")
-            from hybridflow.training.lora import LoraConfig
-            self.lora = lora_key(LoraConfig(**self.lora))
-
-    def efficiency(self, kind: str, micro_batch: float) -> float:
-        """``kind``'s (forward or train) efficiency at ``micro_batch`` sequences: linear in
-        log2(b) between the measured sizes, the nearest one's outside them."""
-        sizes, values = self.micro_batches, getattr(self, kind)
-        if micro_batch <= sizes[0]:
-            return values[0]
-        for (b0, e0), (b1, e1) in zip(zip(sizes, values), zip(sizes[1:], values[1:])):
-            if micro_batch <= b1:
-                w = math.log2(micro_batch / b0) / math.log2(b1 / b0)
-                return e0 + w * (e1 - e0)
-        return values[-1]
-
-    def matches(self, shape: ModelConfig, dtype: str, lora=None) -> bool:
-        """Measured on ``shape`` in ``dtype``, with ``lora``'s adapters (a LoraConfig; None or
-        rank 0: full fine-tuning)."""
-        return (self.shape == dataclasses.asdict(shape) and self.dtype == dtype
-                and self.lora == lora_key(lora))
-
-    def describe(self) -> str:
-        def table(kind):
-            return ", ".join(f"{b}: {e:.0%}" for b, e in zip(self.micro_batches,
-                                                             getattr(self, kind)))
-        adapters = ("" if self.lora is None else f", LoRA rank {self.lora['rank']} on "
-                    f"{'/'.join(self.lora['target_modules'])}")
-        return (f"efficiencies at tp={self.tp}, pp=dp=1{adapters}, {self.seq} tokens per "
-                f"sequence, by micro-batch size: forward {table('forward')}; training "
-                f"{table('train')}; optimizer "
-                f"{self.optimizer:.1%}, generate ({self.backend}) {self.generate:.1%}, weight "
-                f"load {self.weight_load:.1%}; fixed seconds a pass: forward "
-                f"{self.forward_fixed_s:.3g}, training {self.train_fixed_s:.3g}")
-
-
-def lora_key(lora) -> dict[str, Any] | None:
-    """What of a LoraConfig a profile is kept under: the adapters' rank and targets (their
-    FLOPs and their number of matmuls); None for None or rank 0 (full fine-tuning)."""
-    if lora is None or not lora.enabled:
-        return None
-    return {"rank": lora.rank, "target_modules": list(lora.target_modules)}
+from hybridflow.planner.rates import PassProfile, lora_key
 
 
 def profile_passes(cfg: Any, calib, quick: bool = False, configured_only: bool = False
@@ -175,7 +64,7 @@ def profile_passes(cfg: Any, calib, quick: bool = False, configured_only: bool =
     ``configured_only``: only the config's micro-batch sizes (``micro_batch_sizes``), not the
     search's whole ladder: minutes for a real model on a CPU instead of a quarter of an hour; the
     cost model then reads the nearest measured size's efficiency for the others."""
-    from hybridflow.config.check import model_sources
+    from hybridflow.config.sources import model_sources
     from hybridflow.parallel.spawn import spawn
     from hybridflow.rollout.base import rollout_backend
     checkpoints, shapes = model_sources(cfg)
@@ -185,7 +74,7 @@ def profile_passes(cfg: Any, calib, quick: bool = False, configured_only: bool =
                                    f"{cfg.rollout.backend} backend needs to start; profile it "
                                    "with rollout.backend=megatron or name a checkpoint")
     rollout_backend(cfg.rollout.backend)  # an unknown or missing backend fails before the spawn
-    from hybridflow.controller.worker_group import quiet_engines_env
+    from hybridflow.workers.group import quiet_engines_env
     # The child inherits the environment at its start: torch reads its log level at import.
     saved = dict(os.environ)
     os.environ.update(quiet_engines_env())
@@ -215,8 +104,8 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) 
     """A PassProfile from the seconds measured at ``tp``: ``times[kind][b]`` = (one micro-batch
     of b sequences, two), ``times["optimizer"]`` (the optimizer's step alone),
     ``times["generate"]``, ``times["weight_load"]`` (module docstring)."""
-    from hybridflow.config.memory import param_count
-    from hybridflow.mapping.cost import (ADAM_BYTES, forward_flops, generation_floor,
+    from hybridflow.planner.memory import param_count
+    from hybridflow.planner.cost import (ADAM_BYTES, forward_flops, generation_floor,
                                          train_flops, weights_bytes)
     from hybridflow.training.lora import lora_param_counts
     rate = calib.matmul_flops[cfg.actor.engine.dtype]
@@ -253,8 +142,8 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) 
 def micro_batch_sizes(cfg: Any, configured_only: bool = False) -> list[int]:
     """The sizes to measure: the search's candidates (unless ``configured_only``) and the
     configured ones (a token budget's as the cost model counts it), up to the step's samples."""
-    from hybridflow.mapping.search import MICRO_BATCHES
-    from hybridflow.mapping.cost import micro_batch_rows
+    from hybridflow.planner.search import MICRO_BATCHES
+    from hybridflow.planner.cost import micro_batch_rows
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
     e = cfg.actor.engine
     seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
@@ -277,7 +166,7 @@ def _measure_passes(rank: int, world_size: int, cfg: Any, shape: ModelConfig, si
     tokens)."""
     import torch
 
-    from hybridflow.mapping.calibrate import timed_median
+    from hybridflow.planner.calibrate import timed_median
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training.engine import TrainEngine
 
@@ -335,7 +224,7 @@ def _measure_generate(rank: int, world_size: int, cfg: Any, shape: ModelConfig, 
     ``load_from_switch`` of the whole model, in a one-rank group."""
     import torch
 
-    from hybridflow.mapping.calibrate import timed_median
+    from hybridflow.planner.calibrate import timed_median
     from hybridflow.rollout.base import SamplingConfig, rollout_backend
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")

@@ -8,149 +8,13 @@ thread, as each of our CPU workers does; the collectives run in ``size`` local p
 
 from __future__ import annotations
 
-import dataclasses
-import json
-import os
 import statistics
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 from datetime import datetime, timezone
-from pathlib import Path
 
-from hybridflow.errors import ArgumentError, ConfigError, check_float, check_int
-from hybridflow.mapping.profile import PassProfile
-
-MiB = 1 << 20
-GiB = 1 << 30
-DTYPES = ("fp32", "bf16")
-COLLECTIVES = ("all_gather", "broadcast")
-FIELD = "cluster.calibration"
-"""The config key that names a calibration file: what a bad file's ConfigError names."""
-
-
-@dataclass(kw_only=True)
-class Calibration:
-    """The measured rates of one machine (one node), as ``calibrate`` returns them."""
-
-    device: str
-    """"cpu", or the GPU's name as torch reports it (``"NVIDIA H200"``)."""
-    devices: int
-    """GPUs on this node; 1 on CPU."""
-    matmul_flops: dict[str, float]
-    """dtype name ("fp32", "bf16") -> FLOP/s of one large square ``torch.matmul`` (2 n^3 FLOP).
-    On CPU fp32 only, on one thread."""
-    memory_bandwidth: float
-    """Bytes/s of one large copy on the device, read and write both counted (on CPU one thread)."""
-    all_gather: dict[int, float]
-    """Group size -> bytes each rank receives per second in an all-gather, (size-1)/size of the
-    output (nccl-tests' bus bandwidth), done as the 3D-HybridEngine gathers: NCCL's all-gather,
-    on gloo one broadcast per member (``hybridflow.hybrid_engine.execute``). Empty on a one-GPU
-    node."""
-    broadcast: dict[int, float]
-    """Group size -> bytes each non-root rank receives per second in a broadcast, the whole
-    message. Empty on a one-GPU node."""
-    host_to_device: float | None
-    """Bytes/s of a copy from pinned host memory to the GPU; None on CPU."""
-    torch: str
-    """torch version the rates were measured with."""
-    measured_at: str
-    """When they were measured: ISO 8601 date-time, UTC."""
-    passes: list[PassProfile] = dataclasses.field(default_factory=list)
-    """The efficiencies of one model's passes (``hybridflow calibrate --config CONFIG``), one
-    per model shape and dtype; without one for a run's model the cost model's seconds are floors.
-    Optional in the file."""
-
-    def __post_init__(self):
-        if not isinstance(self.device, str) or not self.device:
-            raise ArgumentError("device", f"must be 'cpu' or a GPU name, got {self.device!r}")
-        check_int("devices", self.devices)
-        if not isinstance(self.matmul_flops, dict) or not self.matmul_flops:
-            raise ArgumentError("matmul_flops", f"must map dtype names ({', '.join(DTYPES)}) to "
-                                              f"FLOP/s, got {self.matmul_flops!r}")
-        for dtype, rate in self.matmul_flops.items():
-            if dtype not in DTYPES:
-                raise ArgumentError("matmul_flops", f"unknown dtype {dtype!r}; use one of "
-                                                  f"{', '.join(DTYPES)}")
-            check_float(f"matmul_flops.{dtype}", rate, low=0, low_open=True)
-        check_float("memory_bandwidth", self.memory_bandwidth, low=0, low_open=True)
-        for name in COLLECTIVES:
-            rates = getattr(self, name)
-            if not isinstance(rates, dict):
-                raise ArgumentError(name, f"must map group sizes to bytes/s, got {rates!r}")
-            for size, rate in rates.items():
-                check_int(f"{name} group size", size, low=2)
-                check_float(f"{name}.{size}", rate, low=0, low_open=True)
-        check_float("host_to_device", self.host_to_device, low=0, low_open=True, none_ok=True)
-        if not isinstance(self.passes, list):
-            raise ArgumentError("passes", f"must be a list of pass profiles, got {self.passes!r}")
-        self.passes = [p if isinstance(p, PassProfile) else _profile_from(p)
-                       for p in self.passes]
-        if not isinstance(self.torch, str):
-            raise ArgumentError("torch", f"must be a version string, got {self.torch!r}")
-        try:
-            datetime.fromisoformat(self.measured_at)
-        except (TypeError, ValueError):
-            raise ArgumentError("measured_at", f"must be an ISO 8601 date-time, got "
-                                             f"{self.measured_at!r}") from None
-
-    def profile(self, shape, dtype: str, tp: int = 1, lora=None) -> PassProfile | None:
-        """The pass profile of a model shape (``ModelConfig``) in ``dtype`` measured at ``tp``,
-        else the one at tp = 1 (the cost model scales it and adds TP's communication), else
-        None. The newest first. With ``lora`` (a LoraConfig of rank > 0), one measured with
-        those adapters, else full fine-tuning's (the cost model's LoRA floors over its
-        efficiencies: optimistic where the host bounds a micro-batch)."""
-        for key in ((lora, None) if lora is not None and lora.enabled else (None,)):
-            found = [p for p in reversed(self.passes) if p.matches(shape, dtype, key)]
-            profile = next((p for p in found if p.tp == tp), None) or next(
-                (p for p in found if p.tp == 1), None)
-            if profile is not None:
-                return profile
-        return None
-
-    def to_json(self, path: str | os.PathLike) -> None:
-        """Write to ``path`` atomically: a reader sees the old file or the new one, never half."""
-        path = Path(path)
-        text = json.dumps(dataclasses.asdict(self), indent=2) + "\n"
-        tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")  # open() honours the umask
-        try:
-            tmp.write_text(text)
-            os.replace(tmp, path)
-        except BaseException:
-            tmp.unlink(missing_ok=True)
-            raise
-
-    @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "Calibration":
-        """Read a file ``to_json`` wrote. A missing, unreadable or incomplete file raises a
-        ConfigError (field cluster.calibration) naming the file and the command that writes it."""
-        path = Path(path)
-        fix = f"run `hybridflow calibrate --out {path}` on the machine to plan for"
-        try:
-            data = json.loads(path.read_text())
-        except FileNotFoundError:
-            raise ConfigError(FIELD, f"{path}: file not found; {fix}") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-            raise ConfigError(FIELD, f"{path}: cannot read it ({e}); {fix}") from None
-        if not isinstance(data, dict):
-            raise ConfigError(FIELD, f"{path}: not a JSON object; {fix}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        optional = {"passes"}
-        for what, keys in (("missing", names - optional - data.keys()),
-                           ("unknown", data.keys() - names)):
-            if keys:
-                raise ConfigError(FIELD, f"{path}: {what} field(s) "
-                                                 f"{', '.join(sorted(keys))}; {fix}")
-        try:
-            for name in COLLECTIVES:  # JSON object keys are strings; the group sizes are ints
-                if isinstance(data[name], dict):
-                    data[name] = {int(k) if k.isdigit() else k: v for k, v in data[name].items()}
-            return cls(**data)
-        except (ConfigError, ArgumentError) as e:  # a field's value (check_* or our own checks)
-            name = e.field if isinstance(e, ConfigError) else e.name
-            raise ConfigError(FIELD, f"{path}: {name}: {e.message}; {fix}") from None
-
+from hybridflow.planner.rates import COLLECTIVES, GiB, MiB, Calibration
 
 def calibrate(quick: bool = False, log: Callable[[str], None] = print) -> Calibration:
     """Measure this machine's rates, logging one line per measurement.
@@ -225,18 +89,6 @@ def calibrate(quick: bool = False, log: Callable[[str], None] = print) -> Calibr
         all_gather=rates["all_gather"], broadcast=rates["broadcast"],
         host_to_device=host_to_device, torch=torch.__version__,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
-
-
-def _profile_from(data) -> PassProfile:
-    """A PassProfile from its JSON object; ArgumentError naming the field when it is not one."""
-    names = {f.name for f in dataclasses.fields(PassProfile)}
-    # Those with a default came later: files written before them lack them.
-    required = {f.name for f in dataclasses.fields(PassProfile)
-                if f.default is dataclasses.MISSING}
-    if not isinstance(data, dict) or not required <= set(data) <= names:
-        raise ArgumentError("passes", f"each entry must have exactly the fields "
-                                      f"{', '.join(sorted(names))}, got {data!r}"[:300])
-    return PassProfile(**data)
 
 
 def _time_collectives(rank: int, world_size: int, message: int, warmup: int, repeats: int,

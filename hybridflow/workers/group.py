@@ -109,13 +109,13 @@ def init_ray(cfg: RayConfig) -> None:
 
 def _start_reaper() -> None:
     """Ray's dashboard and runtime-env agents outlive a killed driver by a minute or more: a
-    reaper process (hybridflow/controller/reaper.py) kills what the driver started once it is
+    reaper process (hybridflow/workers/reaper.py) kills what the driver started once it is
     gone. One per driver process."""
     import subprocess
     import sys
     if os.environ.get("HYBRIDFLOW_REAPER_OF") == str(os.getpid()):
         return
-    subprocess.Popen([sys.executable, "-m", "hybridflow.controller.reaper", str(os.getpid())],
+    subprocess.Popen([sys.executable, "-m", "hybridflow.workers.reaper", str(os.getpid())],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, start_new_session=True)
     os.environ["HYBRIDFLOW_REAPER_OF"] = str(os.getpid())

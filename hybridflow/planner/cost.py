@@ -1,6 +1,6 @@
 """The cost model: seconds of each phase of one RL iteration, from a config, its models' shapes and
 the rates ``hybridflow calibrate`` measured. Pure arithmetic, no process, no tensor; the memory
-side is ``hybridflow.config.memory``'s estimate.
+side is ``hybridflow.planner.memory``'s estimate.
 
 Every phase runs after the previous one (the single controller drives them in turn), so the step
 is their sum. Per phase, with N a model's parameters in matmuls (all but an untied input
@@ -41,7 +41,7 @@ width). The planner keeps a configured budget and does not search that role's mi
 sizes.
 
 Alone these are floors: no kernel reaches R or B, and the host works per micro-batch. With a pass
-profile of the model in the calibration (``hybridflow.mapping.profile``, measured by
+profile of the model in the calibration (``hybridflow.planner.profile``, measured by
 ``hybridflow calibrate --config``), the compute and bubble terms are divided by the forward's or
 the training step's measured efficiency at the pass's micro-batch size (the host's work per
 micro-batch included), and the optimizer, ``generate`` and ``weight_load`` by theirs. A
@@ -102,11 +102,11 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
-from hybridflow.config.memory import (DTYPE_BYTES, MemoryEstimate, busiest_rank_split,
+from hybridflow.planner.memory import (DTYPE_BYTES, MemoryEstimate, busiest_rank_split,
                                       busiest_stage_share, estimate_memory, logit_columns,
                                       param_count)
 from hybridflow.errors import ConfigError
-from hybridflow.mapping.calibrate import Calibration
+from hybridflow.planner.rates import Calibration
 from hybridflow.models.config import ModelConfig
 
 ADAM_BYTES = 28
@@ -126,7 +126,7 @@ class Prediction:
     phases: dict[str, float]
     """Phase -> seconds (the trainer's ``timing/<phase>_s`` names)."""
     memory: MemoryEstimate
-    """Bytes per GPU, per pool, phase and role (``hybridflow.config.memory``)."""
+    """Bytes per GPU, per pool, phase and role (``hybridflow.planner.memory``)."""
     terms: dict[str, dict[str, float]] = field(default_factory=dict)
     """Phase -> the terms its seconds add up from (flops, bubble, tp_comm, ...), for ``plan``."""
     profiled: bool = False

@@ -21,14 +21,14 @@ from pathlib import Path
 from typing import Callable
 
 from hybridflow.checkpoint import ResumePlan, plan_resume, run_identity
-from hybridflow.config.memory import DTYPE_BYTES, MemoryEstimate
+from hybridflow.planner.memory import DTYPE_BYTES, MemoryEstimate
 from hybridflow.config.rl import RLConfig
+from hybridflow.config.sources import SCORERS, model_sources
 from hybridflow.data.prompts import load_prompts
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import GenLayout
 
-SCORERS = {"scores": "reward_model", "costs": "cost_model"}
 """The worker groups of the reward and cost models -> the config key naming their checkpoint."""
 
 
@@ -87,7 +87,7 @@ class RunCheck:
             raise preset_has_no_weights(name, field)
 
     def summary(self, cfg: RLConfig) -> str:
-        from hybridflow.config.memory import describe
+        from hybridflow.planner.memory import describe
         a, c = cfg.actor.layout, cfg.critic.layout
         where = self.checkpoints["model"] or f"{cfg.model} (shape preset, no weights)"
         lines = [
@@ -129,7 +129,7 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
     """Every check that needs more than the config itself; see the module docstring.
     ``reward_fn`` / ``cost_fn``: Python callables that replace the config's ``reward`` / ``cost``
     (the Python API's); the config's are imported here otherwise, once."""
-    from hybridflow.config.memory import check_memory_fits, estimate_memory
+    from hybridflow.planner.memory import check_memory_fits, estimate_memory
 
     checkpoints, shapes = model_sources(cfg)
     presets = {field: getattr(cfg, field) for field, path in checkpoints.items() if path is None}
@@ -169,38 +169,6 @@ def resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
     return plan_resume(cfg.resume, Path(cfg.tracking.out_dir) / cfg.name,
                        yaml.safe_load(to_yaml(cfg)), run_identity(cfg, model),
                        defaults=yaml.safe_load(to_yaml(RLConfig())))
-
-
-def model_sources(cfg: RLConfig) -> tuple[dict[str, Path | None], dict[str, ModelConfig]]:
-    """({field: checkpoint directory, None for a shape preset}, {field: shape}) of every model
-    the run names (model, reward_model, cost_model)."""
-    checkpoints, shapes = {}, {}
-    for field in ("model", *SCORERS.values()):
-        if getattr(cfg, field) is not None:
-            checkpoints[field], shapes[field] = _resolve(getattr(cfg, field), field)
-    return checkpoints, shapes
-
-
-def _resolve(name: str, field: str) -> tuple[Path | None, ModelConfig]:
-    """(checkpoint directory, shape) of the model ``field`` names: a shape preset has no
-    directory (None) and its shape is the preset's; otherwise the checkpoint's headers give it."""
-    from hybridflow.models.presets import shape_preset
-    from hybridflow.models.source import resolve_model
-    shape = shape_preset(name)
-    if shape is not None:
-        return None, shape
-    path = resolve_model(name, field)
-    return path, _model_config(path, field)
-
-
-def _model_config(model_dir: Path, field: str) -> ModelConfig:
-    """The checkpoint's shape, with every tensor's name and shape checked from the file headers
-    (no tensor data is read): a bad checkpoint fails here, not in a worker."""
-    from hybridflow.training.loading import check_hf_checkpoint
-    try:
-        return check_hf_checkpoint(model_dir)
-    except ConfigError as e:
-        raise ConfigError(field, e.message) from None
 
 
 def _fits(model: ModelConfig, cfg: RLConfig, role: str, model_field: str = "model") -> None:

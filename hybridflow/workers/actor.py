@@ -1,11 +1,7 @@
-"""The workers the RL controller drives, one Ray actor per rank.
-
-``ActorRolloutRefWorker`` colocates the actor (Megatron training engine), its rollout engine and
-the reference model in the same processes: the 3D-HybridEngine moves the actor's weights from the
-training layout into the rollout engine for each generation and gives the memory back after.
-``CriticWorker`` holds a value-head model (the critic; reward and cost models are the same class
-scoring at the last token).
-"""
+"""The actor's worker, one Ray actor per rank: ``ActorRolloutRefWorker`` colocates the actor
+(Megatron training engine), its rollout engine and the reference model in the same processes; the
+3D-HybridEngine moves the actor's weights from the training layout into the rollout engine for
+each generation and gives the memory back after."""
 
 from __future__ import annotations
 
@@ -14,99 +10,11 @@ import time
 from pathlib import Path
 
 import torch
-import torch.distributed as dist
 
 from hybridflow.batch import Batch
-from hybridflow.controller.worker_group import Rendezvous, Worker
-
-# Fields each engine call needs from a Batch; everything else stays on the controller.
-_MODEL_INPUTS = ("input_ids", "attention_mask")
-
-
-def _train_view(layout, rank: int) -> tuple[int, bool]:
-    d, p, t = layout.coords(rank)
-    return d, t == 0 and p == layout.pp - 1
-
-
-def _engine_batch(batch: Batch, *keys: str) -> dict[str, torch.Tensor]:
-    return {k: batch[k] for k in (*_MODEL_INPUTS, *keys)}
-
-
-def _logprob_batch(batch: Batch) -> dict[str, torch.Tensor]:
-    """What a log-prob pass needs: with the batch's ``response_mask`` (a rollout's always has
-    one) the engine computes its output layer over the response only (``TrainEngine``'s
-    module docstring), and the prompt positions, which nothing reads, come back 0."""
-    return _engine_batch(batch, *(["response_mask"] if "response_mask" in batch else []))
-
-
-def _global_count(x: torch.Tensor, group) -> float:
-    """Sum of ``x`` over the data-parallel group (the global denominator of a loss)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces device tensors only
-    total = x.detach().sum().reshape(1).to(device, torch.float64)
-    dist.all_reduce(total, group=group)
-    return max(total.item(), 1.0)
-
-
-def _denominator(mask: torch.Tensor, agg: str, group) -> float:
-    counted = mask if agg == "token-mean" else mask.bool().any(-1).float()
-    return _global_count(counted, group)
-
-
-def _mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
-    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
-
-
-def _ppo_updates(engine, data: dict[str, torch.Tensor], schedule, agg: str, dp_group,
-                 loss_for, prefix: str, loss_key: str | None, with_entropy: bool = False) -> Batch:
-    """``schedule.ppo_epochs`` passes of ``schedule.mini_batches`` optimizer steps over this DP
-    rank's ``data``. ``loss_for(denominator)`` gives a mini-batch's loss function, the
-    denominator being its global count for ``agg``; ``with_entropy`` hands it the policy's
-    entropy (see ``TrainEngine.train_step``). Returns the metrics averaged over the optimizer
-    steps, each step's those of its whole mini-batch (every micro-batch and DP rank: the same on
-    every rank whatever the split)."""
-    rows, skipped = [], 0
-    for _ in range(schedule.ppo_epochs):
-        for part in Batch(data).split(schedule.mini_batches):
-            denom = _denominator(part["response_mask"], agg, dp_group)
-            step = engine.train_step(part.tensors, loss_for(denom), with_entropy=with_entropy)
-            if step.pop("nonfinite"):
-                skipped += 1  # not applied; its metrics would poison the step's means
-                continue
-            step[f"{prefix}/grad_norm"] = step.pop("grad_norm")
-            loss = step.pop("loss")
-            if loss_key is not None:
-                step[loss_key] = loss
-            rows.append(step)
-    return Batch(meta={**_mean_metrics(rows), f"{prefix}/nonfinite_skipped": float(skipped)})
-
-
-def _save_rank_state(path: Path, rollout=None) -> None:
-    """This process's RNG states (and its rollout engine's call count): what, beside the
-    weights, decides what it draws next. Tensors and ints, so loading needs no pickle."""
-    from megatron.core import tensor_parallel
-    state = {"torch": torch.get_rng_state(),
-             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
-    if torch.cuda.is_available():
-        state["cuda"] = torch.cuda.get_rng_state()
-    if rollout is not None:
-        state["rollout"] = rollout.state_dict()
-    torch.save(state, path)
-
-
-def _load_rank_state(path: Path, rollout=None) -> None:
-    from megatron.core import tensor_parallel
-
-    from hybridflow.errors import ConfigError
-    if not path.is_file():
-        raise ConfigError("resume", f"{path} is missing: the checkpoint was saved by a run of "
-                                    "another world size; resume it at its own layout")
-    state = torch.load(path, weights_only=True)
-    torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if rollout is not None:
-        rollout.load_state_dict(state["rollout"])
+from hybridflow.workers.group import Rendezvous, Worker
+from hybridflow.workers.updates import (engine_batch, load_rank_state, logprob_batch, ppo_updates,
+                                       save_rank_state, train_view)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -184,7 +92,7 @@ class ActorRolloutRefWorker(Worker):
             gen = self.hybrid.gen
             return self.hybrid.replica, (self.hybrid.gen_tp_rank == 0
                                          and self.hybrid.gen_pp_rank == gen.pp - 1)
-        return _train_view(self.actor_cfg.layout, self.rank)
+        return train_view(self.actor_cfg.layout, self.rank)
 
     def describe(self) -> str:
         return self.hybrid.summary
@@ -241,15 +149,15 @@ class ActorRolloutRefWorker(Worker):
 
     # ----------------------------------------------------------------------------- scoring
     def compute_log_prob(self, batch: Batch) -> Batch:
-        return Batch({"old_logprobs": self.actor.compute_logprobs(_logprob_batch(batch))})
+        return Batch({"old_logprobs": self.actor.compute_logprobs(logprob_batch(batch))})
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
         if self.ref is None:
             with self.actor.adapters.disabled():
-                return Batch({"ref_logprobs": self.actor.compute_logprobs(_logprob_batch(batch))})
+                return Batch({"ref_logprobs": self.actor.compute_logprobs(logprob_batch(batch))})
         if self.ref_cfg.offload:
             self.ref.reload_weights()
-        logprobs = self.ref.compute_logprobs(_logprob_batch(batch))
+        logprobs = self.ref.compute_logprobs(logprob_batch(batch))
         if self.ref_cfg.offload:
             self.ref.offload_weights()
         return Batch({"ref_logprobs": logprobs})
@@ -270,11 +178,11 @@ class ActorRolloutRefWorker(Worker):
         keys = ["advantages", "response_mask"] + ([] if on_policy else ["old_logprobs"])
         if a.kl_loss_coef:
             keys.append("ref_logprobs")
-        data, correction = _engine_batch(batch, *keys), {}
+        data, correction = engine_batch(batch, *keys), {}
         if rc.mode != "none":
             # Fixed for the whole update (neither side is the policy being trained). MIS
             # narrows response_mask itself: rejected tokens leave every loss term and the
-            # denominators _ppo_updates counts from it.
+            # denominators ppo_updates counts from it.
             weights, data["response_mask"], m = rollout_correction(
                 batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
                 rc.mode, rc.level, rc.cap)
@@ -313,7 +221,7 @@ class ActorRolloutRefWorker(Worker):
                     metrics["actor/entropy"] = (masked_mean(mb["entropy"], mask), tokens)
                 return loss, metrics
             return loss_fn
-        out = _ppo_updates(self.actor, data, a, a.loss_agg_mode, self.dp_group, loss_for,
+        out = ppo_updates(self.actor, data, a, a.loss_agg_mode, self.dp_group, loss_for,
                            "actor", loss_key="actor/loss", with_entropy=a.entropy_coef > 0)
         out.meta.update(correction)
         if seen:  # the last pipeline stage; micro-batches may be reordered and cut (a token budget)
@@ -332,98 +240,10 @@ class ActorRolloutRefWorker(Worker):
         into ``ckpt_dir`` (collective). The reference is the unchanged initial model."""
         from hybridflow.training.megatron_ckpt import save_train_state
         save_train_state(self.actor, Path(ckpt_dir) / "actor")
-        _save_rank_state(Path(ckpt_dir) / f"actor-rank{self.rank:04d}.pt", self.rollout)
+        save_rank_state(Path(ckpt_dir) / f"actor-rank{self.rank:04d}.pt", self.rollout)
 
     def load_state(self, ckpt_dir: str) -> None:
         from hybridflow.training.megatron_ckpt import load_train_state
         load_train_state(self.actor, Path(ckpt_dir) / "actor")
         self.hybrid.drop_base_copy()  # the LoRA base may differ from the one copied
-        _load_rank_state(Path(ckpt_dir) / f"actor-rank{self.rank:04d}.pt", self.rollout)
-
-
-class CriticWorker(Worker):
-    """A value-head model on one rank: the critic (values, clipped value loss) or, with
-    ``trainable=False``, a reward/cost model scoring each sequence at its last token."""
-
-    def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, *, critic,
-                 model_dir: str, trainable: bool = True, model_key: str = "model"):
-        super().__init__(rank, world_size, rendezvous)
-        from hybridflow.models.hf import load_hf_config
-        from hybridflow.training.engine import TrainEngine
-        from hybridflow.training.loading import load_hf_into_engine
-
-        self.critic_cfg = critic
-        model_config = load_hf_config(model_dir)
-        self.engine = TrainEngine(model_config, critic.layout, critic.engine,
-                                  build_optimizer=trainable, head="value")
-        load_hf_into_engine(self.engine, model_dir)
-        self._load_score_head(model_dir, model_key)
-        self.dp_group = self.engine.pg.dp
-
-    def _load_score_head(self, model_dir: str, model_key: str) -> None:
-        """A reward model saved as transformers' *ForSequenceClassification keeps its scalar head
-        as ``score.weight`` [1, hidden]; an LM checkpoint has none and keeps the fresh head.
-        ``model_key``: the config key that named the checkpoint, for the error."""
-        from hybridflow.models.hf import _weight_map
-        from hybridflow.training.engine import VALUE_HEAD
-        from safetensors import safe_open
-        files = _weight_map(Path(model_dir))
-        if "score.weight" not in files:
-            return
-        with safe_open(str(files["score.weight"]), "pt") as f:
-            head = f.get_tensor("score.weight")
-        for name, param in self.engine.named_local_params():
-            if name == VALUE_HEAD:
-                if head.shape != param.shape:
-                    from hybridflow.errors import ConfigError
-                    raise ConfigError(model_key, f"{files['score.weight']}: score.weight has "
-                                      f"shape {list(head.shape)}, expected {list(param.shape)} "
-                                      "(one label)")
-                with torch.no_grad():
-                    param.copy_(head)
-
-    def dispatch_info(self, view: str) -> tuple[int, bool]:
-        return _train_view(self.critic_cfg.layout, self.rank)
-
-    def save_state(self, ckpt_dir: str) -> None:
-        """The critic's weights, optimizer and RNG states (see ActorRolloutRefWorker's)."""
-        from hybridflow.training.megatron_ckpt import save_train_state
-        save_train_state(self.engine, Path(ckpt_dir) / "critic")
-        _save_rank_state(Path(ckpt_dir) / f"critic-rank{self.rank:04d}.pt")
-
-    def load_state(self, ckpt_dir: str) -> None:
-        from hybridflow.training.megatron_ckpt import load_train_state
-        load_train_state(self.engine, Path(ckpt_dir) / "critic")
-        _load_rank_state(Path(ckpt_dir) / f"critic-rank{self.rank:04d}.pt")
-
-    @staticmethod
-    def _state_values(raw: torch.Tensor) -> torch.Tensor:
-        # The head at position i has read token i; the value of the state *before* token i
-        # (what GAE pairs with token i's reward) is the head's output at i - 1.
-        from hybridflow.training.engine import shift_right
-        return shift_right(raw)
-
-    def compute_values(self, batch: Batch) -> Batch:
-        raw = self.engine.compute_values(_engine_batch(batch))
-        return Batch({"values": self._state_values(raw)})
-
-    def compute_scores(self, batch: Batch) -> Batch:
-        """Reward-model score per sequence: the head's output at the last real token."""
-        raw = self.engine.compute_values(_engine_batch(batch))
-        last = batch["attention_mask"].cumsum(-1).argmax(-1)
-        return Batch({"scores": raw[torch.arange(len(last)), last]})
-
-    def update_critic(self, batch: Batch) -> Batch:
-        from hybridflow.algorithms import value_loss
-        c = self.critic_cfg
-
-        def loss_for(denom):
-            def loss_fn(raw, mb):
-                mask = mb["response_mask"]
-                loss, m = value_loss(self._state_values(raw), mb["values"], mb["returns"], mask,
-                                     c.value_clip, "token-mean", denom)
-                return loss, {"critic/vf_loss": loss,
-                              "critic/vf_clip_frac": (m["vf_clip_frac"], mask.bool().sum())}
-            return loss_fn
-        return _ppo_updates(self.engine, _engine_batch(batch, "values", "returns", "response_mask"),
-                            c, "token-mean", self.dp_group, loss_for, "critic", loss_key=None)
+        load_rank_state(Path(ckpt_dir) / f"actor-rank{self.rank:04d}.pt", self.rollout)

@@ -1,4 +1,4 @@
-"""``python -m hybridflow.controller.reaper DRIVER_PID``: no process of a run outlives its driver.
+"""``python -m hybridflow.workers.reaper DRIVER_PID``: no process of a run outlives its driver.
 
 A local run's driver starts Ray (its servers, agents and worker processes). When the driver is
 killed (SIGKILL, OOM), Ray's servers die with it and the workers a few seconds later, but Ray

@@ -1,0 +1,46 @@
+"""The models a run config names (``model``, ``reward_model``, ``cost_model``): where each one's
+checkpoint is and its shape, read from the files' headers (what the pre-flight checks and the
+planner both start from)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from hybridflow.errors import ConfigError
+from hybridflow.models.config import ModelConfig
+from hybridflow.models.presets import shape_preset
+from hybridflow.models.source import resolve_model
+
+SCORERS = {"scores": "reward_model", "costs": "cost_model"}
+"""The scores a model group gives -> the config key that names that model."""
+
+
+def model_sources(cfg: Any) -> tuple[dict[str, Path | None], dict[str, ModelConfig]]:
+    """({field: checkpoint directory, None for a shape preset}, {field: shape}) of every model
+    the run names (model, reward_model, cost_model)."""
+    checkpoints, shapes = {}, {}
+    for field in ("model", *SCORERS.values()):
+        if getattr(cfg, field) is not None:
+            checkpoints[field], shapes[field] = _resolve(getattr(cfg, field), field)
+    return checkpoints, shapes
+
+
+def _resolve(name: str, field: str) -> tuple[Path | None, ModelConfig]:
+    """(checkpoint directory, shape) of the model ``field`` names: a shape preset has no
+    directory (None) and its shape is the preset's; otherwise the checkpoint's headers give it."""
+    shape = shape_preset(name)
+    if shape is not None:
+        return None, shape
+    path = resolve_model(name, field)
+    return path, _model_config(path, field)
+
+
+def _model_config(model_dir: Path, field: str) -> ModelConfig:
+    """The checkpoint's shape, with every tensor's name and shape checked from the file headers
+    (no tensor data is read): a bad checkpoint fails here, not in a worker."""
+    from hybridflow.training.loading import check_hf_checkpoint
+    try:
+        return check_hf_checkpoint(model_dir)
+    except ConfigError as e:
+        raise ConfigError(field, e.message) from None

@@ -1,0 +1,100 @@
+"""What the actor and critic workers share: the PPO update loop over mini-batches, the views of a
+Batch an engine call takes, and each rank's RNG state in a checkpoint."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from hybridflow.batch import Batch
+
+# Fields each engine call needs from a Batch; everything else stays on the controller.
+MODEL_INPUTS = ("input_ids", "attention_mask")
+
+
+def train_view(layout, rank: int) -> tuple[int, bool]:
+    d, p, t = layout.coords(rank)
+    return d, t == 0 and p == layout.pp - 1
+
+
+def engine_batch(batch: Batch, *keys: str) -> dict[str, torch.Tensor]:
+    return {k: batch[k] for k in (*MODEL_INPUTS, *keys)}
+
+
+def logprob_batch(batch: Batch) -> dict[str, torch.Tensor]:
+    """What a log-prob pass needs: with the batch's ``response_mask`` (a rollout's always has
+    one) the engine computes its output layer over the response only (``TrainEngine``'s
+    module docstring), and the prompt positions, which nothing reads, come back 0."""
+    return engine_batch(batch, *(["response_mask"] if "response_mask" in batch else []))
+
+
+def global_count(x: torch.Tensor, group) -> float:
+    """Sum of ``x`` over the data-parallel group (the global denominator of a loss)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # NCCL reduces device tensors only
+    total = x.detach().sum().reshape(1).to(device, torch.float64)
+    dist.all_reduce(total, group=group)
+    return max(total.item(), 1.0)
+
+
+def denominator(mask: torch.Tensor, agg: str, group) -> float:
+    counted = mask if agg == "token-mean" else mask.bool().any(-1).float()
+    return global_count(counted, group)
+
+
+def mean_metrics(rows: list[dict[str, float]]) -> dict[str, float]:
+    return {k: sum(r[k] for r in rows) / len(rows) for k in rows[0]} if rows else {}
+
+
+def ppo_updates(engine, data: dict[str, torch.Tensor], schedule, agg: str, dp_group,
+                 loss_for, prefix: str, loss_key: str | None, with_entropy: bool = False) -> Batch:
+    """``schedule.ppo_epochs`` passes of ``schedule.mini_batches`` optimizer steps over this DP
+    rank's ``data``. ``loss_for(denominator)`` gives a mini-batch's loss function, the
+    denominator being its global count for ``agg``; ``with_entropy`` hands it the policy's
+    entropy (see ``TrainEngine.train_step``). Returns the metrics averaged over the optimizer
+    steps, each step's those of its whole mini-batch (every micro-batch and DP rank: the same on
+    every rank whatever the split)."""
+    rows, skipped = [], 0
+    for _ in range(schedule.ppo_epochs):
+        for part in Batch(data).split(schedule.mini_batches):
+            denom = denominator(part["response_mask"], agg, dp_group)
+            step = engine.train_step(part.tensors, loss_for(denom), with_entropy=with_entropy)
+            if step.pop("nonfinite"):
+                skipped += 1  # not applied; its metrics would poison the step's means
+                continue
+            step[f"{prefix}/grad_norm"] = step.pop("grad_norm")
+            loss = step.pop("loss")
+            if loss_key is not None:
+                step[loss_key] = loss
+            rows.append(step)
+    return Batch(meta={**mean_metrics(rows), f"{prefix}/nonfinite_skipped": float(skipped)})
+
+
+def save_rank_state(path: Path, rollout=None) -> None:
+    """This process's RNG states (and its rollout engine's call count): what, beside the
+    weights, decides what it draws next. Tensors and ints, so loading needs no pickle."""
+    from megatron.core import tensor_parallel
+    state = {"torch": torch.get_rng_state(),
+             "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state()
+    if rollout is not None:
+        state["rollout"] = rollout.state_dict()
+    torch.save(state, path)
+
+
+def load_rank_state(path: Path, rollout=None) -> None:
+    from megatron.core import tensor_parallel
+
+    from hybridflow.errors import ConfigError
+    if not path.is_file():
+        raise ConfigError("resume", f"{path} is missing: the checkpoint was saved by a run of "
+                                    "another world size; resume it at its own layout")
+    state = torch.load(path, weights_only=True)
+    torch.set_rng_state(state["torch"])
+    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state(state["cuda"])
+    if rollout is not None:
+        rollout.load_state_dict(state["rollout"])
