@@ -84,7 +84,7 @@ def run_identity(cfg: Any, model: Any) -> dict[str, Any]:
     """What a checkpoint must match to load into a run: its algorithm, trained models and model
     shape (``cfg`` an RLConfig, ``model`` the ModelConfig), as plain data."""
     import dataclasses
-    roles = ["actor"] + (["critic"] if cfg.algorithm.name == "ppo" else [])
+    roles = ["actor"] + (["critic"] if cfg.algorithm.spec.critic else [])
     return {"algorithm": cfg.algorithm.name, "roles": roles,
             "model": json.loads(json.dumps(dataclasses.asdict(model)))}
 

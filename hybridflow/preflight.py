@@ -99,8 +99,8 @@ class RunCheck:
             f"{self.gen.replicas} in all; backend {cfg.rollout.backend}",
         ]
         scorers = [f for f in SCORERS.values() if f in self.checkpoints]
-        if cfg.algorithm.name == "ppo" or scorers:
-            users = (["critic"] if cfg.algorithm.name == "ppo" else []) + \
+        if cfg.algorithm.spec.critic or scorers:
+            users = (["critic"] if cfg.algorithm.spec.critic else []) + \
                 [f.replace("_", " ") for f in scorers]
             lines.append(f"{' + '.join(users)}: {c} -> {c.world_size} ranks each")
         recv = self.reshard_recv_bytes
@@ -138,7 +138,7 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
     for field in SCORERS.values():
         if field in shapes:
             _fits(shapes[field], cfg, "critic", field)
-    if cfg.algorithm.name == "ppo":
+    if cfg.algorithm.spec.critic:
         _fits(model, cfg, "critic")  # the critic starts from the actor's weights
     if cfg.pad_token_id >= model.vocab_size:
         raise ConfigError("pad_token_id", f"{cfg.pad_token_id} is not a token of the model "

@@ -66,7 +66,7 @@ def check_validation(cfg, n_prompts: int) -> None:
                                              f"train_batch_size={cfg.train_batch_size}; lower it "
                                              "or add prompts")
     replicas = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp).replicas
-    scorers = cfg.reward_model is not None or (cfg.algorithm.name == "safe_rlhf"
+    scorers = cfg.reward_model is not None or (cfg.algorithm.spec.cost
                                                and cfg.cost_model is not None)
     split = replicas
     if scorers:  # the reward (and cost) model scores them at critic.layout

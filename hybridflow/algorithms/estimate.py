@@ -7,11 +7,8 @@ import torch
 from hybridflow.algorithms.advantages import ADVANTAGE_ESTIMATORS, AdvantageInputs
 from hybridflow.algorithms.kl import apply_kl_reward_penalty, kl_penalty
 from hybridflow.algorithms.safe_rlhf import safe_rlhf_combined_advantage
+from hybridflow.algorithms.specs import algorithm_spec
 from hybridflow.errors import ArgumentError
-
-# Estimators that read per-token rewards (the KL penalty lands on each token); the others read
-# one score per sequence (the KL penalty, summed over the response, comes off that score).
-TOKEN_LEVEL = ("ppo", "reinforce_plus_plus")
 
 
 def estimate_advantages(algorithm: str, *, scores: torch.Tensor, mask: torch.Tensor,
@@ -33,7 +30,7 @@ def estimate_advantages(algorithm: str, *, scores: torch.Tensor, mask: torch.Ten
     Shapes: scores, costs, baseline_scores [B]; mask, logprobs, ref_logprobs, values [B, T];
     group_ids [B].
     """
-    estimator = "gae" if algorithm == "ppo" else algorithm
+    spec = algorithm_spec(algorithm)
     if kl_coef and (logprobs is None or ref_logprobs is None):
         raise ArgumentError("logprobs", "the KL-in-reward penalty (kl_coef > 0) needs the "
                                         "policy's and the reference's log-probs")
@@ -45,14 +42,14 @@ def estimate_advantages(algorithm: str, *, scores: torch.Tensor, mask: torch.Ten
     inputs = AdvantageInputs(mask=mask, scores=seq_scores, values=values, group_ids=group_ids,
                              baseline_scores=baseline_scores, gamma=gamma, lam=lam,
                              norm_by_std=norm_by_std)
-    if algorithm in TOKEN_LEVEL:
+    if spec.token_level:
         inputs.scores = scores
         inputs.token_rewards = apply_kl_reward_penalty(scores, logprobs, ref_logprobs, mask,
                                                        kl_coef, kl_type)
-    if estimator != "safe_rlhf":
-        return ADVANTAGE_ESTIMATORS[estimator](inputs)
-    grpo = ADVANTAGE_ESTIMATORS["grpo"]
-    reward_adv, _ = grpo(inputs)
+    estimate = ADVANTAGE_ESTIMATORS[spec.estimator]
+    if not spec.cost:
+        return estimate(inputs)
+    reward_adv, _ = estimate(inputs)
     inputs.scores = costs
-    cost_adv, _ = grpo(inputs)
+    cost_adv, _ = estimate(inputs)
     return safe_rlhf_combined_advantage(reward_adv, cost_adv, lagrange), None

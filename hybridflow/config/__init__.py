@@ -3,10 +3,9 @@ dataclasses; loading from YAML and ``key=value`` overrides; the cluster and its 
 that need the model's shape are ``hybridflow.preflight``'s."""
 
 from hybridflow.config.loader import build_config, load_config, make_config, to_yaml
-from hybridflow.config.rl import (ALGORITHMS, ActorConfig, AlgorithmConfig, CriticConfig,
-                                  HybridEngineConfig, RefConfig, RLConfig, RolloutConfig,
-                                  UpdateConfig)
+from hybridflow.config.rl import (ActorConfig, AlgorithmConfig, CriticConfig, HybridEngineConfig,
+                                  RefConfig, RLConfig, RolloutConfig, UpdateConfig)
 
-__all__ = ["ALGORITHMS", "ActorConfig", "AlgorithmConfig", "CriticConfig", "HybridEngineConfig",
+__all__ = ["ActorConfig", "AlgorithmConfig", "CriticConfig", "HybridEngineConfig",
            "RLConfig", "RefConfig", "RolloutConfig", "UpdateConfig", "build_config",
            "load_config", "make_config", "to_yaml"]

@@ -56,7 +56,7 @@ class ClusterConfig:
 def worker_groups(cfg: Any) -> list[tuple[str, int]]:
     """(group, world size) of every worker group the run starts, ``cfg`` an RLConfig."""
     groups = [("actor", cfg.actor.layout.world_size)]
-    if cfg.algorithm.name == "ppo":
+    if cfg.algorithm.spec.critic:
         groups.append(("critic", cfg.critic.layout.world_size))
     for key in ("reward_model", "cost_model"):
         if getattr(cfg, key) is not None:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import re
 from dataclasses import MISSING, dataclass, field
 
-from hybridflow.algorithms.estimate import TOKEN_LEVEL
 from hybridflow.algorithms.kl import KL_KINDS
 from hybridflow.algorithms.losses import AGG_MODES, LEVELS
 from hybridflow.algorithms.mismatch import RolloutCorrectionConfig
+from hybridflow.algorithms.specs import (ALGORITHMS, OPTIONAL_OPTIONS, AlgorithmSpec, algorithm_spec,
+                                         readers)
 from hybridflow.checkpoint import CheckpointConfig
 from hybridflow.config.cluster import ClusterConfig, check_cluster
 from hybridflow.workers.group import RayConfig
@@ -22,16 +23,11 @@ from hybridflow.data.prompts import PromptDataConfig
 from hybridflow.errors import ConfigError, check_choice, check_float, check_int
 from hybridflow.hybrid_engine.switch import LORA_MERGES, MODES
 from hybridflow.parallel.layout import GenLayout, TrainLayout
-from hybridflow.rollout.base import SamplingConfig
-from hybridflow.rollout.megatron import fast_decode_default
+from hybridflow.rollout.base import ROLLOUT_BACKENDS, RolloutBackend, SamplingConfig, rollout_backend
 from hybridflow.tracking import TrackingConfig
 from hybridflow.training.engine import EngineConfig, OptimConfig
 from hybridflow.training.lora import LoraConfig
 from hybridflow.validation import ValidationConfig
-
-ALGORITHMS = ("grpo", "ppo", "remax", "rloo", "reinforce_plus_plus", "safe_rlhf")
-BACKENDS = ("vllm", "megatron", "hf")
-
 
 @dataclass(kw_only=True)
 class UpdateConfig:
@@ -146,14 +142,20 @@ class RolloutConfig:
     captured again when they move."""
 
     def __post_init__(self) -> None:
-        check_choice("backend", self.backend, BACKENDS)
+        check_choice("backend", self.backend, tuple(ROLLOUT_BACKENDS))
         check_int("tp", self.tp)
-        if self.tp != 1 and self.backend != "megatron":
+        max_tp = self.backend_class.max_tp
+        if max_tp is not None and self.tp > max_tp:
             raise ConfigError("tp", f"the {self.backend} backend generates one replica per "
                                     "process; generation TP across processes needs "
                                     "rollout.backend=megatron (or use tp=1)")
         check_float("bucket_mb", self.bucket_mb, low=0, low_open=True)
         check_float("kv_cache_mb", self.kv_cache_mb, low=0, low_open=True)
+
+    @property
+    def backend_class(self) -> type[RolloutBackend]:
+        """The backend's class: its facts (``RolloutBackend``'s class attributes) and ``build``."""
+        return rollout_backend(self.backend)
 
 
 @dataclass(kw_only=True)
@@ -189,7 +191,7 @@ class HybridEngineConfig:
         """Whether this run's switch keeps the shards resident (``resident``, null resolved)."""
         if self.resident is not None:
             return self.resident
-        return (rollout.backend == "megatron" and self.mode == "3d"
+        return (not rollout.backend_class.copies_weights and self.mode == "3d"
                 and (not actor.lora.enabled or self.lora_merge == "in_place")
                 and not actor.engine.optim.distributed)
 
@@ -236,7 +238,7 @@ class AlgorithmConfig:
     prompts."""
 
     def __post_init__(self) -> None:
-        check_choice("name", self.name, ALGORITHMS)
+        check_choice("name", self.name, tuple(ALGORITHMS))
         check_float("gamma", self.gamma, low=0, high=1)
         check_float("lam", self.lam, low=0, high=1)
         check_float("kl_coef", self.kl_coef, low=0)
@@ -248,12 +250,18 @@ class AlgorithmConfig:
         check_float("lagrange_lr", self.lagrange_lr, low=0, low_open=True)
         check_int("overlong_buffer", self.overlong_buffer, low=0)
         check_float("overlong_penalty", self.overlong_penalty, low=0, low_open=True)
-        if self.dynamic_sampling and self.name not in ("grpo", "rloo"):
+        if self.dynamic_sampling and not self.spec.filters_groups:
+            which = " and ".join(n for n, spec in ALGORITHMS.items() if spec.filters_groups)
             raise ConfigError("dynamic_sampling", f"filters prompts whose samples' rewards are "
                                                   f"all equal, which only zeroes the advantages "
-                                                  f"of grpo and rloo, not {self.name}; use one of "
+                                                  f"of {which}, not {self.name}; use one of "
                                                   "them or set it to false")
         check_int("max_sampling_rounds", self.max_sampling_rounds)
+
+    @property
+    def spec(self) -> AlgorithmSpec:
+        """The algorithm's facts (``hybridflow.algorithms.specs``)."""
+        return algorithm_spec(self.name)
 
 
 @dataclass(kw_only=True)
@@ -376,19 +384,20 @@ class RLConfig:
 
     def _check_algorithm(self) -> None:
         a = self.algorithm
-        if a.name in ("grpo", "rloo", "safe_rlhf") and self.rollout.sampling.n < 2:
+        if a.spec.groups and self.rollout.sampling.n < 2:
             raise ConfigError("rollout.sampling.n", f"{a.name} compares samples of the same "
                                                     "prompt: use n >= 2")
-        if a.name == "safe_rlhf":
+        if a.spec.cost:
             if self.cost is None and self.cost_model is None:
                 raise ConfigError("cost", "safe_rlhf needs a cost function (cost) or a cost "
                                           "model (cost_model)")
         elif self.cost is not None or self.cost_model is not None:
             key = "cost" if self.cost is not None else "cost_model"
-            raise ConfigError(key, f"only safe_rlhf uses a cost; algorithm.name={a.name} would "
-                                   "ignore it: remove it or use algorithm.name=safe_rlhf")
+            users = " or ".join(n for n, spec in ALGORITHMS.items() if spec.cost)
+            raise ConfigError(key, f"only {users} uses a cost; algorithm.name={a.name} would "
+                                   f"ignore it: remove it or use algorithm.name={users}")
         if self.data.source == "synthetic":  # random token ids: only a model can score them
-            for key in ("reward_model",) + (("cost_model",) if a.name == "safe_rlhf" else ()):
+            for key in ("reward_model",) + (("cost_model",) if a.spec.cost else ()):
                 if getattr(self, key) is None:
                     raise ConfigError(key, f"data.source=synthetic prompts are random token ids: "
                                            f"a {key.split('_')[0]} function cannot score what is "
@@ -418,20 +427,18 @@ class RLConfig:
     def _check_no_inert_options(self) -> None:
         """An option set away from its default where this run would never read it is refused:
         the run would "work" and mean something else."""
-        a, ppo = self.algorithm, self.algorithm.name == "ppo"
+        a, critic = self.algorithm, self.algorithm.spec.critic
+        trains_critic = " or ".join(n for n, spec in ALGORITHMS.items() if spec.critic)
+        backend = self.rollout.backend_class
         scorers = self.reward_model is not None or self.cost_model is not None
         kl_fix = "set algorithm.kl_in_reward=true"
         inert = [  # (key, is it unused in this run, what would make it act)
-            ("algorithm.lam", not ppo, "algorithm.name=ppo (GAE)"),
-            ("algorithm.gamma", a.name not in TOKEN_LEVEL, "algorithm.name=ppo or "
-                                                          "reinforce_plus_plus"),
-            ("algorithm.norm_by_std", a.name not in ("grpo", "safe_rlhf"), "algorithm.name=grpo"),
+            *((f"algorithm.{k}", k not in a.spec.reads, "algorithm.name="
+               + " or ".join(readers(k))) for k in OPTIONAL_OPTIONS),
             ("algorithm.kl_coef", not a.kl_in_reward, kl_fix),
             ("algorithm.kl_type", not a.kl_in_reward, kl_fix),
             ("algorithm.kl_target", not a.kl_in_reward, kl_fix),
             ("algorithm.kl_horizon", a.kl_target is None, "set algorithm.kl_target"),
-            *((f"algorithm.{k}", a.name != "safe_rlhf", "algorithm.name=safe_rlhf")
-              for k in ("cost_limit", "lagrange_init", "lagrange_lr")),
             ("actor.kl_loss_type", self.actor.kl_loss_coef == 0, "set actor.kl_loss_coef > 0"),
             # One optimizer step per iteration: the policy is still the one that produced the old
             # log-probs, the ratio is 1 and no clip is ever reached.
@@ -447,11 +454,12 @@ class RLConfig:
                                                                 "(it caps each worker's GPU)"),
             *((f"actor.rollout_correction.{k}", self.actor.rollout_correction.mode == "none",
                "set actor.rollout_correction.mode=tis or mis") for k in ("level", "cap")),
-            *((f"critic.{k}", not ppo, "algorithm.name=ppo (reward and cost models only read "
-                                       "critic.layout and critic.engine's micro-batching and "
-                                       "dtype)")
+            *((f"critic.{k}", not critic, f"algorithm.name={trains_critic} (reward and cost "
+                                          "models only read critic.layout and critic.engine's "
+                                          "micro-batching and dtype)")
               for k in ("ppo_epochs", "mini_batches", "value_clip", "engine.optim")),
-            ("critic", not ppo and not scorers, "algorithm.name=ppo, reward_model or cost_model"),
+            ("critic", not critic and not scorers, f"algorithm.name={trains_critic}, reward_model "
+                                                   "or cost_model"),
             # A token budget forms every micro-batch, of training and forward passes alike.
             *((f"{role}.engine.{k}", getattr(self, role).engine.max_tokens_per_micro_batch
                is not None, f"set {role}.engine.max_tokens_per_micro_batch=null (micro-batches "
@@ -459,10 +467,10 @@ class RLConfig:
               for role in ("actor", "critic")
               for k in ("micro_batch_size", "forward_micro_batch_size")),
             ("reward", self.reward_model is not None, "remove reward_model"),
-            ("rollout.kv_cache_mb", self.rollout.backend != "vllm", "rollout.backend=vllm"),
-            # the workers' MegatronRollout decodes with its fast decoder where the default says
-            ("rollout.keep_cache", self.rollout.backend != "megatron" or not fast_decode_default(
-                bool(self.ray.gpus_per_worker), self.rollout.tp), "rollout.backend=megatron with "
+            ("rollout.kv_cache_mb", "kv_cache_mb" not in backend.reads, "rollout.backend=vllm"),
+            ("rollout.keep_cache", not backend.keeps_cache(bool(self.ray.gpus_per_worker),
+                                                          self.rollout.tp),
+             "rollout.backend=megatron with "
              "rollout.tp=1 on GPUs (ray.gpus_per_worker > 0): only its fast decoder has a cache "
              "and graphs to keep"),
             *((f"data.{k}", self.data.source != "reasoning_gym", "data.source=reasoning_gym")
@@ -501,7 +509,7 @@ class RLConfig:
         samples = self.train_batch_size * self.rollout.sampling.n
         scorers = self.reward_model is not None or self.cost_model is not None
         for name, part in (("actor", self.actor), ("critic", self.critic)):
-            trains = name == "actor" or self.algorithm.name == "ppo"
+            trains = name == "actor" or self.algorithm.spec.critic
             if not trains and not scorers:
                 continue  # the critic's layout also runs reward and cost models
             if name == "critic" and part.engine.sequence_parallel:

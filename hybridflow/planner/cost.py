@@ -468,14 +468,14 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
     terms["ref_logprobs"] = _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb,
                                      response=response)
     critic_mb = micro_batch_rows(cfg.critic.engine, seq, True)
-    if cfg.algorithm.name == "ppo":
+    if cfg.algorithm.spec.critic:
         terms["values"] = _forward(model, cfg.critic, samples, seq, calib, "value", critic_mb)
     for key in ("reward_model", "cost_model"):  # both inside the trainer's reward phase
         if key in shapes:
             scores = _forward(shapes[key], cfg.critic, samples, seq, calib, "value", critic_mb)
             terms["reward"] = {k: terms.get("reward", {}).get(k, 0.0) + v
                                for k, v in scores.items()}
-    if cfg.algorithm.name == "ppo":
+    if cfg.algorithm.spec.critic:
         terms["update_critic"] = _update(model, cfg.critic, samples, seq, calib, "value")
     terms["update_actor"] = _update(model, cfg.actor, samples, seq, calib, "lm", adapters,
                                     response)

@@ -73,7 +73,6 @@ buffers, the reshard's buckets, embedding and output layers sitting on one pipel
 from __future__ import annotations
 
 import functools
-import inspect
 import math
 from dataclasses import dataclass
 from typing import Any
@@ -322,16 +321,17 @@ def _logits(shape: ModelConfig, tokens: float, tp: int, dtype: str, training: bo
 def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation, forward,
            updates) -> None:
     from hybridflow.parallel.layout import GenLayout
+    from hybridflow.rollout.base import rollout_backend
     actor, r = cfg.actor, cfg.rollout
+    backend = rollout_backend(r.backend)
     n, b = param_count(shape), DTYPE_BYTES[actor.engine.dtype]
     resident["actor"] = _train_state(n, actor.layout, actor.engine, shape.num_layers)
     resident["ref"] = {"weights": resident["actor"]["weights"]}
     gen = GenLayout(train=actor.layout, tp=r.tp)
     gen_weights = {"generation weights": int(n * b / (gen.tp * gen.pp))}
     if cfg.hybrid_engine.mode == "3d":  # the training shards the generation ones copy stay
-        # Stacked shards where MegatronRollout decodes fast by default (the estimate is a GPU's).
-        from hybridflow.rollout.megatron import fast_decode_default
-        blocks = r.backend == "megatron" and fast_decode_default(True, r.tp)
+        # Stacked shards where the backend takes them by default (the estimate is a GPU's).
+        blocks = backend.stacks_shards(True, r.tp)
         gen_weights["weights"] = _copied_shard_bytes(
             tuple(vars(shape).items()), actor.layout.tp, actor.layout.pp,
             actor.layout.last_stage_layers, r.tp, b, cfg.hybrid_engine.resident_for(actor, r),
@@ -353,18 +353,9 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
     generation["actor"] = gen_weights
     share = math.ceil(samples / gen.replicas)
     per_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // gen.tp) * shape.head_dim * b
-    if r.backend == "vllm":
-        resident["rollout"] = {"engine weights": int(n * b)}
-        generation["rollout"] = {"kv cache": int(r.kv_cache_mb * 2**20)}
-    elif r.backend == "megatron":
-        kv = {"kv cache": int(min(share, _megatron_max_batch()) * seq * per_token)}
-        # rollout.keep_cache: the fast decoder's cache stays through every phase
-        resident["rollout"], generation["rollout"] = (kv, {}) if r.keep_cache else ({}, kv)
-    else:  # hf: its own model, the whole share at once, every step's logits kept
-        resident["rollout"] = {"engine weights": int(n * b)}
-        generation["rollout"] = {"kv cache": int(share * seq * per_token),
-                                 "logits": int(share * r.sampling.max_tokens * shape.vocab_size
-                                               * (b + 4))}
+    resident["rollout"], generation["rollout"] = backend.memory(
+        r, weight_bytes=int(n * b), share=share, seq=seq, kv_per_token=per_token,
+        logit_bytes=shape.vocab_size * (b + 4))
     response = r.sampling.max_tokens
     forward["actor"] = _forward_transient(shape, actor, seq, response)
     updates["actor update"] = ("actor", _training_activations(shape, actor, seq, samples,
@@ -404,18 +395,13 @@ def _critic_side(cfg, group: str, shape: ModelConfig, seq: int, samples: int, re
     forward[group] = _forward_transient(shape, critic, seq, None)
 
 
-def _megatron_max_batch() -> int:
-    """Sequences MegatronRollout decodes together (its constructor's default)."""
-    from hybridflow.rollout.megatron import MegatronRollout
-    return inspect.signature(MegatronRollout.__init__).parameters["max_batch_size"].default
-
-
 def _fix(cfg, role: str, parts: dict[str, int]) -> tuple[str, str]:
     """(key, how) to shrink ``role``'s share of a GPU; ``parts`` its bytes by part."""
     nodes = cfg.cluster.gpus_per_node
     section = "actor" if role in ("actor", "ref", "rollout") else "critic"
     lay, eng = getattr(cfg, section).layout, getattr(cfg, section).engine
-    if role == "rollout" and cfg.rollout.backend == "vllm":
+    from hybridflow.rollout.base import rollout_backend  # torch: the planner imports without it
+    if role == "rollout" and "kv_cache_mb" in rollout_backend(cfg.rollout.backend).reads:
         return "rollout.kv_cache_mb", "lower it, or use rollout.backend=megatron"
     if role == "rollout" and cfg.rollout.tp < lay.tp:
         return "rollout.tp", (f"raise it (up to actor.layout.tp={lay.tp}) to split the "

@@ -68,12 +68,12 @@ def profile_passes(cfg: Any, calib, quick: bool = False, configured_only: bool =
     from hybridflow.parallel.spawn import spawn
     from hybridflow.rollout.base import rollout_backend
     checkpoints, shapes = model_sources(cfg)
-    if cfg.rollout.backend != "megatron" and checkpoints["model"] is None:
+    # An unknown or missing backend fails here, before the spawn.
+    if not rollout_backend(cfg.rollout.backend).builds_from_shape and checkpoints["model"] is None:
         from hybridflow.errors import ConfigError
         raise ConfigError("model", f"{cfg.model} is a shape preset without weights, which the "
                                    f"{cfg.rollout.backend} backend needs to start; profile it "
                                    "with rollout.backend=megatron or name a checkpoint")
-    rollout_backend(cfg.rollout.backend)  # an unknown or missing backend fails before the spawn
     from hybridflow.workers.group import quiet_engines_env
     # The child inherits the environment at its start: torch reads its log level at import.
     saved = dict(os.environ)
@@ -225,30 +225,19 @@ def _measure_generate(rank: int, world_size: int, cfg: Any, shape: ModelConfig, 
     import torch
 
     from hybridflow.planner.calibrate import timed_median
-    from hybridflow.rollout.base import SamplingConfig, rollout_backend
+    from hybridflow.rollout.base import RolloutSetup, SamplingConfig, rollout_backend
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     r = cfg.rollout
     backend = rollout_backend(r.backend)
-    max_len = cfg.data.max_prompt_tokens + r.sampling.max_tokens
-    dtype = cfg.actor.engine.dtype
-    if r.backend == "megatron":
-        from hybridflow.parallel.groups import single_replica_generation_groups
-        rollout = backend(model_dir if model_dir is not None else shape, dtype=dtype,
-                          max_model_len=max_len, seed=0,
-                          pg_collection=single_replica_generation_groups())
-        if model_dir is None:  # a shape preset: random weights time the same
-            rollout.load_generation_weights({n: torch.randn_like(p) * 0.02
-                                             for n, p in rollout.params.items()})
-    else:
-        kwargs = dict(dtype=dtype, max_model_len=max_len, seed=0)
-        if r.backend == "vllm":
-            kwargs["kv_cache_bytes"] = int(r.kv_cache_mb * 2**20)
-            if device.type == "cpu":
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", "0")
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        rollout = backend(model_dir, **kwargs)
+    rollout = backend.build(RolloutSetup(
+        model_dir=model_dir, shape=shape, dtype=cfg.actor.engine.dtype,
+        max_model_len=cfg.data.max_prompt_tokens + r.sampling.max_tokens, seed=0,
+        kv_cache_mb=r.kv_cache_mb))
+    if model_dir is None:  # a shape preset: random weights time the same
+        rollout.load_generation_weights({n: torch.randn_like(p) * 0.02
+                                         for n, p in rollout.params.items()})
     share = _share(cfg)
     g = torch.Generator().manual_seed(1)
     prompts = torch.randint(0, shape.vocab_size, (share, cfg.data.max_prompt_tokens),
@@ -265,7 +254,8 @@ def _measure_generate(rank: int, world_size: int, cfg: Any, shape: ModelConfig, 
     from hybridflow.training.engine import DTYPES
     metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings,
                              GenLayout(train=TrainLayout(), tp=1))
-    tensors = {m.name: torch.zeros(m.shape, dtype=DTYPES[dtype], device=device) for m in metas}
+    tensors = {m.name: torch.zeros(m.shape, dtype=DTYPES[cfg.actor.engine.dtype],
+                                      device=device) for m in metas}
     load = timed_median(lambda: rollout.load_from_switch(tensors), sync, warmup=1,
                         repeats=repeats, inner=1)
     rollout.close()

@@ -72,9 +72,9 @@ def candidates(cfg: Any, shape: ModelConfig) -> list[dict[str, Any]]:
 
 
 def _roles(cfg: Any) -> tuple[str, ...]:
-    """The trained roles a mapping lays out: the actor; the critic too for PPO, whose layout the
-    reward and cost models share."""
-    critic = (cfg.algorithm.name == "ppo" or cfg.reward_model is not None
+    """The trained roles a mapping lays out: the actor; the critic too where the algorithm trains
+    one, or where reward or cost models share its layout."""
+    critic = (cfg.algorithm.spec.critic or cfg.reward_model is not None
               or cfg.cost_model is not None)
     return ("actor", "critic") if critic else ("actor",)
 

@@ -1,4 +1,5 @@
-"""What every rollout (generation) backend takes and returns, and the registry that picks one.
+"""What every rollout (generation) backend takes and returns, the facts it declares, and the
+registry that picks one.
 
 A backend generates from token-id prompts and takes new weights in place, without a restart:
 
@@ -17,6 +18,11 @@ untouched): ``sampling.seed`` when given, else ``call_seed(seed, k)`` for the ba
 ``generate`` call, ``seed`` being its constructor's. The ranks of one generation TP group must
 sample the same tokens, so they are all built with the same seed: one per replica, not per rank.
 
+Each backend declares what the config, the planner and the switch need to know of it as class
+attributes (``max_tp``, ``copies_weights``, ``reads``, ``builds_from_shape``; ``keeps_cache`` and
+``stacks_shards`` for a device and generation TP; ``memory`` for the planner), and builds itself
+from a ``RolloutSetup`` (``build``): nothing outside the backend's module branches on its name.
+
 Log-probs are always the model's own: ``log softmax(logits)`` at temperature 1, before top-k/top-p,
 of the token that was sampled -- the quantity the training engine recomputes for PPO's ratio
 (``TrainEngine.compute_logprobs``), not the log-prob under the tempered/truncated distribution the
@@ -32,7 +38,7 @@ import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Iterable
+from typing import Any, Iterable
 
 import torch
 
@@ -104,8 +110,48 @@ class RolloutOutput:
     """"stop" (EOS or a stop token) or "length" (max_tokens reached)."""
 
 
+@dataclass(kw_only=True)
+class RolloutSetup:
+    """What a worker (or the planner's profile) knows when it starts a backend; each backend's
+    ``build`` takes what it needs of it."""
+
+    model_dir: str | os.PathLike | None
+    """The HF checkpoint directory (config, EOS ids, weights); None for a bare shape, which only
+    a backend that ``builds_from_shape`` takes."""
+    shape: ModelConfig
+    """The model's architecture."""
+    dtype: str
+    """The engine's dtype ("fp32", "bf16")."""
+    max_model_len: int
+    """Prompt + response tokens at most."""
+    seed: int
+    """Decides the samples of calls without ``sampling.seed``: one per generation replica."""
+    load_weights: bool = True
+    """Load the checkpoint's weights at start; False where they arrive from the switch first."""
+    kv_cache_mb: float = 256.0
+    """``rollout.kv_cache_mb``, for a backend that ``reads`` it."""
+    keep_cache: bool = False
+    """``rollout.keep_cache``, for a backend that ``keeps_cache``."""
+    pg_collection: Any = None
+    """The generation process groups, for a backend with generation TP; None: one replica."""
+    cpu_core: int = 0
+    """The core a CPU engine that pins its threads binds them to."""
+
+
 class RolloutBackend(ABC):
     """A generation engine that takes new weights in place (see the module docstring)."""
+
+    max_tp: int | None = 1
+    """The largest generation tensor-parallel size it runs (None: any); 1 is one replica per
+    process."""
+    copies_weights: bool = True
+    """Whether ``load_from_switch`` copies the tensors into an engine of its own. A backend that
+    computes on the switch's tensors themselves lets the switch keep the training shards
+    resident (``hybrid_engine.resident``'s default)."""
+    reads: tuple[str, ...] = ()
+    """The ``rollout.*`` options only some backends read that this one does."""
+    builds_from_shape: bool = False
+    """Whether it starts from a bare shape (random or later weights), without a checkpoint."""
 
     model_config: ModelConfig
     """The architecture generated with; every backend sets it in its constructor."""
@@ -117,6 +163,36 @@ class RolloutBackend(ABC):
     without copying any training shard."""
     _calls: int = 0
     """Generate calls so far: with the seed, decides the next call's draws (see call_seed)."""
+
+    @classmethod
+    def build(cls, setup: RolloutSetup) -> "RolloutBackend":
+        """The backend for ``setup``: by default the checkpoint's engine at ``setup``'s dtype,
+        length and seed."""
+        return cls(setup.model_dir, dtype=setup.dtype, max_model_len=setup.max_model_len,
+                   seed=setup.seed)
+
+    @classmethod
+    def keeps_cache(cls, cuda: bool, tp: int) -> bool:
+        """Whether ``rollout.keep_cache`` acts: its KV cache (and graphs) can stay across the
+        switch back to training, on a CUDA device or not, at generation TP ``tp``."""
+        return False
+
+    @classmethod
+    def stacks_shards(cls, cuda: bool, tp: int) -> bool:
+        """Whether its ``load_from_switch`` takes stacked shards (``takes_stacked``) when built
+        as the workers build it."""
+        return False
+
+    @classmethod
+    def memory(cls, rollout, *, weight_bytes: int, share: int, seq: int, kv_per_token: int,
+               logit_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+        """The bytes per GPU its engine holds beyond the generation weights, as (resident:
+        through every phase, generation: during generate calls only), part by part; for the
+        planner's memory model. ``rollout``: the RolloutConfig; ``weight_bytes``: the whole
+        model's; ``share``: sequences one replica generates; ``seq``: prompt + response tokens;
+        ``kv_per_token``: a token's KV-cache bytes on one GPU; ``logit_bytes``: one position's
+        logits over the vocabulary (kept with their fp32 copy)."""
+        raise NotImplementedError(f"{cls.__name__} declares no memory model")
 
     @abstractmethod
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig

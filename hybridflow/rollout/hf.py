@@ -24,6 +24,14 @@ log = logging.getLogger(__name__)
 class HFRollout(RolloutBackend):
     """transformers ``AutoModelForCausalLM`` on ``model_dir``."""
 
+    @classmethod
+    def memory(cls, rollout, *, weight_bytes: int, share: int, seq: int, kv_per_token: int,
+               logit_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+        # Its own model; the whole share decoded at once, every step's logits kept.
+        return ({"engine weights": weight_bytes},
+                {"kv cache": share * seq * kv_per_token,
+                 "logits": share * rollout.sampling.max_tokens * logit_bytes})
+
     def __init__(self, model_dir: str | os.PathLike, *, dtype: str = "fp32",
                  max_model_len: int | None = None, seed: int = 0, device: str | None = None,
                  pad_token_id: int | None = None, cache_implementation: str | None = None):

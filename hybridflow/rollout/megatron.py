@@ -32,6 +32,7 @@ sampling; logits are gathered over TP and every rank draws from its own generato
 from __future__ import annotations
 
 import gc
+import inspect
 import logging
 import os
 import re
@@ -43,8 +44,8 @@ import torch
 from hybridflow.errors import ArgumentError
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import DTYPES
-from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, call_seed,
-                                     check_prompts, group_hf_weights, left_pad)
+from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, RolloutSetup, SamplingConfig,
+                                     call_seed, check_prompts, group_hf_weights, left_pad)
 from hybridflow.rollout.base import eos_token_ids as checkpoint_eos_ids
 
 log = logging.getLogger(__name__)
@@ -153,6 +154,37 @@ def fast_decode_default(cuda: bool, tp: int) -> bool:
 
 class MegatronRollout(RolloutBackend):
     """A Megatron-Core GPTModel that generates (static batching, KV cache)."""
+
+    max_tp = None
+    copies_weights = False  # load_generation_weights: the switch's tensors become the parameters
+    builds_from_shape = True
+
+    @classmethod
+    def build(cls, setup: RolloutSetup) -> "MegatronRollout":
+        """From the checkpoint, or from the shape where the weights come from the switch (or
+        there is no checkpoint: a shape preset)."""
+        from_dir = setup.load_weights and setup.model_dir is not None
+        eos = checkpoint_eos_ids(setup.model_dir) if setup.model_dir is not None else None
+        return cls(setup.model_dir if from_dir else setup.shape, dtype=setup.dtype,
+                   max_model_len=setup.max_model_len, seed=setup.seed, eos_token_ids=eos,
+                   pg_collection=setup.pg_collection, keep_cache=setup.keep_cache)
+
+    @classmethod
+    def keeps_cache(cls, cuda: bool, tp: int) -> bool:
+        return fast_decode_default(cuda, tp)  # only the fast decoder has a cache and graphs
+
+    @classmethod
+    def stacks_shards(cls, cuda: bool, tp: int) -> bool:
+        return fast_decode_default(cuda, tp)
+
+    @classmethod
+    def memory(cls, rollout, *, weight_bytes: int, share: int, seq: int, kv_per_token: int,
+               logit_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+        # No weights of its own; a KV cache for the sequences decoded together, which
+        # rollout.keep_cache keeps through every phase.
+        max_batch = inspect.signature(cls.__init__).parameters["max_batch_size"].default
+        kv = {"kv cache": min(share, max_batch) * seq * kv_per_token}
+        return (kv, {}) if rollout.keep_cache else ({}, kv)
 
     def __init__(self, model: str | os.PathLike | ModelConfig, *, dtype: str = "fp32",
                  max_model_len: int = 2048, max_batch_size: int = 256, seed: int = 0,

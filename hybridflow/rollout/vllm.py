@@ -40,8 +40,8 @@ import torch
 
 from hybridflow.errors import ArgumentError
 from hybridflow.models.params import DTYPES, megatron_param_names
-from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, call_seed,
-                                     check_prompts, eos_token_ids, group_hf_weights)
+from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, RolloutSetup, SamplingConfig,
+                                     call_seed, check_prompts, eos_token_ids, group_hf_weights)
 
 log = logging.getLogger(__name__)
 # vLLM's CPU build warns at import, before its logging is set up (so whatever the log level), that
@@ -97,6 +97,26 @@ def _keep_default_group(external_launcher: bool):
 
 class VLLMRollout(RolloutBackend):
     """vLLM engine on ``model_dir`` (an HF checkpoint directory)."""
+
+    reads = ("kv_cache_mb",)
+
+    @classmethod
+    def build(cls, setup: RolloutSetup) -> "VLLMRollout":
+        if not torch.cuda.is_available():
+            # vLLM's CPU engine pins its threads to cores; left to itself every replica on this
+            # machine picks core 0.
+            os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND", str(setup.cpu_core))
+        # The engine in this process: it starts faster and takes the weights as tensors.
+        os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+        return cls(setup.model_dir, dtype=setup.dtype, max_model_len=setup.max_model_len,
+                   seed=setup.seed, kv_cache_bytes=int(setup.kv_cache_mb * 2**20))
+
+    @classmethod
+    def memory(cls, rollout, *, weight_bytes: int, share: int, seq: int, kv_per_token: int,
+               logit_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+        # Its own copy of the weights; the KV cache it is given, freed by sleep.
+        return ({"engine weights": weight_bytes},
+                {"kv cache": int(rollout.kv_cache_mb * 2**20)})
 
     def __init__(self, model_dir: str | os.PathLike, *, tp: int = 1, dtype: str = "fp32",
                  max_model_len: int = 2048, kv_cache_bytes: int | None = None,

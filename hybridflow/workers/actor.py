@@ -59,33 +59,24 @@ class ActorRolloutRefWorker(Worker):
         self.dp_group = self.actor.pg.dp
 
     def _make_rollout(self):
-        from hybridflow.rollout.base import call_seed, eos_token_ids, rollout_backend
+        from hybridflow.parallel.groups import generation_process_groups
+        from hybridflow.rollout.base import RolloutSetup, call_seed, rollout_backend
         r = self.rollout_cfg
         backend = rollout_backend(r.backend)
-        max_len = self.max_prompt_tokens + r.sampling.max_tokens
         # One seed per generation replica (the ranks of its TP group must sample alike), mixed
         # with the run's seed so that runs and replicas never share a stream.
-        seed = call_seed(self.seed, self.gen.coords(self.rank)[0])  # per generation replica
-        if r.backend == "megatron":
-            from hybridflow.parallel.groups import generation_process_groups
-            # Weights arrive from the switch; the model is built at the generation layout.
-            return backend(self.model_config, dtype=self.actor_cfg.engine.dtype,
-                           max_model_len=max_len, seed=seed,
-                           eos_token_ids=eos_token_ids(self.model_dir),
-                           pg_collection=generation_process_groups(self.gen),
-                           keep_cache=r.keep_cache)
-        kwargs = dict(dtype=self.actor_cfg.engine.dtype, max_model_len=max_len,
-                      seed=seed)
-        if r.backend == "vllm":
-            kwargs["kv_cache_bytes"] = int(r.kv_cache_mb * 2**20)
-            if not torch.cuda.is_available():
-                # vLLM's CPU engine pins its threads to cores; left to itself every replica on
-                # this machine picks core 0.
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                                      str(self.rank % (os.cpu_count() or 1)))
-            # The engine in this process: it starts faster and takes the weights as tensors.
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
-        return backend(self.model_dir, **kwargs)
+        seed = call_seed(self.seed, self.gen.coords(self.rank)[0])
+        # A backend with generation TP gets its groups; its weights arrive from the switch, so
+        # one that builds from the shape need not load the checkpoint's.
+        tp_groups = backend.max_tp != 1
+        return backend.build(RolloutSetup(
+            model_dir=self.model_dir, shape=self.model_config,
+            dtype=self.actor_cfg.engine.dtype,
+            max_model_len=self.max_prompt_tokens + r.sampling.max_tokens, seed=seed,
+            load_weights=not backend.builds_from_shape, kv_cache_mb=r.kv_cache_mb,
+            keep_cache=r.keep_cache,
+            pg_collection=generation_process_groups(self.gen) if tp_groups else None,
+            cpu_core=self.rank % (os.cpu_count() or 1)))
 
     def dispatch_info(self, view: str) -> tuple[int, bool]:
         if view == "gen":

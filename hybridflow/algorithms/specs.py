@@ -1,0 +1,70 @@
+"""The one table of algorithm facts: what each ``algorithm.name`` needs and reads.
+
+The config's checks, the planner, the checkpoint's roles and the driver read these facts instead of
+comparing names. Adding an algorithm is one entry here and its estimator in
+``advantages.ADVANTAGE_ESTIMATORS``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from hybridflow.errors import ConfigError
+
+
+@dataclass(frozen=True, kw_only=True)
+class AlgorithmSpec:
+    """What one RL algorithm of the loop is made of."""
+
+    estimator: str
+    """Its key in ``ADVANTAGE_ESTIMATORS``."""
+    critic: bool = False
+    """Trains a value model (the critic worker group) whose values the estimator reads."""
+    token_level: bool = False
+    """Reads per-token rewards: the KL-in-reward penalty lands on each token. Otherwise one score
+    per sequence, from which the penalty summed over the response is taken."""
+    groups: bool = False
+    """Compares the samples of one prompt (rollout.sampling.n >= 2)."""
+    filters_groups: bool = False
+    """A group whose samples all scored alike gets zero advantages: DAPO's dynamic sampling can
+    drop it and draw again."""
+    greedy_baseline: bool = False
+    """Each prompt's greedy response, scored as the samples are, is the baseline (ReMax)."""
+    cost: bool = False
+    """Reads a cost (function or model) too: the estimator's advantages of the reward and of the
+    cost combine as (A_r - lambda * A_c) / (1 + lambda), lambda a Lagrange multiplier driven by
+    the episode cost (Safe RLHF)."""
+    reads: tuple[str, ...] = ()
+    """The ``algorithm.*`` options it reads beyond those every algorithm reads (KL in reward,
+    overlong shaping): any other set away from its default is refused as inert."""
+
+
+ALGORITHMS: dict[str, AlgorithmSpec] = {
+    "grpo": AlgorithmSpec(estimator="grpo", groups=True, filters_groups=True,
+                          reads=("norm_by_std",)),
+    "ppo": AlgorithmSpec(estimator="gae", critic=True, token_level=True, reads=("gamma", "lam")),
+    "remax": AlgorithmSpec(estimator="remax", greedy_baseline=True),
+    "rloo": AlgorithmSpec(estimator="rloo", groups=True, filters_groups=True),
+    "reinforce_plus_plus": AlgorithmSpec(estimator="reinforce_plus_plus", token_level=True,
+                                         reads=("gamma",)),
+    "safe_rlhf": AlgorithmSpec(estimator="grpo", groups=True, cost=True,
+                               reads=("norm_by_std", "cost_limit", "lagrange_init",
+                                      "lagrange_lr")),
+}
+"""``algorithm.name`` -> its facts."""
+
+# Options only some algorithms read: every one of them must be in some entry's ``reads``.
+OPTIONAL_OPTIONS = ("gamma", "lam", "norm_by_std", "cost_limit", "lagrange_init", "lagrange_lr")
+
+
+def algorithm_spec(name: str) -> AlgorithmSpec:
+    """The facts of ``name``; a ConfigError on ``algorithm.name`` for an unknown one."""
+    if name not in ALGORITHMS:
+        raise ConfigError("algorithm.name", f"unknown algorithm {name!r}; one of "
+                                            f"{', '.join(ALGORITHMS)}")
+    return ALGORITHMS[name]
+
+
+def readers(option: str) -> list[str]:
+    """The algorithms that read ``algorithm.<option>``, in the table's order."""
+    return [name for name, spec in ALGORITHMS.items() if option in spec.reads]
