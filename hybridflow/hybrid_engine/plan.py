@@ -434,9 +434,14 @@ def _row_units(row: dict[int, ParamMeta], t: int, s: int, q: int, dtype_bytes: i
     return [_Row(slices, solo=False)] if any(any(x) for x in slices) else []
 
 
+# (parameter name, member) -> where its slices sit in the buckets: [(bucket, dst, offset, numel)]
+_Where = dict[tuple[str, int], list[tuple[int, int, int, int]]]
+
+
 def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int], gp: int,
                 num_layers: int, dtype_bytes: int, bucket_bytes: int,
                 min_view_bytes: int, blocks: bool) -> StagePlan:
+    """The plan of generation pipeline stage ``gp``: its buckets and its generation tensors."""
     t, s, q = gen.train.tp, gen.tp_stride, gen.pp_stride
     n = s * q
     stages = [gp * q + i for i in range(q)]
@@ -446,7 +451,24 @@ def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int]
         for row in _aligned_rows(metas, stage_of, stages, num_layers, gen.train.pp,
                                  gen.train.last_stage_layers):
             units += _row_units(row, t, s, q, dtype_bytes, min_view_bytes, blocks)
+    buckets, where, storage = _place(_group_units(units, n, dtype_bytes, bucket_bytes), n, s)
 
+    params: dict[str, GenParam] = {}
+    for m in metas:
+        if stage_of[m.name] not in stages:
+            continue
+        i = stages.index(stage_of[m.name])
+        if n == 1 or (m.tp_dim is None and q == 1):
+            params[m.name] = GenParam(m.name, m.shard_shape(gen.tp), "alias", (), 0, (), None)
+            continue
+        params[m.name], storage = _gen_param(m, i, gen, blocks, buckets, where, storage)
+    return StagePlan(gen_pp_rank=gp, members=n, buckets=tuple(buckets), params=params,
+                     storage_numel=storage)
+
+
+def _group_units(units: list[_Row], n: int, dtype_bytes: int, bucket_bytes: int
+                 ) -> list[list[_Row]]:
+    """The units of each bucket, for ``n`` members."""
     # Greedy: consecutive rows share a bucket while it stays within bucket_bytes; a solo row is a
     # bucket of its own and leaves the open bucket open, so small rows around it still pack.
     grouped: list[list[_Row]] = []
@@ -464,10 +486,14 @@ def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int]
         cur_sizes = sizes
     if cur:
         grouped.append(cur)
+    return grouped
 
-    # Place the slices; kept buckets (all of them when s == 1, the direct rows that hold views
-    # otherwise) go first in the generation storage.
-    where: dict[tuple[str, int], list[tuple[int, int, int, int]]] = {}  # -> (bucket, dst, off, n)
+
+def _place(grouped: list[list[_Row]], n: int, s: int) -> tuple[list[Bucket], _Where, int]:
+    """The buckets of ``grouped``, where each slice went, and the storage they take."""
+    # Kept buckets (all of them when s == 1, the direct rows that hold views otherwise) go first
+    # in the generation storage.
+    where: _Where = {}
     buckets: list[Bucket] = []
     storage = 0
     for b, rows in enumerate(grouped):
@@ -484,55 +510,62 @@ def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int]
         buckets.append(Bucket(seg_numel=seg, pieces=tuple(tuple(ps) for ps in pieces),
                               storage_offset=storage if keep else None))
         storage += n * seg if keep else 0
+    return buckets, where, storage
 
-    def locate(name: str, k: int, start: int, shape: tuple[int, ...]) -> Chunk:
-        numel = math.prod(shape)
-        for b, dst, off, size in where[(name, k)]:
-            if off <= start and start + numel <= off + size:
-                return Chunk(b, k, dst + start - off, shape)
-        raise AssertionError(f"{name}: elements {start}..{start + numel} of member {k} not placed")
 
-    params: dict[str, GenParam] = {}
-    for m in metas:
-        if stage_of[m.name] not in stages:
-            continue
-        i = stages.index(stage_of[m.name])
-        if n == 1 or (m.tp_dim is None and q == 1):
-            params[m.name] = GenParam(m.name, m.shard_shape(gen.tp), "alias", (), 0, (), None)
-            continue
-        stacked = 1
-        if m.tp_dim is not None and blocks and s > 1:  # the s whole shards, stacked
-            shard_shape = m.shard_shape(t)
-            chunks = tuple(locate(m.name, i * s + j, 0, (1, *shard_shape)) for j in range(s))
-            stacked = s if stacked_layout(m) else 1
-            cat_dim, cat_shape = 0, (s, *shard_shape)
-        elif m.tp_dim is not None:
-            shard_shape = m.shard_shape(t)
-            piece_shape = list(shard_shape)
-            piece_shape[m.tp_dim] //= m.tp_chunks
-            sub = math.prod(piece_shape)
-            chunks = tuple(locate(m.name, i * s + j, c * sub, tuple(piece_shape))
-                           for c in range(m.tp_chunks) for j in range(s))
-            cat_dim, cat_shape = m.tp_dim, m.shard_shape(gen.tp)
-        else:
-            chunks = tuple(locate(m.name, i * s + j, off, (size,))
-                           for j, (off, size) in enumerate(_split(m.numel, s)) if size)
-            cat_dim, cat_shape = 0, (m.numel,)
-        pos = [_position(buckets, c) for c in chunks]
-        adjacent = (all(p is not None for p in pos)
-                    and all(pos[x] + chunks[x].numel == pos[x + 1] for x in range(len(pos) - 1))
-                    and (len(chunks) == 1 or math.prod(cat_shape[:cat_dim]) == 1))
-        if adjacent:
-            mode, offset = "view", pos[0]
-        else:
-            in_order = [(c.bucket, c.member, c.offset) for c in chunks]
-            mode = "concat" if in_order == sorted(in_order) else "rearrange"
-            offset, storage = storage, storage + math.prod(m.shard_shape(gen.tp))
-        shape = tuple(cat_shape) if stacked > 1 else m.shard_shape(gen.tp)
-        params[m.name] = GenParam(m.name, shape, mode, chunks, cat_dim, tuple(cat_shape), offset,
-                                  blocks=stacked)
-    return StagePlan(gen_pp_rank=gp, members=n, buckets=tuple(buckets), params=params,
-                     storage_numel=storage)
+def _locate(where: _Where, name: str, k: int, start: int, shape: tuple[int, ...]) -> Chunk:
+    """The chunk of ``shape`` at element ``start`` of member ``k``'s shard of ``name``."""
+    numel = math.prod(shape)
+    for b, dst, off, size in where[(name, k)]:
+        if off <= start and start + numel <= off + size:
+            return Chunk(b, k, dst + start - off, shape)
+    raise AssertionError(f"{name}: elements {start}..{start + numel} of member {k} not placed")
+
+
+def _gen_chunks(m: ParamMeta, i: int, gen: GenLayout, blocks: bool, where: _Where
+                ) -> tuple[tuple[Chunk, ...], int, tuple[int, ...], int]:
+    """The chunks of ``m`` (of merged stage ``i``) in generation order, the dim and shape they
+    are concatenated along and into, and the number of stacked blocks."""
+    t, s = gen.train.tp, gen.tp_stride
+    stacked = 1
+    if m.tp_dim is not None and blocks and s > 1:  # the s whole shards, stacked
+        shard_shape = m.shard_shape(t)
+        chunks = tuple(_locate(where, m.name, i * s + j, 0, (1, *shard_shape)) for j in range(s))
+        stacked = s if stacked_layout(m) else 1
+        cat_dim, cat_shape = 0, (s, *shard_shape)
+    elif m.tp_dim is not None:
+        shard_shape = m.shard_shape(t)
+        piece_shape = list(shard_shape)
+        piece_shape[m.tp_dim] //= m.tp_chunks
+        sub = math.prod(piece_shape)
+        chunks = tuple(_locate(where, m.name, i * s + j, c * sub, tuple(piece_shape))
+                       for c in range(m.tp_chunks) for j in range(s))
+        cat_dim, cat_shape = m.tp_dim, m.shard_shape(gen.tp)
+    else:
+        chunks = tuple(_locate(where, m.name, i * s + j, off, (size,))
+                       for j, (off, size) in enumerate(_split(m.numel, s)) if size)
+        cat_dim, cat_shape = 0, (m.numel,)
+    return chunks, cat_dim, cat_shape, stacked
+
+
+def _gen_param(m: ParamMeta, i: int, gen: GenLayout, blocks: bool, buckets: list[Bucket],
+               where: _Where, storage: int) -> tuple[GenParam, int]:
+    """How ``m`` (of merged stage ``i``) is obtained: a view when its chunks are adjacent in
+    the storage, else a copy placed at ``storage``; returns it and the storage's new end."""
+    chunks, cat_dim, cat_shape, stacked = _gen_chunks(m, i, gen, blocks, where)
+    pos = [_position(buckets, c) for c in chunks]
+    adjacent = (all(p is not None for p in pos)
+                and all(pos[x] + chunks[x].numel == pos[x + 1] for x in range(len(pos) - 1))
+                and (len(chunks) == 1 or math.prod(cat_shape[:cat_dim]) == 1))
+    if adjacent:
+        mode, offset = "view", pos[0]
+    else:
+        in_order = [(c.bucket, c.member, c.offset) for c in chunks]
+        mode = "concat" if in_order == sorted(in_order) else "rearrange"
+        offset, storage = storage, storage + math.prod(m.shard_shape(gen.tp))
+    shape = tuple(cat_shape) if stacked > 1 else m.shard_shape(gen.tp)
+    return GenParam(m.name, shape, mode, chunks, cat_dim, tuple(cat_shape), offset,
+                    blocks=stacked), storage
 
 
 def _position(buckets: list[Bucket], c: Chunk) -> int | None:
