@@ -388,7 +388,7 @@ def profile_iteration(trainer, items, tmp: Path, rows: list[dict], top: int) -> 
     slows the host, so its own call is longer)."""
     from hybridflow.profiling import print_profile
     paths = {call: str(tmp / f"profile-{call}.json") for call in PROFILED_CALLS}
-    trainer.actor.run("arm_profile", paths, top)
+    trainer.start().groups.actor.arm_profile(paths, top)
     run_iteration(trainer, items)
     out = {}
     for call, path in paths.items():
@@ -491,14 +491,14 @@ def main(argv=None) -> dict:
             print(calib.passes[-1].describe(), flush=True)
         trainer = RLTrainer(cfg, reward_fn=length_reward)
         try:
-            items = trainer._prompts(records)
+            items = trainer.prompt_items(records)
             if len(items) != args.batch:
                 raise RuntimeError(f"{args.batch - len(items)} prompts were dropped")
             lengths = [len(i.prompt_ids) for i in items]
             result["prompt_tokens_seen"] = [min(lengths), round(statistics.mean(lengths), 1),
                                             max(lengths)]
             t = time.perf_counter()
-            trainer._start_workers()
+            trainer.start()
             result["workers_start_s"] = round(time.perf_counter() - t, 2)
             rows = []
             rates = [result["matmul_tflops"] * 1e12]

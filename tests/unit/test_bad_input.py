@@ -450,7 +450,7 @@ def no_workers(monkeypatch):
 
     def refuse(self):
         raise AssertionError("the input got past the checks: the workers were started")
-    monkeypatch.setattr(RLTrainer, "_start_workers", refuse)
+    monkeypatch.setattr(RLTrainer, "start", refuse)
 
 
 def test_the_valid_config_passes(tmp_path, capsys):

@@ -93,14 +93,14 @@ def test_max_memory_meta_takes_the_fullest_rank_and_leaves_the_rest():
 
 
 def test_sampling_rounds_sum_their_timings_and_keep_the_largest_memory():
-    """Dynamic sampling's rounds (trainer._take_groups): seconds add up, a peak does not."""
+    """Dynamic sampling's rounds (driver.step.take_groups): seconds add up, a peak does not."""
     from hybridflow.batch import Batch
-    from hybridflow.trainer import _take_groups
+    from hybridflow.driver.step import take_groups
     rounds = [Batch({"x": torch.zeros(2)}, {"group": [0, 1]},
                     {"timing/generate_s": 1.0, "memory/generation_peak_gib": 5.0}),
               Batch({"x": torch.ones(2)}, {"group": [0, 1]},
                     {"timing/generate_s": 2.0, "memory/generation_peak_gib": 4.0})]
-    batch = _take_groups(rounds, [(0, 1), (1, 0)])
+    batch = take_groups(rounds, [(0, 1), (1, 0)])
     assert batch["x"].tolist() == [0.0, 1.0] and batch["group"] == [0, 1]
     assert batch.meta == {"timing/generate_s": 3.0, "memory/generation_peak_gib": 5.0}
 

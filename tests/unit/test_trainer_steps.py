@@ -8,8 +8,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from hybridflow.algorithms import FixedKLController, estimate_advantages
+from hybridflow.algorithms import estimate_advantages
 from hybridflow.batch import Batch
+from hybridflow.driver.groups import ActorGroup, Groups, ScorerGroup
 from hybridflow.trainer import RLTrainer
 
 T = 3  # response tokens per sample
@@ -86,13 +87,16 @@ def make_trainer(tmp_path, *overrides, actor=None, reward_model=False, **kwargs)
            "train_batch_size": 2, "actor": {"engine": {"micro_batch_size": 1}},
            "tracking": {"out_dir": str(tmp_path)}}
     trainer = RLTrainer(cfg, reward_fn=lambda response: 1.0, **dict(overrides), **kwargs)
-    # The worker groups, as _start_workers would leave them.
-    trainer.actor, trainer.critic = actor or FakeActor(), None
-    trainer.scorers = {"scores": FakeRewardModel()} if reward_model else {}
-    trainer.kl_ctrl = FixedKLController(coef=trainer.config.algorithm.kl_coef)
-    trainer.lagrange = None
-    trainer._workers_started = True
+    # The worker groups, as start_groups would leave them.
+    trainer.groups = Groups(actor=ActorGroup(actor or FakeActor()),
+                            scorers={"scores": ScorerGroup(FakeRewardModel())}
+                            if reward_model else {})
     return trainer
+
+
+def fake(trainer):
+    """The stand-in worker group behind the trainer's actor."""
+    return trainer.groups.actor.group
 
 
 @pytest.fixture(autouse=True)
@@ -109,7 +113,7 @@ def test_remax_baseline_is_scored_like_the_samples(tmp_path):
     # Samples end in tokens 10, 11 (prompt 0) and 12, 13 (prompt 1); the greedy responses, one
     # per prompt, end in 10 and 11: the reward model scores them 20 and 21 (the rule says 1).
     assert batch["scores"].tolist() == [20.0, 21.0, 22.0, 23.0]
-    assert trainer.actor.samplings[-1].temperature == 0.0
+    assert fake(trainer).samplings[-1].temperature == 0.0
     expected = torch.tensor([0.0, 1.0, 1.0, 2.0])[:, None].expand(4, T)
     torch.testing.assert_close(batch["advantages"], expected)
 
@@ -162,7 +166,7 @@ def test_prompt_order_follows_data_shuffle_and_data_seed(tmp_path):
         trainer = make_trainer(tmp_path / f"runs{next(runs)}", *[(k, v) for k, v in overrides],
                                steps=3)
         trainer.fit(PROMPTS)
-        return [q for step in trainer.actor.generated for q in step]
+        return [q for step in fake(trainer).generated for q in step]
 
     in_order = order(("data.shuffle", False))
     assert in_order == [f"question {i}" for i in range(6)]
@@ -209,7 +213,7 @@ def test_nonfinite_gradients_stop_with_a_checkpoint_or_are_skipped(tmp_path, mod
                              steps=3, actor=FakeActor())
         assert again.checked.resume.step == 2
         again.fit(PROMPTS)
-        assert again.actor.updates == 3
+        assert fake(again).updates == 3
     else:
         trainer.fit(PROMPTS)  # goes on; the counter says what was skipped
         rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
@@ -221,16 +225,16 @@ def test_a_resumed_run_continues_the_sampler_and_controllers(tmp_path):
     overrides = (("algorithm.kl_in_reward", True), ("algorithm.kl_target", 0.01),
                  ("checkpoint.every", 2))
     whole = make_trainer(tmp_path / "a", *overrides, steps=4, actor=FakeActor(kl_gap=0.1))
-    whole.kl_ctrl = whole_kl = _adaptive(whole)
+    whole.controllers.kl = whole_kl = _adaptive(whole)
     whole.fit(PROMPTS)
     first = make_trainer(tmp_path / "b", *overrides, steps=2, actor=FakeActor(kl_gap=0.1))
-    first.kl_ctrl = _adaptive(first)
+    first.controllers.kl = _adaptive(first)
     first.fit(PROMPTS)
     second = make_trainer(tmp_path / "b", *overrides, steps=4, actor=FakeActor(kl_gap=0.1))
-    second.kl_ctrl = _adaptive(second)
+    second.controllers.kl = _adaptive(second)
     second.fit(PROMPTS)
-    assert first.actor.generated + second.actor.generated == whole.actor.generated
-    assert second.kl_ctrl.value == whole_kl.value != 0.001
+    assert fake(first).generated + fake(second).generated == fake(whole).generated
+    assert second.controllers.kl.value == whole_kl.value != 0.001
     rows = lambda d: [{k: v for k, v in json.loads(line).items() if not k.startswith("timing")}
                       for line in (d / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert rows(tmp_path / "b") == rows(tmp_path / "a")
@@ -252,9 +256,9 @@ def test_a_first_sigterm_asks_for_a_stop_and_a_second_ends_the_process(capsys):
     import os
     import signal
 
-    from hybridflow.trainer import _StopOnSigterm
+    from hybridflow.driver.loop import StopOnSigterm
     before = signal.getsignal(signal.SIGTERM)
-    with _StopOnSigterm() as stop:
+    with StopOnSigterm() as stop:
         os.kill(os.getpid(), signal.SIGTERM)
         assert stop.requested and "SIGTERM" in capsys.readouterr().out
         # The next SIGTERM gets the default action: the process ends at once.
@@ -304,8 +308,8 @@ def test_dynamic_sampling_trains_on_groups_whose_rewards_differ(tmp_path):
     q = [f"question {i}" for i in range(6)]
     # Step 1 draws 0, 1 (0 all-equal) then 2, 3 (2 all-equal); step 2 draws 4, 5, then the next
     # epoch's 0, 1: the sampler moves on by every prompt drawn.
-    assert trainer.actor.generated == [q[0:2], q[2:4], q[4:6], q[0:2]]
-    (first, adv1), (second, adv2) = trainer.actor.trained
+    assert fake(trainer).generated == [q[0:2], q[2:4], q[4:6], q[0:2]]
+    (first, adv1), (second, adv2) = fake(trainer).trained
     assert first == [(q[1], 0), (q[1], 0), (q[3], 1), (q[3], 1)]  # groups renumbered
     assert second == [(q[5], 0), (q[5], 0), (q[1], 1), (q[1], 1)]
     assert all(a != 0 for a in adv1 + adv2)  # no zero-advantage sample is trained on
@@ -316,20 +320,20 @@ def test_dynamic_sampling_trains_on_groups_whose_rewards_differ(tmp_path):
     # Off, the same run trains on whatever the one draw gives, zero advantages included.
     off = _dapo_trainer(tmp_path / "off", ("algorithm.dynamic_sampling", False), steps=1)
     row = off.fit(PROMPTS)[0]
-    assert off.actor.trained[0][1][:2] == [0.0, 0.0] and "dapo/rounds" not in row
+    assert fake(off).trained[0][1][:2] == [0.0, 0.0] and "dapo/rounds" not in row
 
 
 def test_dynamic_sampling_cuts_surplus_and_fills_a_shortfall(tmp_path):
     # Surplus: round 2 brings two varied groups where one is missing; the later one is cut.
     trainer = _dapo_trainer(tmp_path / "a", equal=(0,), steps=1)
     row = trainer.fit(PROMPTS)[0]
-    assert [p for p, _ in trainer.actor.trained[0][0]] == ["question 1"] * 2 + ["question 2"] * 2
+    assert [p for p, _ in fake(trainer).trained[0][0]] == ["question 1"] * 2 + ["question 2"] * 2
     assert (row["dapo/rounds"], row["dapo/prompts_drawn"], row["dapo/groups_dropped"],
             row["dapo/filled_with_equal"]) == (2, 4, 1, 0)
     # Shortfall: one round allowed; the set-aside group fills the batch, after the varied one.
     trainer = _dapo_trainer(tmp_path / "b", ("algorithm.max_sampling_rounds", 1), steps=1)
     row = trainer.fit(PROMPTS)[0]
-    assert trainer.actor.trained[0][0] == [("question 1", 0)] * 2 + [("question 0", 1)] * 2
+    assert fake(trainer).trained[0][0] == [("question 1", 0)] * 2 + [("question 0", 1)] * 2
     assert (row["dapo/rounds"], row["dapo/prompts_drawn"], row["dapo/groups_dropped"],
             row["dapo/filled_with_equal"]) == (1, 2, 0, 1)
 
@@ -341,8 +345,8 @@ def test_a_resumed_run_with_dynamic_sampling_continues_identically(tmp_path):
     first.fit(PROMPTS)
     second = _dapo_trainer(tmp_path / "b", ("checkpoint.every", 2), steps=4)
     second.fit(PROMPTS)
-    assert first.actor.generated + second.actor.generated == whole.actor.generated
-    assert first.actor.trained + second.actor.trained == whole.actor.trained
+    assert fake(first).generated + fake(second).generated == fake(whole).generated
+    assert fake(first).trained + fake(second).trained == fake(whole).trained
     assert _metrics(tmp_path / "b" / "rl") == _metrics(tmp_path / "a" / "rl")
 
 
@@ -387,7 +391,7 @@ def test_old_logprobs_come_from_an_on_policy_update(tmp_path, overrides, separat
     trainer = make_trainer(tmp_path, *(o.split("=") for o in overrides), steps=1)
     assert trainer.config.old_logprobs_from_update is not separate
     row = trainer.fit(PROMPTS[:2])[0]
-    calls = trainer.actor.calls
+    calls = fake(trainer).calls
     assert calls.count("compute_log_prob") == (1 if separate else 0)
     if separate:
         assert calls.index("compute_log_prob") < calls.index("update_actor")

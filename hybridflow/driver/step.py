@@ -1,0 +1,321 @@
+"""One RL iteration, as functions over a ``Run`` (the config, the worker groups, how text is
+scored, and the controllers it steers):
+
+    collect (generate + reward, more rounds with dynamic sampling) -> old/ref log-probs (and
+    values) -> advantages -> critic update -> actor update -> metrics -> KL and Lagrange updates
+
+The actor switches layouts inside ``generate``. ``iteration`` is the whole of it; the facade
+(``RLTrainer``) exposes the pieces for notebooks.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, replace
+from typing import Any, Callable
+
+import torch
+
+from hybridflow.algorithms import (AdaptiveKLController, FixedKLController, LagrangeMultiplier,
+                                   estimate_advantages, group_rewards_differ, kl_penalty,
+                                   overlong_penalty, rollout_mismatch)
+from hybridflow.batch import Batch
+from hybridflow.data.prompts import PromptItem
+from hybridflow.driver.groups import Groups
+from hybridflow.rewards import score_samples
+from hybridflow.workers.group import MEMORY, max_memory_meta
+
+
+@dataclass
+class Controllers:
+    """What the iterations steer from step to step, and a checkpoint keeps: the KL coefficient
+    (fixed or adaptive) and, where the algorithm reads a cost, the Lagrange multiplier."""
+
+    kl: FixedKLController | AdaptiveKLController
+    lagrange: LagrangeMultiplier | None = None
+
+    @classmethod
+    def from_config(cls, a) -> "Controllers":
+        """From ``a``, an AlgorithmConfig."""
+        kl = (AdaptiveKLController(init_coef=a.kl_coef, target=a.kl_target, horizon=a.kl_horizon)
+              if a.kl_target is not None else FixedKLController(coef=a.kl_coef))
+        lagrange = (LagrangeMultiplier(init_value=a.lagrange_init, lr=a.lagrange_lr,
+                                       cost_limit=a.cost_limit) if a.spec.cost else None)
+        return cls(kl, lagrange)
+
+    def update(self, metrics: dict[str, float], samples: int) -> None:
+        """After a step: the adaptive KL towards its target, lambda on the step's mean cost
+        (logged as ``lagrange``)."""
+        self.kl.update(metrics["kl"], samples)
+        if self.lagrange is not None:
+            metrics["lagrange"] = self.lagrange.update(metrics["cost/mean"])
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"kl_coef": self.kl.value,
+                "lagrange_log": self.lagrange.log_value if self.lagrange else None}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if isinstance(self.kl, AdaptiveKLController):
+            self.kl.value = float(state["kl_coef"])
+        if self.lagrange is not None:
+            self.lagrange.log_value = float(state["lagrange_log"])
+
+
+@dataclass
+class Run:
+    """What an iteration works with. ``reward_fn`` / ``cost_fn`` score text where no reward or
+    cost model group does; ``prediction``: the cost model's seconds per phase, logged beside the
+    measured ones (None without a calibration)."""
+
+    config: Any
+    groups: Groups
+    tokenizer: Any
+    reward_fn: Callable | None
+    cost_fn: Callable | None
+    controllers: Controllers
+    prediction: Any = None
+
+
+class timer:
+    """``with timer(out, key):`` puts the block's seconds into ``out[key]``."""
+
+    def __init__(self, out: dict, key: str):
+        self.out, self.key = out, key
+
+    def __enter__(self):
+        self.start = time.perf_counter()
+
+    def __exit__(self, *exc):
+        self.out[self.key] = time.perf_counter() - self.start
+
+
+# --------------------------------------------------------------------------------- the phases
+def generate(run: Run, items: list[PromptItem], sampling=None) -> Batch:
+    """Responses to tokenized prompts (``items``), one row per sample, with their text."""
+    batch = Batch(lists={"prompt_ids": [list(i.prompt_ids) for i in items], "item": items,
+                         "group": list(range(len(items)))})
+    out = run.groups.actor.generate(batch, sampling)
+    response = out["response_mask"].bool()
+    out.lists["response_text"] = [
+        run.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True)
+        for ids, mask in zip(out["input_ids"], response)]
+    return out
+
+
+def scores(run: Run, batch: Batch, key: str) -> torch.Tensor:
+    """Per-sample ``key`` ("scores" or "costs"): from the model group for it if there is one,
+    else from the run's reward (cost) function."""
+    if key in run.groups.scorers:
+        return run.groups.scorers[key].scores(batch)
+    fn = run.reward_fn if key == "scores" else run.cost_fn
+    return score_samples(fn, batch["item"], batch["response_text"],
+                         key="reward" if key == "scores" else "cost")
+
+
+def reward(run: Run, batch: Batch) -> Batch:
+    """Per-sample ``scores`` (and ``costs`` where the algorithm reads a cost), with DAPO's
+    overlong penalty added to the scores (also kept as ``overlong_penalty``) where
+    algorithm.overlong_buffer is set. Cheap: dynamic sampling filters on it before any log-prob
+    is computed."""
+    a = run.config.algorithm
+    timing: dict[str, float] = {}
+    with timer(timing, "timing/reward_s"):
+        batch.tensors["scores"] = scores(run, batch, "scores")
+        if a.spec.cost:
+            batch.tensors["costs"] = scores(run, batch, "costs")
+        if a.overlong_buffer:
+            penalty = overlong_penalty(batch["response_mask"].sum(-1),
+                                       run.config.sampling.max_tokens, a.overlong_buffer,
+                                       a.overlong_penalty)
+            batch.tensors["overlong_penalty"] = penalty
+            batch.tensors["scores"] = batch["scores"] + penalty
+    batch.meta.update(timing)
+    return batch
+
+
+def advantages(run: Run, batch: Batch) -> Batch:
+    """Old and reference log-probs, values (where a critic is trained) and advantages of a
+    rewarded batch. An on-policy update computes the old log-probs in its own forward instead
+    (``RLConfig.old_logprobs_from_update``): nothing before it reads them."""
+    cfg, groups = run.config, run.groups
+    a = cfg.algorithm
+    timing: dict[str, float] = {}
+    if not cfg.old_logprobs_from_update:
+        with timer(timing, "timing/old_logprobs_s"):
+            batch = batch.update(groups.actor.log_probs(batch))
+    with timer(timing, "timing/ref_logprobs_s"):
+        batch = batch.update(groups.actor.ref_log_probs(batch))
+    if groups.critic is not None:
+        with timer(timing, "timing/values_s"):
+            batch = batch.update(groups.critic.values(batch))
+    baseline = greedy_baseline(run, batch) if a.spec.greedy_baseline else None
+    lagrange = run.controllers.lagrange
+    with timer(timing, "timing/advantages_s"):
+        adv, returns = estimate_advantages(
+            a.name, scores=batch["scores"], mask=batch["response_mask"],
+            logprobs=batch.tensors.get("old_logprobs"), ref_logprobs=batch["ref_logprobs"],
+            kl_coef=run.controllers.kl.value if a.kl_in_reward else 0.0, kl_type=a.kl_type,
+            values=batch.tensors.get("values"), group_ids=batch["group"],
+            baseline_scores=baseline, costs=batch.tensors.get("costs"),
+            lagrange=lagrange.value if lagrange is not None else None,
+            gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_by_std)
+    batch.tensors["advantages"] = adv
+    if returns is not None:
+        batch.tensors["returns"] = returns
+    batch.meta.update(timing)
+    return batch
+
+
+def greedy_baseline(run: Run, batch: Batch) -> torch.Tensor:
+    """ReMax: each prompt's greedy response, scored as the samples are (the reward model where
+    the run has one), broadcast to the prompt's samples."""
+    first: dict[int, PromptItem] = {}
+    for group, item in zip(batch["group"], batch["item"]):
+        first.setdefault(group, item)
+    order = sorted(first)
+    greedy = generate(run, [first[g] for g in order], greedy_sampling(run.config))
+    reward_of = {order[k]: float(v) for k, v in zip(greedy["group"], scores(run, greedy,
+                                                                           "scores"))}
+    return torch.tensor([reward_of[g] for g in batch["group"]], dtype=torch.float32)
+
+
+def greedy_sampling(cfg):
+    """The run's sampling at temperature 0, one response per prompt."""
+    return replace(cfg.sampling, temperature=0.0, n=1)
+
+
+def update(run: Run, batch: Batch) -> dict[str, float]:
+    """The critic's update (where there is one), then the policy's; their metrics. An on-policy
+    update's old log-probs (its forward's) are added to ``batch``."""
+    metrics: dict[str, float] = {}
+    if run.groups.critic is not None:
+        with timer(metrics, "timing/update_critic_s"):
+            metrics.update(run.groups.critic.update(batch).meta)
+    with timer(metrics, "timing/update_actor_s"):
+        out = run.groups.actor.update(batch)
+    metrics.update(out.meta)
+    batch.tensors.update(out.tensors)
+    return metrics
+
+
+# --------------------------------------------------------------------------------- one iteration
+def iteration(run: Run, draw: Callable[[], list[PromptItem]]) -> dict[str, float]:
+    """One iteration over the prompts ``draw()`` gives (more draws with dynamic sampling): its
+    metrics."""
+    start = time.perf_counter()
+    batch, metrics = collect(run, draw)
+    batch = advantages(run, batch)
+    metrics.update(update(run, batch))
+    metrics.update(step_metrics(run, batch))
+    metrics["timing/step_s"] = time.perf_counter() - start
+    if run.prediction is not None:  # beside each measured phase, the cost model's
+        metrics.update({f"predicted/{k}_s": v for k, v in run.prediction.phases.items()})
+        metrics["predicted/step_s"] = run.prediction.step
+    run.controllers.update(metrics, len(batch))
+    return metrics
+
+
+def collect(run: Run, draw: Callable[[], list[PromptItem]]) -> tuple[Batch, dict[str, float]]:
+    """The step's rewarded batch of train_batch_size groups (a prompt's n samples), and its
+    DAPO metrics.
+
+    Without dynamic sampling: one ``draw()``, generated and rewarded. With it (DAPO): the
+    groups whose rewards (before overlong shaping) are all equal are set aside and further
+    batches drawn, for at most algorithm.max_sampling_rounds rounds, until train_batch_size
+    groups with differing rewards are in hand. Surplus groups are cut and a shortfall is filled
+    with set-aside groups: the update's batch has a fixed size. Every draw comes from the
+    run's prompt sampler, so a resumed run draws what the uninterrupted one would have."""
+    a, size = run.config.algorithm, run.config.train_batch_size
+    rounds = [reward(run, generate(run, draw()))]
+    if not a.dynamic_sampling:
+        return rounds[0], overlong_metrics(rounds[0])
+    varied: list[tuple[int, int]] = []  # (round, group) in the order drawn
+    equal: list[tuple[int, int]] = []
+    while True:
+        last = rounds[-1]
+        # On the task's reward (DAPO filters on accuracy), not the length-shaped score: a
+        # group of equally right answers of different lengths still teaches nothing.
+        raw = last["scores"] - last["overlong_penalty"] if "overlong_penalty" in last \
+            else last["scores"]
+        ids, differ = group_rewards_differ(raw, last["group"])
+        for group, d in zip(ids, differ.tolist()):
+            (varied if d else equal).append((len(rounds) - 1, group))
+        if len(varied) >= size or len(rounds) == a.max_sampling_rounds:
+            break
+        rounds.append(reward(run, generate(run, draw())))
+    fill = equal[:max(0, size - len(varied))]
+    batch = take_groups(rounds, varied[:size] + fill)
+    return batch, {"dapo/rounds": len(rounds), "dapo/prompts_drawn": len(rounds) * size,
+                   "dapo/groups_dropped": len(equal) - len(fill),
+                   "dapo/filled_with_equal": len(fill), **overlong_metrics(batch)}
+
+
+def take_groups(rounds: list[Batch], chosen: list[tuple[int, int]]) -> Batch:
+    """The samples of the ``chosen`` (round, group) pairs, in that order, as one batch whose
+    groups are renumbered 0, 1, ... (each round's generate numbers its own from 0); the rounds'
+    numeric meta (timings, resharded bytes) summed, their device memory the largest."""
+    parts = []
+    for k, (r, group) in enumerate(chosen):
+        rows = [i for i, g in enumerate(rounds[r]["group"]) if g == group]
+        part = rounds[r].index(rows)
+        part.lists["group"] = [k] * len(rows)
+        parts.append(part)
+    batch = Batch.concat(parts)
+    for key in batch.meta:
+        if not key.startswith(MEMORY) and all(isinstance(b.meta.get(key), (int, float))
+                                              for b in rounds):
+            batch.meta[key] = sum(b.meta[key] for b in rounds)
+    batch.meta.update(max_memory_meta([b.meta for b in rounds]))
+    return batch
+
+
+def overlong_metrics(batch: Batch) -> dict[str, float]:
+    if "overlong_penalty" not in batch:
+        return {}
+    return {"reward/overlong_penalty_mean": batch["overlong_penalty"].mean().item()}
+
+
+def step_metrics(run: Run, batch: Batch) -> dict[str, float]:
+    """Rewards, lengths, KL to the reference, the rollout/training mismatch, and the batch's
+    timings, resharded bytes and device memory."""
+    mask = batch["response_mask"]
+    kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1")
+    lengths = mask.sum(-1)
+    scores_ = batch["scores"]
+    out = {"reward/mean": scores_.mean().item(),
+           "reward/std": scores_.std().item() if len(scores_) > 1 else 0.0,
+           "response_length/mean": lengths.mean().item(),
+           "response_length/clip_frac": sum(r == "length" for r in batch["finish_reason"])
+           / len(lengths),
+           # -log p of the sampled tokens under the raw model (temperature 1, no top-k/top-p):
+           # the policy's entropy only where sampling is at temperature 1 without truncation.
+           "rollout/neg_logprob": (-(batch["rollout_logprobs"] * mask).sum()
+                                   / mask.sum().clamp(min=1)).item(),
+           "kl": float((kl * mask).sum() / mask.sum().clamp(min=1)),
+           "kl_coef": run.controllers.kl.value}
+    out.update({k: v for k, v in batch.meta.items()
+                if k.startswith(("timing/", "reshard/", "memory/"))})
+    if "costs" in batch:
+        out["cost/mean"] = batch["costs"].mean().item()
+    mismatch = rollout_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], mask)
+    s = run.config.sampling
+    if not (s.temperature == 1 and s.top_k == 0 and s.top_p == 1):
+        # Both sides are still the raw model's log-probs, but the tokens were not drawn from
+        # it: k3 then estimates no KL of either engine.
+        del mismatch["mismatch/kl"]
+    out.update({k: v.item() for k, v in mismatch.items()})
+    return out
+
+
+def validate(run: Run, held_out: list[PromptItem]) -> dict[str, float]:
+    """Greedy responses to the held-out prompts, scored as training samples are (the reward
+    model where the run has one): ``val/reward`` and ``val/response_length`` means (and
+    ``val/cost`` where the algorithm reads a cost)."""
+    start = time.perf_counter()
+    batch = generate(run, held_out, greedy_sampling(run.config))
+    out = {"val/reward": scores(run, batch, "scores").mean().item(),
+           "val/response_length": batch["response_mask"].sum(-1).float().mean().item()}
+    if run.config.algorithm.spec.cost:
+        out["val/cost"] = scores(run, batch, "costs").mean().item()
+    out["timing/validation_s"] = time.perf_counter() - start
+    return out
