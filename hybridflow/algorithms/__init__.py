@@ -1,5 +1,5 @@
 """RL maths as pure tensor functions: advantage estimators, PPO losses, KL control, Safe RLHF,
-rollout/training mismatch."""
+rollout/training mismatch, and the actor's objective composed of them."""
 
 from hybridflow.algorithms.advantages import (
     ADVANTAGE_ESTIMATORS,
@@ -34,15 +34,22 @@ from hybridflow.algorithms.mismatch import (
     rollout_correction,
     rollout_mismatch,
 )
+from hybridflow.algorithms.objective import (
+    ActorObjective,
+    actor_loss,
+    prepare_rollout_correction,
+)
 from hybridflow.algorithms.safe_rlhf import LagrangeMultiplier, safe_rlhf_combined_advantage
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
+    "ActorObjective",
     "AdaptiveKLController",
     "AdvantageInputs",
     "FixedKLController",
     "LagrangeMultiplier",
     "RolloutCorrectionConfig",
+    "actor_loss",
     "aggregate_loss",
     "apply_kl_reward_penalty",
     "compute_gae",
@@ -60,6 +67,7 @@ __all__ = [
     "masked_whiten",
     "overlong_penalty",
     "policy_loss",
+    "prepare_rollout_correction",
     "rollout_correction",
     "rollout_mismatch",
     "safe_rlhf_combined_advantage",

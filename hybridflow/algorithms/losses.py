@@ -132,26 +132,34 @@ def policy_loss(logprobs: torch.Tensor, old_logprobs: torch.Tensor, advantages: 
         log_ratio = masked_mean(log_ratio, mask, dim=-1)[:, None].expand_as(log_ratio)
         advantages = masked_mean(advantages, mask, dim=-1)[:, None].expand_as(advantages)
         counted = sequence_slots(mask)
+    loss_mat, clip_frac, dual_clip_frac = _clipped_surrogate(
+        log_ratio, advantages, counted, clip_ratio_low, clip_ratio_high, dual_clip_c)
+    if weights is not None:
+        loss_mat = loss_mat * weights.detach()
+    loss = aggregate_loss(loss_mat, mask, agg, denominator)
+    return loss, {"clip_frac": clip_frac, "approx_kl": approx_kl, "dual_clip_frac": dual_clip_frac}
+
+
+def _clipped_surrogate(log_ratio: torch.Tensor, advantages: torch.Tensor, counted: torch.Tensor,
+                       clip_ratio_low: float, clip_ratio_high: float, dual_clip_c: float | None,
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``policy_loss``'s per-token L from the log-ratio and advantage on each token ([B, T]
+    each, at either ratio level), and the fractions of ``counted`` (a [B, T] mask) where the
+    ratio clip and the dual clip bind: (loss_mat, clip_frac, dual_clip_frac)."""
     ratio = torch.exp(log_ratio)
     unclipped = -advantages * ratio
     clipped = -advantages * ratio.clamp(1.0 - clip_ratio_low, 1.0 + clip_ratio_high)
     loss_mat = torch.maximum(unclipped, clipped)
     with torch.no_grad():
         clip_frac = masked_mean((clipped > unclipped).float(), counted)
-
-    if dual_clip_c is not None:
-        bound = -dual_clip_c * advantages
-        negative = advantages < 0
-        with torch.no_grad():
-            dual_clip_frac = masked_mean((negative & (loss_mat > bound)).float(), counted)
-        loss_mat = torch.where(negative, torch.minimum(loss_mat, bound), loss_mat)
-    else:
-        dual_clip_frac = torch.zeros((), device=logprobs.device)
-
-    if weights is not None:
-        loss_mat = loss_mat * weights.detach()
-    loss = aggregate_loss(loss_mat, mask, agg, denominator)
-    return loss, {"clip_frac": clip_frac, "approx_kl": approx_kl, "dual_clip_frac": dual_clip_frac}
+    if dual_clip_c is None:
+        return loss_mat, clip_frac, torch.zeros((), device=log_ratio.device)
+    bound = -dual_clip_c * advantages
+    negative = advantages < 0
+    with torch.no_grad():
+        dual_clip_frac = masked_mean((negative & (loss_mat > bound)).float(), counted)
+    loss_mat = torch.where(negative, torch.minimum(loss_mat, bound), loss_mat)
+    return loss_mat, clip_frac, dual_clip_frac
 
 
 def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,

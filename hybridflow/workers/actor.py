@@ -156,9 +156,7 @@ class ActorRolloutRefWorker(Worker):
     # ----------------------------------------------------------------------------- update
     def update_actor(self, batch: Batch) -> Batch:
         """PPO epochs over mini-batches of this DP rank's share; metrics averaged."""
-        from hybridflow.algorithms import (aggregate_loss, entropy_loss, kl_penalty, masked_mean,
-                                           policy_loss, rollout_correction)
-        from hybridflow.algorithms.losses import sequence_slots
+        from hybridflow.algorithms import ActorObjective, actor_loss, prepare_rollout_correction
         a, rc = self.actor_cfg, self.actor_cfg.rollout_correction
         # Without old log-probs the update is on-policy (RLConfig.old_logprobs_from_update): the
         # training forward's own, detached, are the old ones, and come back with the metrics.
@@ -171,50 +169,19 @@ class ActorRolloutRefWorker(Worker):
             keys.append("ref_logprobs")
         data, correction = engine_batch(batch, *keys), {}
         if rc.mode != "none":
-            # Fixed for the whole update (neither side is the policy being trained). MIS
-            # narrows response_mask itself: rejected tokens leave every loss term and the
-            # denominators ppo_updates counts from it.
-            weights, data["response_mask"], m = rollout_correction(
-                batch["old_logprobs"], batch["rollout_logprobs"], batch["response_mask"],
-                rc.mode, rc.level, rc.cap)
-            if weights is not None:
-                data["tis_weights"] = weights
-            correction = {f"actor/{k}": v.item() for k, v in m.items()}
-
+            data, correction = prepare_rollout_correction(data, batch["rollout_logprobs"], rc)
+        objective = ActorObjective.of(a)
         seen: list[tuple] = []  # on-policy: each micro-batch's log-probs and the micro-batch
 
         def loss_for(denom):
             def loss_fn(logprobs, mb):
-                mask = mb["response_mask"]
                 if on_policy:
                     seen.append((logprobs.detach(), mb))
-                old = logprobs.detach() if on_policy else mb["old_logprobs"]
-                loss, m = policy_loss(logprobs, old, mb["advantages"], mask,
-                                      a.clip_ratio_low, a.clip_ratio_high, a.dual_clip_c,
-                                      a.loss_agg_mode, denom, a.ratio_level,
-                                      mb.get("tis_weights"))
-                # Losses are shares of the mini-batch's objective (its global denominator);
-                # the other metrics are means over what policy_loss counts them over: response
-                # tokens, or for the clip fractions at the sequence level, sequences.
-                tokens = mask.bool().sum()
-                slots = tokens if a.ratio_level == "token" else sequence_slots(mask).sum()
-                metrics = {"actor/pg_loss": loss, "actor/clip_frac": (m["clip_frac"], slots),
-                           "actor/approx_kl": (m["approx_kl"], tokens),
-                           "actor/dual_clip_frac": (m["dual_clip_frac"], slots)}
-                if a.kl_loss_coef:
-                    kl = aggregate_loss(kl_penalty(logprobs, mb["ref_logprobs"], a.kl_loss_type),
-                                        mask, a.loss_agg_mode, denom)
-                    loss = loss + a.kl_loss_coef * kl
-                    metrics["actor/kl_loss"] = kl
-                if a.entropy_coef:
-                    loss = loss + a.entropy_coef * entropy_loss(mb["entropy"], mask,
-                                                                a.loss_agg_mode, denom)
-                    metrics["actor/entropy"] = (masked_mean(mb["entropy"], mask), tokens)
-                return loss, metrics
+                return actor_loss(logprobs, mb, denom, objective)
             return loss_fn
         out = ppo_updates(self.actor, data, a, a.loss_agg_mode, self.dp_group, loss_for,
                            "actor", loss_key="actor/loss", with_entropy=a.entropy_coef > 0)
-        out.meta.update(correction)
+        out.meta.update({k: v.item() for k, v in correction.items()})
         if seen:  # the last pipeline stage; micro-batches may be reordered and cut (a token budget)
             from hybridflow.training.engine import to_batch_order
             out.tensors["old_logprobs"] = to_batch_order(seen).cpu()
