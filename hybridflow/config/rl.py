@@ -25,7 +25,7 @@ from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.rollout.base import SamplingConfig
 from hybridflow.rollout.megatron import fast_decode_default
 from hybridflow.tracking import TrackingConfig
-from hybridflow.training.engine import EngineConfig, OptimConfig
+from hybridflow.training.config import EngineConfig, OptimConfig
 from hybridflow.training.lora import LoraConfig
 from hybridflow.validation import ValidationConfig
 
