@@ -164,12 +164,42 @@ class TrainEngine:
     def __init__(self, model: ModelConfig, layout: TrainLayout, engine: EngineConfig,
                  *, build_optimizer: bool = True, head: str = "lm",
                  lora: LoraConfig | None = None):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from hybridflow.training.embedding import use_main_grad_lookup
+        model = self._checked_model(model, layout, engine, head)
+        self.model_config, self.layout, self.config, self.head = model, layout, engine, head
+        self.pg = init_megatron_parallel(layout, seed=engine.seed)
+        self.tf_config = transformer_config(model, layout, engine)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        _, self.pp_rank, self.tp_rank = layout.coords(dist.get_rank())
+        self.metas: dict[str, ParamMeta] = {m.name: m for m in llama_param_metas(model)}
+        if head == "value":
+            del self.metas["output_layer.weight"]
+            self.metas[VALUE_HEAD] = ParamMeta(name=VALUE_HEAD, shape=(1, model.hidden_size),
+                                               tp_dim=None, layer=None, position="post")
 
+        chunks = _build_chunks(model, layout, self.tf_config, self.pg)
+        if head == "value":
+            self._attach_value_heads(chunks)
+        self.adapters = None
+        if lora is not None and lora.enabled:
+            self.adapters = self._attach_adapters(chunks, lora)
+        elif not build_optimizer:
+            # Nothing trains it (a reference, a reward model, a conversion): frozen, DDP gives it
+            # no fp32 grad buffer (4 bytes a parameter, 3.3 GiB of a 0.9B reference).
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+        self.chunks = self._wrap_in_ddp(chunks)
+        # Megatron scales grads by 1/num_tokens when given them; our loss functions already
+        # carry their own normalisation, so the count is dropped here.
+        self.tf_config.finalize_model_grads_func = (
+            lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw))
+        self.optimizer = self._build_optimizer() if build_optimizer else None
+
+    @staticmethod
+    def _checked_model(model: ModelConfig, layout: TrainLayout, engine: EngineConfig,
+                       head: str) -> ModelConfig:
+        """Refuse what the engine cannot build; the model it builds (a value head's untied)."""
         check_model_fits_layout(model, layout, engine)
         if head not in ("lm", "value"):
             raise ArgumentError("head", f"unknown head {head!r}; use lm or value")
@@ -187,48 +217,39 @@ class TrainEngine:
             # A value head has nothing to tie to; the LM output layer is replaced, not shared.
             from dataclasses import replace
             model = replace(model, tie_embeddings=False)
-        self.model_config, self.layout, self.config, self.head = model, layout, engine, head
-        self.pg = init_megatron_parallel(layout, seed=engine.seed)
-        self.tf_config = transformer_config(model, layout, engine)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        _, self.pp_rank, self.tp_rank = layout.coords(dist.get_rank())
-        self.metas: dict[str, ParamMeta] = {m.name: m for m in llama_param_metas(model)}
-        if head == "value":
-            del self.metas["output_layer.weight"]
-            self.metas[VALUE_HEAD] = ParamMeta(name=VALUE_HEAD, shape=(1, model.hidden_size),
-                                               tp_dim=None, layer=None, position="post")
+        return model
 
-        chunks = _build_chunks(model, layout, self.tf_config, self.pg)
-        if head == "value":
-            for chunk in chunks:
-                if chunk.post_process:
-                    chunk.output_layer = ValueHead(model.hidden_size, DTYPES[engine.dtype],
-                                                   self.device)
-                    # A critic usually starts from an LM checkpoint: a fresh, small, seeded
-                    # head, the same on every rank, unless the weights loaded carry one.
-                    g = torch.Generator().manual_seed(engine.seed)
-                    with torch.no_grad():
-                        chunk.output_layer.weight.copy_(
-                            torch.randn(1, model.hidden_size, generator=g) / model.hidden_size)
-        self.adapters = None
-        if lora is not None and lora.enabled:
-            self.adapters = self._attach_adapters(chunks, lora)
-        elif not build_optimizer:
-            # Nothing trains it (a reference, a reward model, a conversion): frozen, DDP gives it
-            # no fp32 grad buffer (4 bytes a parameter, 3.3 GiB of a 0.9B reference).
-            for chunk in chunks:
-                chunk.requires_grad_(False)
+    def _attach_value_heads(self, chunks) -> None:
+        """A ValueHead in place of the output layer, on the chunk that has one."""
+        model, engine = self.model_config, self.config
+        for chunk in chunks:
+            if chunk.post_process:
+                chunk.output_layer = ValueHead(model.hidden_size, DTYPES[engine.dtype],
+                                               self.device)
+                # A critic usually starts from an LM checkpoint: a fresh, small, seeded
+                # head, the same on every rank, unless the weights loaded carry one.
+                g = torch.Generator().manual_seed(engine.seed)
+                with torch.no_grad():
+                    chunk.output_layer.weight.copy_(
+                        torch.randn(1, model.hidden_size, generator=g) / model.hidden_size)
+
+    def _wrap_in_ddp(self, chunks) -> list:
+        """The chunks in Megatron's DDP, which keeps their gradients in fp32 buffers."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        from hybridflow.training.embedding import use_main_grad_lookup
+
         # The lookup's gradient added into main_grad by row, not as a dense table (its module).
         lookup_into_main_grad = any([use_main_grad_lookup(c.embedding.word_embeddings)
                                      for c in chunks if c.pre_process])
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            use_distributed_optimizer=engine.optim.distributed,
+            use_distributed_optimizer=self.config.optim.distributed,
             overlap_grad_reduce=False,
         )
-        self.chunks = [DistributedDataParallel(self.tf_config, ddp_config, c, pg_collection=self.pg)
-                       for c in chunks]
-        if self.tf_config.gradient_accumulation_fusion and model.tie_embeddings:
+        wrapped = [DistributedDataParallel(self.tf_config, ddp_config, c, pg_collection=self.pg)
+                   for c in chunks]
+        if self.tf_config.gradient_accumulation_fusion and self.model_config.tie_embeddings:
             # The output layer adds its gradient of the shared table into main_grad itself and
             # hands autograd a dummy. With Megatron's lookup the dummy must be zeros, so that
             # DDP's hook still adds the lookup's gradient (Megatron marks it so only at PP=1);
@@ -237,23 +258,24 @@ class TrainEngine:
                 if chunk.pre_process:
                     chunk.embedding.word_embeddings.weight.zero_out_wgrad = (
                         not lookup_into_main_grad)
-        # Megatron scales grads by 1/num_tokens when given them; our loss functions already
-        # carry their own normalisation, so the count is dropped here.
-        self.tf_config.finalize_model_grads_func = (
-            lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw))
-        self.optimizer = None
-        if build_optimizer:
-            o = engine.optim
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(
-                    optimizer=o.name, lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay,
-                    clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
-                    adam_eps=o.adam_eps, use_distributed_optimizer=o.distributed,
-                    bf16=engine.dtype == "bf16", params_dtype=DTYPES[engine.dtype],
-                ),
-                self.chunks, use_gloo_process_groups=False, pg_collection=self.pg)
-            if self.device.type == "cuda":
-                fuse_adam(self.optimizer)
+        return wrapped
+
+    def _build_optimizer(self):
+        """Megatron's optimizer (``engine.optim``) over the DDP chunks; Adam fused on CUDA."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        engine, o = self.config, self.config.optim
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer=o.name, lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay,
+                clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
+                adam_eps=o.adam_eps, use_distributed_optimizer=o.distributed,
+                bf16=engine.dtype == "bf16", params_dtype=DTYPES[engine.dtype],
+            ),
+            self.chunks, use_gloo_process_groups=False, pg_collection=self.pg)
+        if self.device.type == "cuda":
+            fuse_adam(optimizer)
+        return optimizer
 
     def _attach_adapters(self, chunks, lora):
         """Freeze every parameter and give the targeted linears LoRA adapters (before DDP wraps
