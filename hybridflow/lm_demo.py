@@ -18,8 +18,9 @@ from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import TrainLayout
 from hybridflow.tracking import Tracker, TrackingConfig
-from hybridflow.training.engine import (EngineConfig, OptimConfig, TrainEngine,
-                                        check_model_fits_layout)
+from hybridflow.training.config import EngineConfig, OptimConfig
+from hybridflow.training.engine import TrainEngine
+from hybridflow.training.model import check_model_fits_layout
 
 BOS, SEP = 1, 2
 FIRST_SYMBOL = 3

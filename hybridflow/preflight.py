@@ -173,7 +173,7 @@ def resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
 
 def _fits(model: ModelConfig, cfg: RLConfig, role: str, model_field: str = "model") -> None:
     """``role``'s layout and engine against the shape of the model at ``model_field``."""
-    from hybridflow.training.engine import check_model_fits_layout
+    from hybridflow.training.model import check_model_fits_layout
     part = getattr(cfg, role)
     try:
         check_model_fits_layout(model, part.layout, part.engine)

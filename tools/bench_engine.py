@@ -159,7 +159,8 @@ def main(argv=None) -> dict:
         raise SystemExit(f"bench_engine: world size {world} != --tp {args.tp}")
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
     from hybridflow.training.lora import LoraConfig
 
     gpu = torch.cuda.is_available()

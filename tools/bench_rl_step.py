@@ -341,8 +341,8 @@ def computed_tokens(attention_mask, response_mask, actor) -> tuple[int, int]:
     """(positions the actor's engine computes in a forward pass over the batch, positions its
     output layer computes): its own split (``plan_micro_batches``) of each data-parallel rank's
     share, padding included, the output layer from each micro-batch's ``first_logit_column``."""
-    from hybridflow.training.engine import (first_logit_column, plan_micro_batches,
-                                            response_starts)
+    from hybridflow.training.micro_batches import (first_logit_column, plan_micro_batches,
+                                                   response_starts)
     positions = logits = 0
     # the controller's dispatch: equal shares, in order
     for mask, response in zip(attention_mask.chunk(actor.layout.dp),

@@ -25,7 +25,7 @@ from hybridflow.hybrid_engine.switch import LORA_MERGES, MODES
 from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.rollout.base import ROLLOUT_BACKENDS, RolloutBackend, SamplingConfig, rollout_backend
 from hybridflow.tracking import TrackingConfig
-from hybridflow.training.engine import EngineConfig, OptimConfig
+from hybridflow.training.config import EngineConfig, OptimConfig
 from hybridflow.training.lora import LoraConfig
 from hybridflow.validation import ValidationConfig
 

@@ -249,9 +249,8 @@ def _measure_generate(rank: int, world_size: int, cfg: Any, shape: ModelConfig, 
                             repeats=repeats, inner=1)
     # What the switch hands the rollout at generation tp = 1: every tensor, whole.
     from hybridflow.hybrid_engine.switch import generation_metas
-    from hybridflow.models.params import llama_param_metas
+    from hybridflow.models.params import DTYPES, llama_param_metas
     from hybridflow.parallel.layout import GenLayout, TrainLayout
-    from hybridflow.training.engine import DTYPES
     metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings,
                              GenLayout(train=TrainLayout(), tp=1))
     tensors = {m.name: torch.zeros(m.shape, dtype=DTYPES[cfg.actor.engine.dtype],

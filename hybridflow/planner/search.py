@@ -119,7 +119,7 @@ def search(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> tupl
     """The mappings that fit, fastest first, and how many candidates each check refused
     ({"config": n, "memory": n})."""
     from hybridflow.planner.memory import check_memory_fits
-    from hybridflow.training.engine import check_model_fits_layout
+    from hybridflow.training.model import check_model_fits_layout
     fits, refused = [], {"config": 0, "memory": 0}
     for overrides in candidates(cfg, shapes["model"]):
         try:

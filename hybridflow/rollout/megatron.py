@@ -274,8 +274,8 @@ class MegatronRollout(RolloutBackend):
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         from hybridflow.parallel.layout import TrainLayout
-        from hybridflow.training.engine import (EngineConfig, check_model_fits_layout,
-                                                transformer_config)
+        from hybridflow.training.config import EngineConfig
+        from hybridflow.training.model import check_model_fits_layout, transformer_config
 
         layout = TrainLayout(tp=self.tp)
         engine = EngineConfig(dtype="bf16" if self.dtype == torch.bfloat16 else "fp32")
@@ -400,7 +400,7 @@ class MegatronRollout(RolloutBackend):
     def _forward(self, ids, mask, context) -> torch.Tensor:
         """Logits [B, V] at the last of the ``s`` new positions ``ids`` [B, s]; ``mask`` [B, S]
         (1 = real token) covers the cache so far, the new positions included."""
-        from hybridflow.training.engine import batch_attention_mask, batch_position_ids
+        from hybridflow.training.model import batch_attention_mask, batch_position_ids
 
         s = ids.shape[1]
         if s == mask.shape[1]:  # prefill: causal + padding, as the training engine masks

@@ -10,7 +10,7 @@ spec's ``core_attention`` slot; ``ENABLED = False`` keeps Megatron's module (the
 the two).
 
 The mask is Megatron's [B, 1, S, S] bool, True where attention is blocked
-(``engine.batch_attention_mask``: future and padding keys). SDPA takes the allowed set. A query
+(``model.batch_attention_mask``: future and padding keys). SDPA takes the allowed set. A query
 at a left-padding position may have no allowed key at all; Megatron's softmax then spreads it
 evenly, and SDPA's backends differ (0 on CPU, NaN in some CUDA kernels: a NaN value row would
 reach real queries as 0 * NaN). So every query is allowed its own key: padding positions stay finite, and a real query's set is unchanged

@@ -1,7 +1,8 @@
 """Megatron-Core training engine: a GPTModel at a TrainLayout, per-token log-probs, training steps.
 
 One TrainEngine lives in each rank of a training layout. Weights come in as full (unsharded)
-tensors under Megatron names with global layer indices; each rank keeps only its shard.
+tensors under Megatron names with global layer indices; each rank keeps only its shard. The model
+it builds is training/model.py's, its micro-batches training/micro_batches.py's.
 
 Loss convention: ``train_step(batch, loss_fn)`` minimises the SUM of the losses that ``loss_fn``
 returns over every micro-batch of every data-parallel rank (Megatron's per-micro-batch and
@@ -9,15 +10,10 @@ per-DP averaging are switched off), so the caller decides the normalisation, e.g
 over the global batch divides by the global token count. It returns that sum as ``loss``, and the
 loss function's metrics reduced over the same micro-batches and ranks (``LossFn``).
 
-Micro-batches: ``micro_batch_size`` (``forward_micro_batch_size``) consecutive sequences at the
-batch's full width S; or, with ``max_tokens_per_micro_batch``, a token budget: the rank's
-sequences sorted by length and packed greedily (``token_budget_split``), each micro-batch keeping
-only the columns its rows need, every row's span of real tokens moved to start at column 0.
-Either way ``plan_micro_batches`` is the split, every per-token field of the micro-batch ``mb`` a
-loss function sees is cut the same way as the log-probs it gets, and per-sample outputs come back
-in the batch's order at width S (``to_batch_order``). Log-probs and values are 0 where nothing
-defines them -- padding, and for log-probs a sequence's first token -- whichever the split, so the
-two paths return the same tensors.
+Micro-batches: fixed-size, or with ``max_tokens_per_micro_batch`` a token budget
+(``plan_micro_batches``). Log-probs and values are 0 where nothing defines them -- padding, and
+for log-probs a sequence's first token -- whichever the split, so the two paths return the same
+tensors.
 
 Output layer over the response only: with a ``response_mask`` [B, S] in the batch (the RL
 batches, ``rollout_batch``: a left-padded prompt, then the response), an LM head computes its
@@ -34,8 +30,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-import re
-from dataclasses import dataclass, field
 from typing import Callable, Iterator
 
 import torch
@@ -43,13 +37,19 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridflow.algorithms.losses import vocab_parallel_entropy
-from hybridflow.errors import ArgumentError, ConfigError, check_choice, check_float, check_int
+from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.models.config import ModelConfig
-from hybridflow.models.params import (DTYPES, ParamMeta, llama_param_metas, shard,
-                                      stage_layer_counts)
+from hybridflow.models.params import DTYPES, ParamMeta, llama_param_metas, shard
 from hybridflow.parallel.groups import init_megatron_parallel
 from hybridflow.parallel.layout import TrainLayout
+from hybridflow.training.config import EngineConfig
 from hybridflow.training.lora import LoraConfig
+from hybridflow.training.micro_batches import (_take, first_logit_column, plan_micro_batches,
+                                               response_starts, to_batch_order)
+from hybridflow.training.model import (ADAPTER_SUFFIXES, VALUE_HEAD, ValueHead, _build_chunks,
+                                       batch_attention_mask, batch_position_ids,
+                                       check_model_fits_layout, global_name, shift_right,
+                                       transformer_config)
 
 
 # A loss function sees this micro-batch's per-token outputs [b, s] -- log-probs for an LM head,
@@ -59,216 +59,6 @@ from hybridflow.training.lora import LoraConfig
 # say). ``reduce_metrics`` sums the shares and weighs the means by their counts over every
 # micro-batch of every data-parallel rank, so that no metric depends on how the batch was split.
 LossFn = Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]
-
-
-@dataclass(kw_only=True)
-class OptimConfig:
-    """The optimizer of a training engine (Megatron's, so it shards with the distributed one)."""
-
-    name: str = "adam"
-    """"adam" or "sgd"."""
-    lr: float = 1e-5
-    """Learning rate."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-    clip_grad: float = 1.0
-    """Global gradient-norm clip; 0 disables it."""
-    adam_beta1: float = 0.9
-    """Adam beta1."""
-    adam_beta2: float = 0.999
-    """Adam beta2."""
-    adam_eps: float = 1e-8
-    """Adam epsilon."""
-    distributed: bool = False
-    """Shard optimizer state across data-parallel ranks (ZeRO-1, Megatron's distributed optimizer)."""
-
-    def __post_init__(self) -> None:
-        check_choice("name", self.name, ("adam", "sgd"))
-        check_float("lr", self.lr, low=0)
-        check_float("weight_decay", self.weight_decay, low=0)
-        check_float("clip_grad", self.clip_grad, low=0)
-        check_float("adam_beta1", self.adam_beta1, low=0, high=1, high_open=True)
-        check_float("adam_beta2", self.adam_beta2, low=0, high=1, high_open=True)
-        check_float("adam_eps", self.adam_eps, low=0, low_open=True)
-
-
-@dataclass(kw_only=True)
-class EngineConfig:
-    """How a model trains: precision, micro-batching, sequence parallelism, optimizer."""
-
-    micro_batch_size: int = 1
-    """Sequences per micro-batch (per data-parallel rank) of a training step."""
-    forward_micro_batch_size: int | None = None
-    """Sequences per micro-batch of forward-only passes (log-probs, values). They keep no
-    activations, so this can be several times ``micro_batch_size``; each micro-batch costs a
-    fixed host-side overhead (Megatron's Python, kernel launches), which at small sizes is most of
-    the pass. None: ``micro_batch_size``."""
-    max_tokens_per_micro_batch: int | None = None
-    """Dynamic batch size: micro-batches of training and forward-only passes hold at most this
-    many computed tokens (sequences x the longest one's span of real tokens, padded to a multiple
-    of tp under sequence parallelism), sequences grouped by length and padding columns cut, in
-    place of ``micro_batch_size`` and ``forward_micro_batch_size`` (which are then not read; the
-    run config refuses them set beside it). Must be at least the longest sequence. None:
-    fixed-size micro-batches at the batch's full width."""
-    dtype: str = "fp32"
-    """Parameter dtype: "fp32" or "bf16" (bf16 keeps fp32 main weights in the optimizer)."""
-    sequence_parallel: bool = False
-    """Megatron sequence parallelism (needs tp > 1)."""
-    seed: int = 1234
-    """Seed of Megatron's model-parallel RNG trackers."""
-    optim: OptimConfig = field(default_factory=OptimConfig)
-    """Optimizer."""
-
-    def __post_init__(self) -> None:
-        check_choice("dtype", self.dtype, tuple(DTYPES))
-        check_int("micro_batch_size", self.micro_batch_size)
-        check_int("forward_micro_batch_size", self.forward_micro_batch_size, none_ok=True)
-        check_int("max_tokens_per_micro_batch", self.max_tokens_per_micro_batch, none_ok=True)
-        check_int("seed", self.seed, low=0)
-        if not isinstance(self.optim, OptimConfig):
-            raise ConfigError("optim", f"must be an OptimConfig, got {type(self.optim).__name__}")
-
-
-def check_model_fits_layout(model: ModelConfig, layout: TrainLayout, engine: EngineConfig) -> None:
-    """Everything about a (model, layout) pair that Megatron would only assert on deep inside."""
-    t, p = layout.tp, layout.pp
-    if model.num_heads % t:
-        raise ConfigError("layout.tp", f"tp={t} must divide model.num_heads={model.num_heads}")
-    if model.num_kv_heads % t:
-        raise ConfigError("layout.tp",
-                          f"tp={t} must divide model.num_kv_heads={model.num_kv_heads}")
-    if model.ffn_hidden_size % t:
-        raise ConfigError("layout.tp",
-                          f"tp={t} must divide model.ffn_hidden_size={model.ffn_hidden_size}")
-    if model.vocab_size % t:
-        raise ConfigError("layout.tp", f"tp={t} must divide model.vocab_size={model.vocab_size}")
-    stages = p * (layout.vpp or 1)
-    if layout.last_stage_layers is not None:  # TrainLayout refuses it with vpp
-        stage_layer_counts(model.num_layers, p, layout.last_stage_layers)
-    elif model.num_layers % stages:
-        raise ConfigError("layout.pp", f"pp*vpp={stages} must divide model.num_layers="
-                          f"{model.num_layers}" + ("" if layout.vpp else
-                                                   ", or set layout.last_stage_layers"))
-    if engine.sequence_parallel and t == 1:
-        raise ConfigError("engine.sequence_parallel", "needs layout.tp > 1; set it to false")
-
-
-def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineConfig):
-    """Megatron's TransformerConfig for a Llama-family model; fusions that need CUDA or
-    Transformer Engine are off, except those megatron_patches stands in for."""
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
-
-    dtype = DTYPES[engine.dtype]
-    return TransformerConfig(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size,
-        num_attention_heads=model.num_heads,
-        num_query_groups=model.num_kv_heads,
-        kv_channels=model.head_dim,
-        normalization="RMSNorm",
-        layernorm_epsilon=model.rms_norm_eps,
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        add_qkv_bias=model.qkv_bias,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        bias_activation_fusion=False,
-        bias_dropout_fusion=False,
-        masked_softmax_fusion=False,
-        apply_rope_fusion=_rope_fusion(),  # megatron_patches/rope.py's stand-in for TE's
-        persist_layer_norm=False,
-        # On CUDA each weight gradient is added into the fp32 main_grad by its own GEMM
-        # (megatron_patches/wgrad.py says why), not written out and added by DDP's hook.
-        gradient_accumulation_fusion=_wgrad_fusion(),
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp,
-        # Megatron's split is models.params.stage_layer_counts', which the reshard plan reads.
-        num_layers_in_last_pipeline_stage=layout.last_stage_layers,
-        sequence_parallel=engine.sequence_parallel,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        bf16=engine.dtype == "bf16",
-        use_cpu_initialization=not torch.cuda.is_available(),
-        # Weights always arrive through load_full_weights, but initialisation is what marks params
-        # as tensor-parallel (set_tensor_model_parallel_attributes); without it the grad norm
-        # counts one TP shard only.
-        perform_initialization=True,
-        calculate_per_token_loss=True,  # see the module docstring: we own the normalisation
-        # Budgeted micro-batches differ in width and rows: pipeline stages then send each
-        # activation's shape before it (a small p2p per micro-batch), so only then.
-        variable_seq_lengths=engine.max_tokens_per_micro_batch is not None,
-        # The models are dense; only MoE's default dispatcher refuses variable lengths.
-        moe_token_dispatcher_type="alltoall",
-        batch_p2p_sync=torch.cuda.is_available(),  # p2p's sync calls torch.cuda.synchronize
-        # gloo matches point-to-point messages by (peer, tag) in posting order; a batched
-        # isend/irecv with the same peer both ways (pp=2 under interleaving) can swap activations
-        # and grads. Separate ops, posted in Megatron's even/odd order, match one to one.
-        batch_p2p_comm=torch.cuda.is_available(),
-        deallocate_pipeline_outputs=False,
-    )
-
-
-def _rope_fusion() -> bool:
-    from megatron_patches import rope
-    return rope.apply()
-
-
-def _wgrad_fusion() -> bool:
-    from megatron_patches import wgrad
-    return wgrad.apply()
-
-
-def _build_chunks(model: ModelConfig, layout: TrainLayout, tf_config, pg_collection):
-    from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage,
-                                                       is_vp_first_stage, is_vp_last_stage)
-
-    from hybridflow.training import attention
-
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    if attention.ENABLED:  # SDPA in place of the local spec's unfused attention (its docstring)
-        spec.submodules.self_attention.submodules.core_attention = attention.SDPAttention
-    chunks = []
-    for vp in range(layout.vpp or 1):
-        vp_stage = vp if layout.vpp else None
-        chunk = GPTModel(
-            config=tf_config,
-            transformer_layer_spec=spec,
-            vocab_size=model.vocab_size,
-            max_sequence_length=model.max_position_embeddings,
-            pre_process=(is_pp_first_stage(pg_collection.pp)
-                         and is_vp_first_stage(vp_stage, layout.vpp)),
-            post_process=(is_pp_last_stage(pg_collection.pp)
-                          and is_vp_last_stage(vp_stage, layout.vpp)),
-            share_embeddings_and_output_weights=model.tie_embeddings,
-            position_embedding_type="rope",
-            rotary_base=int(model.rope_theta),
-            pg_collection=pg_collection,
-            vp_stage=vp_stage,
-        )
-        # Megatron's local norms are built in fp32 whatever params_dtype says (Megatron-LM casts
-        # the whole model with Float16Module); one dtype keeps the reshard a single flat buffer.
-        chunk = chunk.to(device="cuda" if torch.cuda.is_available() else "cpu",
-                         dtype=tf_config.params_dtype)
-        chunks.append(chunk)
-    return chunks
-
-
-_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")
-
-
-def global_name(chunk, local_name: str) -> str:
-    """Megatron name with the global layer index (``layer_number`` is 1-based and global)."""
-    m = _LAYER.match(local_name)
-    if not m:
-        return local_name
-    layer = chunk.decoder.layers[int(m.group(1))]
-    return f"decoder.layers.{layer.layer_number - 1}." + local_name[m.end():]
 
 
 def fuse_adam(optimizer) -> int:
@@ -288,13 +78,6 @@ def fuse_adam(optimizer) -> int:
     return changed
 
 
-def shift_right(x: torch.Tensor) -> torch.Tensor:
-    """[b, s] -> [b, s]: position i gets ``x[:, i - 1]`` (0 at i = 0), what the model computed
-    having read the tokens before token i: its log-prob, the entropy of its prediction, the value
-    of the state it was chosen in."""
-    return torch.cat([torch.zeros_like(x[:, :1]), x[:, :-1]], dim=1)
-
-
 def _cross_entropy_and_entropy(vocab_shard: torch.Tensor, labels: torch.Tensor, tp_group
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token cross entropy of ``labels`` (as GPTModel computes it when given them) and the
@@ -304,125 +87,6 @@ def _cross_entropy_and_entropy(vocab_shard: torch.Tensor, labels: torch.Tensor, 
     # it reduces over parallel_state's TP group, which is ``tp_group``.
     cross_entropy = vocab_parallel_cross_entropy(vocab_shard.to(torch.float32, copy=True), labels)
     return cross_entropy, vocab_parallel_entropy(vocab_shard, tp_group)
-
-
-def batch_position_ids(attention_mask: torch.Tensor) -> torch.Tensor:
-    """Positions counting only real tokens, so left padding does not shift RoPE. [B,S] -> [B,S]."""
-    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
-
-
-def _round_up(n: int, multiple: int) -> int:
-    return -(-n // multiple) * multiple
-
-
-def token_budget_split(lengths: list[int], budget: int, multiple: int = 1) -> list[list[int]]:
-    """Indices of ``lengths`` (each sequence's span of real tokens) in micro-batches of at most
-    ``budget`` computed tokens: sorted by length (stable), packed greedily while the rows x the
-    longest span, rounded up to ``multiple`` (sequence parallelism's tp), fit the budget. An empty
-    sequence counts one token. Raises ConfigError when one sequence alone exceeds the budget."""
-    out: list[list[int]] = []
-    for i in sorted(range(len(lengths)), key=lengths.__getitem__):
-        width = _round_up(max(lengths[i], 1), multiple)  # the longest so far: sorted
-        if width > budget:
-            raise ConfigError("engine.max_tokens_per_micro_batch",
-                              f"{budget} is below a sequence of {lengths[i]} tokens"
-                              + (f" ({width} padded to a multiple of tp)" if width > lengths[i]
-                                 else "") + f"; raise it to at least {width}")
-        if out and (len(out[-1]) + 1) * width <= budget:
-            out[-1].append(i)
-        else:
-            out.append([i])
-    return out
-
-
-@dataclass(frozen=True)
-class MicroBatchPlan:
-    """Where one micro-batch comes from: row ``rows[j]`` of the batch, its columns from
-    ``starts[j]`` on, ``width`` of them (columns past the batch's end are padding)."""
-
-    rows: torch.Tensor
-    """[b] int64: indices into the batch."""
-    starts: torch.Tensor
-    """[b] int64: the batch column that is the micro-batch's column 0, per row."""
-    width: int
-    """Columns the micro-batch keeps."""
-    padded_width: int
-    """Columns the model computes: ``width`` padded to a multiple of tp under sequence
-    parallelism."""
-
-    @property
-    def tokens(self) -> int:
-        """Positions the model computes for this micro-batch (real and padding)."""
-        return len(self.rows) * self.padded_width
-
-
-def plan_micro_batches(attention_mask: torch.Tensor, engine: EngineConfig, tp: int,
-                       forward_only: bool) -> list[MicroBatchPlan]:
-    """The split of a rank's batch ([B, S] attention mask) into micro-batches, the same on every
-    pipeline stage and TP rank (they see the same data): fixed-size consecutive rows at width S,
-    or with ``engine.max_tokens_per_micro_batch`` the token budget's groups, each row's span of
-    real tokens (first to last real token) starting at column 0."""
-    n, s = attention_mask.shape
-    multiple = tp if engine.sequence_parallel else 1
-    budget = engine.max_tokens_per_micro_batch
-    if budget is None:
-        field, mbs = "engine.micro_batch_size", engine.micro_batch_size
-        if forward_only and engine.forward_micro_batch_size is not None:
-            field, mbs = "engine.forward_micro_batch_size", engine.forward_micro_batch_size
-        if n % mbs:
-            raise ConfigError(field, f"{mbs} does not divide this rank's batch of {n} sequences")
-        starts = torch.zeros(mbs, dtype=torch.long)
-        return [MicroBatchPlan(torch.arange(i, i + mbs), starts, s, _round_up(s, multiple))
-                for i in range(0, n, mbs)]
-    real = attention_mask.detach().cpu().bool()
-    has = real.any(-1)
-    first = torch.where(has, real.int().argmax(-1), 0)
-    last = torch.where(has, s - 1 - real.flip(-1).int().argmax(-1), 0)
-    lengths = (last - first + 1).clamp(min=1)
-    plans = []
-    for group in token_budget_split(lengths.tolist(), budget, multiple):
-        rows = torch.tensor(group, dtype=torch.long)
-        width = int(lengths[rows].max())
-        plans.append(MicroBatchPlan(rows, first[rows], width, _round_up(width, multiple)))
-    return plans
-
-
-def _columns(starts: torch.Tensor, width: int, device) -> torch.Tensor:
-    """[b, width]: the batch column of each micro-batch column."""
-    return starts.to(device)[:, None] + torch.arange(width, device=device)
-
-
-def _take(x: torch.Tensor, plan: MicroBatchPlan) -> torch.Tensor:
-    """A batch field's share of one micro-batch: its rows, and for a per-token field ([B, S,
-    ...]) the plan's columns of each row, 0 past the batch's last column."""
-    rows = plan.rows.to(x.device)
-    s = x.shape[1] if x.dim() >= 2 else None
-    if s is None or (plan.width == s and not plan.starts.any()):
-        return x[rows]
-    cols = _columns(plan.starts, plan.width, x.device)
-    out = x[rows[:, None], cols.clamp(max=s - 1)]
-    out[cols >= s] = 0
-    return out
-
-
-def response_starts(response_mask: torch.Tensor, shape: torch.Size) -> torch.Tensor:
-    """[B, S] response mask -> [B] int64: each row's first response column (S for a row
-    without one), on the host. ``shape``: the batch's [B, S] (``input_ids``'), checked."""
-    if response_mask.shape != shape:
-        raise ArgumentError("response_mask", f"shape {tuple(response_mask.shape)} does not match "
-                            f"input_ids' {tuple(shape)}")
-    resp = response_mask.detach().cpu() != 0
-    s = resp.shape[1]
-    return torch.where(resp.any(-1), resp.int().argmax(-1), s).long()
-
-
-def first_logit_column(starts: torch.Tensor, plan: MicroBatchPlan) -> int:
-    """The micro-batch column the output layer starts at: the first column whose label is a
-    response token (the micro-batch's first response column minus one, at least 0), from the
-    batch's ``response_starts``; the last computed column when no row has a response (its
-    output is then never read). Columns before it are prompt: nothing reads their log-probs."""
-    first = int((starts[plan.rows] - plan.starts).min()) - 1
-    return max(0, min(first, plan.padded_width - 1))
 
 
 @contextlib.contextmanager
@@ -460,21 +124,6 @@ def output_layer_from(model, start: int, tp_group) -> Iterator[None]:
         layer.sequence_parallel = sequence_parallel
 
 
-def to_batch_order(pieces: list[tuple[torch.Tensor, dict]]) -> torch.Tensor:
-    """Per-token results of micro-batches -- (result [b, w, ...], the micro-batch ``mb`` it was
-    computed from), covering a whole batch -- as one [B, S, ...] tensor in the batch's row order
-    and columns; 0 at the columns no micro-batch kept."""
-    first = pieces[0][0]
-    n = sum(len(mb["_rows"]) for _, mb in pieces)
-    out = first.new_zeros((n, pieces[0][1]["_width"], *first.shape[2:]))
-    for x, mb in pieces:
-        cols = _columns(mb["_starts"], x.shape[1], x.device)
-        rows = mb["_rows"].to(x.device)[:, None].expand_as(cols)
-        keep = cols < out.shape[1]
-        out[rows[keep], cols[keep]] = x[keep]
-    return out
-
-
 def metric_pair(metric, device=None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """A loss function's metric (``LossFn``: a share of a sum, or a (mean, count) pair) as
     (value, count), detached 0-dim fp32 tensors on ``device``; count None for a share."""
@@ -504,35 +153,6 @@ def reduce_metrics(rows: list[dict[str, tuple[torch.Tensor, torch.Tensor | None]
             for k, mean, v, n in zip(keys, means, sums, total_counts)}
 
 
-def batch_attention_mask(attention_mask: torch.Tensor) -> torch.Tensor:
-    """[B,S] 1=real token -> Megatron's [B,1,S,S] bool mask, True where attention is blocked:
-    future keys and padding keys."""
-    s = attention_mask.shape[1]
-    causal = torch.ones(s, s, dtype=torch.bool, device=attention_mask.device).tril()
-    allowed = causal[None] & attention_mask.bool()[:, None, :]
-    return ~allowed[:, None]
-
-
-class ValueHead(torch.nn.Module):
-    """A scalar head in place of GPTModel's output layer (critics, reward and cost models):
-    [s, b, h] -> [s, b, 1], replicated over TP ranks (each sees the same hidden states)."""
-
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device):
-        super().__init__()
-        self.weight = torch.nn.Parameter(torch.zeros(1, hidden_size, dtype=dtype, device=device))
-        self.sequence_parallel = False  # GPTModel reads this attribute of its output layer
-
-    def forward(self, hidden, weight=None, runtime_gather_output=None):
-        return hidden @ self.weight.t(), None
-
-
-ADAPTER_SUFFIXES = ("lora_A", "lora_B")
-"""Names of LoRA adapter parameters end so (``training/lora.py``)."""
-
-VALUE_HEAD = "value_head.weight"
-"""Name of a value head's weight in full state dicts (its Megatron module is output_layer)."""
-
-
 class TrainEngine:
     """The actor (or reference, critic, reward model) on one rank of a training layout.
 
@@ -544,12 +164,42 @@ class TrainEngine:
     def __init__(self, model: ModelConfig, layout: TrainLayout, engine: EngineConfig,
                  *, build_optimizer: bool = True, head: str = "lm",
                  lora: LoraConfig | None = None):
-        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
-        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
-        from hybridflow.training.embedding import use_main_grad_lookup
+        model = self._checked_model(model, layout, engine, head)
+        self.model_config, self.layout, self.config, self.head = model, layout, engine, head
+        self.pg = init_megatron_parallel(layout, seed=engine.seed)
+        self.tf_config = transformer_config(model, layout, engine)
+        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        _, self.pp_rank, self.tp_rank = layout.coords(dist.get_rank())
+        self.metas: dict[str, ParamMeta] = {m.name: m for m in llama_param_metas(model)}
+        if head == "value":
+            del self.metas["output_layer.weight"]
+            self.metas[VALUE_HEAD] = ParamMeta(name=VALUE_HEAD, shape=(1, model.hidden_size),
+                                               tp_dim=None, layer=None, position="post")
 
+        chunks = _build_chunks(model, layout, self.tf_config, self.pg)
+        if head == "value":
+            self._attach_value_heads(chunks)
+        self.adapters = None
+        if lora is not None and lora.enabled:
+            self.adapters = self._attach_adapters(chunks, lora)
+        elif not build_optimizer:
+            # Nothing trains it (a reference, a reward model, a conversion): frozen, DDP gives it
+            # no fp32 grad buffer (4 bytes a parameter, 3.3 GiB of a 0.9B reference).
+            for chunk in chunks:
+                chunk.requires_grad_(False)
+        self.chunks = self._wrap_in_ddp(chunks)
+        # Megatron scales grads by 1/num_tokens when given them; our loss functions already
+        # carry their own normalisation, so the count is dropped here.
+        self.tf_config.finalize_model_grads_func = (
+            lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw))
+        self.optimizer = self._build_optimizer() if build_optimizer else None
+
+    @staticmethod
+    def _checked_model(model: ModelConfig, layout: TrainLayout, engine: EngineConfig,
+                       head: str) -> ModelConfig:
+        """Refuse what the engine cannot build; the model it builds (a value head's untied)."""
         check_model_fits_layout(model, layout, engine)
         if head not in ("lm", "value"):
             raise ArgumentError("head", f"unknown head {head!r}; use lm or value")
@@ -567,48 +217,39 @@ class TrainEngine:
             # A value head has nothing to tie to; the LM output layer is replaced, not shared.
             from dataclasses import replace
             model = replace(model, tie_embeddings=False)
-        self.model_config, self.layout, self.config, self.head = model, layout, engine, head
-        self.pg = init_megatron_parallel(layout, seed=engine.seed)
-        self.tf_config = transformer_config(model, layout, engine)
-        self.device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-        _, self.pp_rank, self.tp_rank = layout.coords(dist.get_rank())
-        self.metas: dict[str, ParamMeta] = {m.name: m for m in llama_param_metas(model)}
-        if head == "value":
-            del self.metas["output_layer.weight"]
-            self.metas[VALUE_HEAD] = ParamMeta(name=VALUE_HEAD, shape=(1, model.hidden_size),
-                                               tp_dim=None, layer=None, position="post")
+        return model
 
-        chunks = _build_chunks(model, layout, self.tf_config, self.pg)
-        if head == "value":
-            for chunk in chunks:
-                if chunk.post_process:
-                    chunk.output_layer = ValueHead(model.hidden_size, DTYPES[engine.dtype],
-                                                   self.device)
-                    # A critic usually starts from an LM checkpoint: a fresh, small, seeded
-                    # head, the same on every rank, unless the weights loaded carry one.
-                    g = torch.Generator().manual_seed(engine.seed)
-                    with torch.no_grad():
-                        chunk.output_layer.weight.copy_(
-                            torch.randn(1, model.hidden_size, generator=g) / model.hidden_size)
-        self.adapters = None
-        if lora is not None and lora.enabled:
-            self.adapters = self._attach_adapters(chunks, lora)
-        elif not build_optimizer:
-            # Nothing trains it (a reference, a reward model, a conversion): frozen, DDP gives it
-            # no fp32 grad buffer (4 bytes a parameter, 3.3 GiB of a 0.9B reference).
-            for chunk in chunks:
-                chunk.requires_grad_(False)
+    def _attach_value_heads(self, chunks) -> None:
+        """A ValueHead in place of the output layer, on the chunk that has one."""
+        model, engine = self.model_config, self.config
+        for chunk in chunks:
+            if chunk.post_process:
+                chunk.output_layer = ValueHead(model.hidden_size, DTYPES[engine.dtype],
+                                               self.device)
+                # A critic usually starts from an LM checkpoint: a fresh, small, seeded
+                # head, the same on every rank, unless the weights loaded carry one.
+                g = torch.Generator().manual_seed(engine.seed)
+                with torch.no_grad():
+                    chunk.output_layer.weight.copy_(
+                        torch.randn(1, model.hidden_size, generator=g) / model.hidden_size)
+
+    def _wrap_in_ddp(self, chunks) -> list:
+        """The chunks in Megatron's DDP, which keeps their gradients in fp32 buffers."""
+        from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+        from hybridflow.training.embedding import use_main_grad_lookup
+
         # The lookup's gradient added into main_grad by row, not as a dense table (its module).
         lookup_into_main_grad = any([use_main_grad_lookup(c.embedding.word_embeddings)
                                      for c in chunks if c.pre_process])
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
-            use_distributed_optimizer=engine.optim.distributed,
+            use_distributed_optimizer=self.config.optim.distributed,
             overlap_grad_reduce=False,
         )
-        self.chunks = [DistributedDataParallel(self.tf_config, ddp_config, c, pg_collection=self.pg)
-                       for c in chunks]
-        if self.tf_config.gradient_accumulation_fusion and model.tie_embeddings:
+        wrapped = [DistributedDataParallel(self.tf_config, ddp_config, c, pg_collection=self.pg)
+                   for c in chunks]
+        if self.tf_config.gradient_accumulation_fusion and self.model_config.tie_embeddings:
             # The output layer adds its gradient of the shared table into main_grad itself and
             # hands autograd a dummy. With Megatron's lookup the dummy must be zeros, so that
             # DDP's hook still adds the lookup's gradient (Megatron marks it so only at PP=1);
@@ -617,23 +258,24 @@ class TrainEngine:
                 if chunk.pre_process:
                     chunk.embedding.word_embeddings.weight.zero_out_wgrad = (
                         not lookup_into_main_grad)
-        # Megatron scales grads by 1/num_tokens when given them; our loss functions already
-        # carry their own normalisation, so the count is dropped here.
-        self.tf_config.finalize_model_grads_func = (
-            lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw))
-        self.optimizer = None
-        if build_optimizer:
-            o = engine.optim
-            self.optimizer = get_megatron_optimizer(
-                OptimizerConfig(
-                    optimizer=o.name, lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay,
-                    clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
-                    adam_eps=o.adam_eps, use_distributed_optimizer=o.distributed,
-                    bf16=engine.dtype == "bf16", params_dtype=DTYPES[engine.dtype],
-                ),
-                self.chunks, use_gloo_process_groups=False, pg_collection=self.pg)
-            if self.device.type == "cuda":
-                fuse_adam(self.optimizer)
+        return wrapped
+
+    def _build_optimizer(self):
+        """Megatron's optimizer (``engine.optim``) over the DDP chunks; Adam fused on CUDA."""
+        from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+
+        engine, o = self.config, self.config.optim
+        optimizer = get_megatron_optimizer(
+            OptimizerConfig(
+                optimizer=o.name, lr=o.lr, min_lr=o.lr, weight_decay=o.weight_decay,
+                clip_grad=o.clip_grad, adam_beta1=o.adam_beta1, adam_beta2=o.adam_beta2,
+                adam_eps=o.adam_eps, use_distributed_optimizer=o.distributed,
+                bf16=engine.dtype == "bf16", params_dtype=DTYPES[engine.dtype],
+            ),
+            self.chunks, use_gloo_process_groups=False, pg_collection=self.pg)
+        if self.device.type == "cuda":
+            fuse_adam(optimizer)
+        return optimizer
 
     def _attach_adapters(self, chunks, lora):
         """Freeze every parameter and give the targeted linears LoRA adapters (before DDP wraps
@@ -872,12 +514,12 @@ class TrainEngine:
         vocabulary slice. With a ``response_mask`` in ``batch`` the log-probs and the entropy
         are 0 before each row's first response token (only the response's output layer is
         computed: module docstring). ``loss_fn`` may see the micro-batches in another order
-        than the batch's and cut to fewer columns (``max_tokens_per_micro_batch``); ``to_batch_order`` puts
-        per-token results it keeps, with their ``mb``, back in the batch's order. Returns, the
-        same on every rank, ``loss`` (the global objective: the sum over every micro-batch of
-        every data-parallel rank) and ``loss_fn``'s metrics reduced alike (``reduce_metrics``),
-        grad_norm, ``nonfinite`` (1.0 when the gradients were not finite and the step was not
-        applied)."""
+        than the batch's and cut to fewer columns (``max_tokens_per_micro_batch``);
+        ``to_batch_order`` puts per-token results it keeps, with their ``mb``, back in the
+        batch's order. Returns, the same on every rank, ``loss`` (the global objective: the sum
+        over every micro-batch of every data-parallel rank) and ``loss_fn``'s metrics reduced
+        alike (``reduce_metrics``), grad_norm, ``nonfinite`` (1.0 when the gradients were not
+        finite and the step was not applied)."""
         if with_entropy and self.head != "lm":
             raise ValueError("with_entropy needs an engine built with head='lm'")
         for chunk in self.chunks:
@@ -945,3 +587,4 @@ class TrainEngine:
             dist.all_gather_object(box, None if mine is None else mine.cpu(), group=self.pg.pp)
             out[name] = next(t for t in box if t is not None)
         return out
+

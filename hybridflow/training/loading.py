@@ -30,7 +30,7 @@ from hybridflow.models.hf import (_safetensors_header, _weight_map, hf_param_nam
                                   megatron_name_for_hf, megatron_to_hf, merge_hf_to_megatron,
                                   save_hf_checkpoint)
 from hybridflow.models.params import ParamMeta
-from hybridflow.training.engine import VALUE_HEAD
+from hybridflow.training.model import VALUE_HEAD
 
 _EMBEDDING = "embedding.word_embeddings.weight"
 _OUTPUT = "output_layer.weight"

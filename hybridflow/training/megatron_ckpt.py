@@ -195,7 +195,8 @@ def read_checkpoint_lora(ckpt_dir: str | os.PathLike):
 
 def _build_engine(cfg: ModelConfig, tp: int, pp: int, dtype: str, lora=None):
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig
+    from hybridflow.training.engine import TrainEngine
     return TrainEngine(cfg, TrainLayout(tp=tp, pp=pp, dp=1), EngineConfig(dtype=dtype),
                        build_optimizer=False, lora=lora)
 
@@ -249,7 +250,8 @@ def _check_out_dir(out_dir: Path, source: Path, overwrite: bool) -> None:
 
 def _check_layout(cfg: ModelConfig, tp: int, pp: int, dtype: str) -> None:
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, check_model_fits_layout
+    from hybridflow.training.config import EngineConfig
+    from hybridflow.training.model import check_model_fits_layout
     try:  # the tool's flags are --tp and --pp
         check_model_fits_layout(cfg, TrainLayout(tp=tp, pp=pp, dp=1), EngineConfig(dtype=dtype))
     except ConfigError as e:

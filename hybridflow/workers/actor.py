@@ -183,7 +183,7 @@ class ActorRolloutRefWorker(Worker):
                            "actor", loss_key="actor/loss", with_entropy=a.entropy_coef > 0)
         out.meta.update({k: v.item() for k, v in correction.items()})
         if seen:  # the last pipeline stage; micro-batches may be reordered and cut (a token budget)
-            from hybridflow.training.engine import to_batch_order
+            from hybridflow.training.micro_batches import to_batch_order
             out.tensors["old_logprobs"] = to_batch_order(seen).cpu()
         return out
 

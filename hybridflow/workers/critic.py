@@ -37,7 +37,7 @@ class CriticWorker(Worker):
         as ``score.weight`` [1, hidden]; an LM checkpoint has none and keeps the fresh head.
         ``model_key``: the config key that named the checkpoint, for the error."""
         from hybridflow.models.hf import _weight_map
-        from hybridflow.training.engine import VALUE_HEAD
+        from hybridflow.training.model import VALUE_HEAD
         from safetensors import safe_open
         files = _weight_map(Path(model_dir))
         if "score.weight" not in files:
@@ -72,7 +72,7 @@ class CriticWorker(Worker):
     def _state_values(raw: torch.Tensor) -> torch.Tensor:
         # The head at position i has read token i; the value of the state *before* token i
         # (what GAE pairs with token i's reward) is the head's output at i - 1.
-        from hybridflow.training.engine import shift_right
+        from hybridflow.training.model import shift_right
         return shift_right(raw)
 
     def compute_values(self, batch: Batch) -> Batch:

@@ -41,7 +41,8 @@ def train_engine(hf_sd: dict[str, torch.Tensor], cfg=CFG):
     MegatronRollout built afterwards in the same process reuses."""
     from hybridflow.models.hf import hf_to_megatron
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig
+    from hybridflow.training.engine import TrainEngine
 
     engine = TrainEngine(cfg, TrainLayout(), EngineConfig(), build_optimizer=False)
     engine.load_full_weights(hf_to_megatron(hf_sd, cfg))

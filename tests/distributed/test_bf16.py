@@ -12,7 +12,8 @@ def run(rank, world):
     from hybridflow.hybrid_engine.switch import HybridEngine
     from hybridflow.models.config import ModelConfig
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
 
     model = ModelConfig(vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=2,
                         num_heads=4, num_kv_heads=2, head_dim=16)

@@ -20,7 +20,8 @@ def run(rank, world, layouts, dtype="fp32"):
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training import embedding
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
     from tests.distributed.update_common import GRAD_MODEL, weighted_logprob_batch
     # Token ids over the whole vocabulary: at TP=2 each rank sees ids of the other's shard.
     batch, loss_fn = weighted_logprob_batch()

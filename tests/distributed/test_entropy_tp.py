@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from hybridflow.parallel.spawn import spawn
-from hybridflow.training.engine import shift_right
+from hybridflow.training.model import shift_right
 
 MODEL = dict(vocab_size=128, hidden_size=32, ffn_hidden_size=64, num_layers=2, num_heads=4,
              num_kv_heads=2, head_dim=8, max_position_embeddings=32)
@@ -47,7 +47,8 @@ def run(rank, world):
     from hybridflow.models.config import ModelConfig
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
 
     model = ModelConfig(**MODEL)
     full = init_full_weights(llama_param_metas(model), seed=3, std=INIT_STD)
@@ -105,7 +106,8 @@ def actor_updates(model, full, batch):
     from hybridflow.config.rl import ActorConfig
     from tests.distributed.update_common import update_worker
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
 
     def response_entropy(engine, data):
         entropy = shift_right(entropy_from_logits(engine.compute_logits(data)))

@@ -40,7 +40,8 @@ def _tool():
 def _train_and_save(rank, world, actor_dir):
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
     from hybridflow.training.megatron_ckpt import save_train_state
 
     engine = TrainEngine(MODEL, TrainLayout(**LAYOUT), EngineConfig(

@@ -19,7 +19,8 @@ def loss_fn(logprobs, mb):
 def two_steps(rank, world):
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine, fuse_adam
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine, fuse_adam
 
     model = ModelConfig(**MODEL)
     full = init_full_weights(llama_param_metas(model), seed=0)

@@ -48,10 +48,12 @@ def engine_work(rank: int, world: int, ckpts: dict[str, str], tool_ckpt: str, ou
     import torch.distributed as dist
 
     from hybridflow.models.hf import hf_to_megatron, load_hf_state_dict
-    from hybridflow.training.engine import VALUE_HEAD, EngineConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig
+    from hybridflow.training.engine import TrainEngine
     from hybridflow.training.loading import export_engine_to_hf, load_hf_into_engine
     from hybridflow.training.megatron_ckpt import (MODEL_FILE, load_megatron_checkpoint,
                                                    save_megatron_checkpoint)
+    from hybridflow.training.model import VALUE_HEAD
 
     out = Path(out)
     logits = {}
@@ -128,7 +130,7 @@ def run(tmp_path_factory):
 @pytest.mark.parametrize("layout", LAYOUTS, ids=str)
 @pytest.mark.parametrize("arch", CONFIGS)
 def test_logits_match_transformers(run, arch, layout):
-    from hybridflow.training.engine import batch_position_ids
+    from hybridflow.training.model import batch_position_ids
 
     batch = make_batch(CONFIGS[arch].vocab_size)
     model = transformers.AutoModelForCausalLM.from_pretrained(run.ckpts[arch], dtype=torch.float32)

@@ -53,7 +53,8 @@ def _gather_dp(engine, layout, fn, mine):
 
 def lora_checks(rank, world, layouts, ckpt_dir):
     from hybridflow.hybrid_engine.switch import HybridEngine
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
     from hybridflow.training.megatron_ckpt import save_train_state
 
     model, full, batch = ModelConfig(**MODEL), _full(), make_batch()
@@ -120,7 +121,8 @@ def load_and_export(rank, world, ckpt_dir, out_dir, full_dir):
     """tp=1: load the tp=2/pp=2 checkpoint into a LoRA engine, export it to HF + PEFT; also the
     base weights as an HF checkpoint, for PEFT to load the adapter onto."""
     from hybridflow.models.hf import megatron_to_hf, save_hf_checkpoint
-    from hybridflow.training.engine import EngineConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig
+    from hybridflow.training.engine import TrainEngine
     from hybridflow.training.loading import export_engine_to_hf
     from hybridflow.training.megatron_ckpt import load_train_state, read_checkpoint_lora
 
@@ -220,7 +222,8 @@ def test_checkpoint_at_another_layout_and_peft_export(runs):
 def in_place_on_gpu(rank, world):
     """bf16 on a GPU: the merge in place and the base back through pinned host memory."""
     from hybridflow.hybrid_engine.switch import HybridEngine
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
     from hybridflow.training.lora import merge_adapters
 
     engine = TrainEngine(ModelConfig(**MODEL), TrainLayout(),

@@ -46,7 +46,8 @@ def run(rank, world):
     from hybridflow.models.config import ModelConfig
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
 
     model = ModelConfig(**MODEL)
     full = init_full_weights(llama_param_metas(model), seed=3, std=0.3)

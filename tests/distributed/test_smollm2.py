@@ -29,7 +29,8 @@ def greedy_work(rank: int, world: int, path: str, ids: torch.Tensor, mask: torch
     from hybridflow.models.hf import load_hf_config
     from hybridflow.training.loading import load_hf_into_engine
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig
+    from hybridflow.training.engine import TrainEngine
 
     engine = TrainEngine(load_hf_config(path), TrainLayout(tp=1, pp=2, dp=1),
                          EngineConfig(micro_batch_size=ids.shape[0]), build_optimizer=False)

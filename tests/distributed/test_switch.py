@@ -60,7 +60,8 @@ def loss_fn(logprobs, mb):
 
 
 def _engine(model, layout, full, adam: bool):
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
 
     optim = (OptimConfig(name="adam", lr=1e-3, adam_eps=1e-3) if adam
              else OptimConfig(name="sgd", lr=0.5))

@@ -52,7 +52,8 @@ def run(rank, world):
     from hybridflow.models.config import ModelConfig
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
 
     model = ModelConfig(**MODEL)
     full = init_full_weights(llama_param_metas(model), seed=3, std=0.3)
@@ -96,7 +97,8 @@ def off_policy_metrics(model, full, layout, share, noise):
     from hybridflow.batch import Batch
     from hybridflow.config.rl import ActorConfig
     from tests.distributed.update_common import update_worker
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
     out = {}
     for budget in (None, BUDGET):
         cfg = ActorConfig(layout=layout, kl_loss_coef=0.1, entropy_coef=0.01, engine=EngineConfig(

@@ -35,7 +35,8 @@ def _engine(layout, distributed=False):
     from hybridflow.models.config import ModelConfig
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
     model = ModelConfig(**MODEL)
     engine = TrainEngine(model, TrainLayout(**layout), EngineConfig(
         micro_batch_size=1, optim=OptimConfig(name="adam", lr=1e-2, distributed=distributed)))

@@ -58,7 +58,8 @@ def value_loss_fn(values, mb):
 def run_layouts(rank, world, layouts, qwen):
     from hybridflow.models.params import init_full_weights, llama_param_metas, stage_layers
     from hybridflow.errors import ConfigError
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
 
     model = ModelConfig(**MODEL, arch="qwen2" if qwen else "llama", qkv_bias=qwen,
                         tie_embeddings=qwen)

@@ -17,7 +17,7 @@ from hybridflow.models.tiny import make_tiny_hf_model, tiny_llama_config, tiny_q
 from hybridflow.rollout.base import SamplingConfig, left_pad
 from hybridflow.rollout.fast_decode import FastDecoder
 from hybridflow.rollout.megatron import decode
-from hybridflow.training.engine import batch_position_ids
+from hybridflow.training.model import batch_position_ids
 
 DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
 CONFIGS = {"llama": tiny_llama_config(), "qwen2": tiny_qwen2_config()}  # qwen2: tied, qkv bias

@@ -6,7 +6,8 @@ import pytest
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import GenLayout, LayoutError, TrainLayout
-from hybridflow.training.engine import EngineConfig, check_model_fits_layout
+from hybridflow.training.config import EngineConfig
+from hybridflow.training.model import check_model_fits_layout
 
 MODEL = ModelConfig(vocab_size=256, hidden_size=64, ffn_hidden_size=128, num_layers=4,
                     num_heads=4, num_kv_heads=2, head_dim=16)

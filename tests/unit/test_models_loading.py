@@ -18,8 +18,8 @@ from hybridflow.models.params import ParamMeta, llama_param_metas, shard
 from hybridflow.models.tiny import (make_tiny_hf_model, save_tiny_checkpoint, tiny_llama_config,
                                     tiny_qwen2_config, tiny_tp4_config)
 from hybridflow.parallel.layout import TrainLayout
-from hybridflow.training.engine import VALUE_HEAD
 from hybridflow.training.loading import check_hf_checkpoint, load_hf_into_engine
+from hybridflow.training.model import VALUE_HEAD
 
 pytest.importorskip("transformers")
 ROOT = Path(__file__).resolve().parents[2]

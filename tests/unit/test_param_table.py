@@ -42,7 +42,8 @@ def _engine_params(rank: int, world: int, configs: dict) -> dict:
     """Per config: {name: (shape, TP split dim, partition stride)} of the GPTModel our engine
     builds at TP=1, from Megatron-Core's own tensor-parallel attributes."""
     from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.engine import EngineConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig
+    from hybridflow.training.engine import TrainEngine
 
     out = {}
     for key, cfg in configs.items():

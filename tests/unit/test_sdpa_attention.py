@@ -19,7 +19,8 @@ def run(rank, world):
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training import attention
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
     from megatron_patches import rope
 
     g = torch.Generator().manual_seed(1)
@@ -74,7 +75,7 @@ def test_sdpa_and_the_rope_stand_in_give_the_unfused_results():
 
 def test_a_query_with_no_allowed_key_sees_its_own_and_the_rest_are_softmax_attention():
     from hybridflow.training.attention import sdpa_context
-    from hybridflow.training.engine import batch_attention_mask
+    from hybridflow.training.model import batch_attention_mask
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(5, 2, 3, 4, generator=g) for _ in range(3))  # [s, b, n, h]

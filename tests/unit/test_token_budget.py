@@ -8,8 +8,8 @@ import pytest
 import torch
 
 from hybridflow.errors import ConfigError
-from hybridflow.training.engine import (EngineConfig, plan_micro_batches, to_batch_order,
-                                        token_budget_split)
+from hybridflow.training.config import EngineConfig
+from hybridflow.training.micro_batches import plan_micro_batches, to_batch_order, token_budget_split
 
 
 def test_groups_by_length_within_the_budget():
@@ -82,7 +82,7 @@ def test_fixed_size_plan_is_the_padded_path():
 
 
 def test_to_batch_order_undoes_the_plan():
-    from hybridflow.training.engine import _take
+    from hybridflow.training.micro_batches import _take
     ids, mask = _batch()
     plans = plan_micro_batches(mask, EngineConfig(max_tokens_per_micro_batch=10), tp=1,
                                forward_only=True)
@@ -148,7 +148,7 @@ def _rl_batch():
 
 
 def test_the_output_layer_starts_one_column_before_the_first_response_token():
-    from hybridflow.training.engine import first_logit_column, response_starts
+    from hybridflow.training.micro_batches import first_logit_column, response_starts
     mask, response = _rl_batch()
     starts = response_starts(response, mask.shape)
     assert starts.tolist() == [4, 4, 7, 4]  # 7: no response
@@ -168,7 +168,7 @@ def test_the_output_layer_starts_one_column_before_the_first_response_token():
 
 def test_a_response_mask_of_another_shape_is_refused_by_name():
     from hybridflow.errors import ArgumentError
-    from hybridflow.training.engine import response_starts
+    from hybridflow.training.micro_batches import response_starts
     mask, response = _rl_batch()
     with pytest.raises(ArgumentError, match="response_mask"):
         response_starts(response[:, :5], mask.shape)

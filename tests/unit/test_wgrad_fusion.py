@@ -45,7 +45,8 @@ def run(rank, world, dtype):
     from hybridflow.models.params import init_full_weights, llama_param_metas
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training import embedding
-    from hybridflow.training.engine import EngineConfig, OptimConfig, TrainEngine
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
     from tests.distributed.update_common import GRAD_MODEL, weighted_logprob_batch
     # Megatron's lookup: its gradient reaches main_grad through DDP's hook, the path this test
     # is about (test_embedding_lookup covers the lookup by row with the fusion on).
