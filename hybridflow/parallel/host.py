@@ -30,7 +30,7 @@ def keep_freed_memory() -> bool:
     blocks, and glibc 2.36's memalign reuses a freed block only with ~96 bytes to spare;
     neighbours freed together merge.) The process's resident memory then stays near its peak:
     SmolLM2-135M's DP=2 GRPO step, 6.0 GB per rank against 5.7 GB, steady over the iterations
-    (docs/benchmarks.md)."""
+    (docs/log/cpu_step.md)."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
     except OSError:
