@@ -1,8 +1,8 @@
 """The cluster a run is meant for, and the checks that need only the config: the worker groups'
 GPUs against the cluster's, and tensor-parallel groups inside one node.
 
-Worker groups and their GPUs, as ``RLTrainer._start_workers`` places them: the actor group
-(actor, rollout and reference on each rank) has ``actor.layout.world_size`` ranks; PPO's critic
+Worker groups and their GPUs, as ``driver.groups.start_groups`` places them: the actor group
+(actor, rollout and reference on each rank) has ``actor.layout.world_size`` ranks; the critic
 and the reward and cost models have ``critic.layout.world_size`` ranks each. With
 ``ray.colocate`` the groups of equal world size share one ``ResourcePool`` of that many bundles
 (HybridFlow's colocated placement: they take turns on the same GPUs); without it every group has

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.batch import Batch
-from hybridflow.config.cluster import gpu_pools
+from hybridflow.config.cluster import gpu_pools, worker_groups
 from hybridflow.config.sources import SCORERS
 from hybridflow.workers.group import ResourcePool, WorkerGroup
 
@@ -135,18 +135,21 @@ def start_groups(cfg, model_dir: str, scorer_dirs: dict[str, Any]) -> Groups:
     from hybridflow.workers.critic import CriticWorker
 
     start = time.perf_counter()
-    actor_args = dict(actor=cfg.actor, rollout=cfg.rollout, ref=cfg.ref,
-                      hybrid_engine=cfg.hybrid_engine, model_dir=model_dir, seed=cfg.seed,
-                      pad_token_id=cfg.pad_token_id,
-                      max_prompt_tokens=cfg.data.max_prompt_tokens)
-    specs = [("actor", cfg.actor.layout.world_size, ActorRolloutRefWorker, actor_args)]
-    if cfg.algorithm.spec.critic:
-        specs.append(("critic", cfg.critic.layout.world_size, CriticWorker,
-                      dict(critic=cfg.critic, model_dir=model_dir)))
-    for key, path in scorer_dirs.items():
-        specs.append((key, cfg.critic.layout.world_size, CriticWorker,
-                      dict(critic=cfg.critic, model_dir=str(path), trainable=False,
-                           model_key=SCORERS[key])))
+    scores_of = {field: key for key, field in SCORERS.items()}  # reward_model -> "scores"
+    specs = []  # (name, world size, worker class, its keyword arguments)
+    for name, size in worker_groups(cfg):
+        if name == "actor":
+            specs.append((name, size, ActorRolloutRefWorker, dict(
+                actor=cfg.actor, rollout=cfg.rollout, ref=cfg.ref,
+                hybrid_engine=cfg.hybrid_engine, model_dir=model_dir, seed=cfg.seed,
+                pad_token_id=cfg.pad_token_id, max_prompt_tokens=cfg.data.max_prompt_tokens)))
+        elif name == "critic":
+            specs.append((name, size, CriticWorker, dict(critic=cfg.critic,
+                                                         model_dir=model_dir)))
+        else:  # a reward or cost model, named by the scores it gives
+            specs.append((scores_of[name], size, CriticWorker, dict(
+                critic=cfg.critic, model_dir=str(scorer_dirs[scores_of[name]]),
+                trainable=False, model_key=name)))
     pools: dict[int, ResourcePool] = {}  # world size -> the pool its colocated groups share
     if cfg.ray.colocate:
         for names, size in gpu_pools(cfg):

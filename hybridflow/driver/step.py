@@ -281,9 +281,9 @@ def step_metrics(run: Run, batch: Batch) -> dict[str, float]:
     mask = batch["response_mask"]
     kl = kl_penalty(batch["old_logprobs"], batch["ref_logprobs"], "k1")
     lengths = mask.sum(-1)
-    scores_ = batch["scores"]
-    out = {"reward/mean": scores_.mean().item(),
-           "reward/std": scores_.std().item() if len(scores_) > 1 else 0.0,
+    rewards = batch["scores"]
+    out = {"reward/mean": rewards.mean().item(),
+           "reward/std": rewards.std().item() if len(rewards) > 1 else 0.0,
            "response_length/mean": lengths.mean().item(),
            "response_length/clip_frac": sum(r == "length" for r in batch["finish_reason"])
            / len(lengths),
