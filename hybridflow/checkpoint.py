@@ -18,6 +18,7 @@ and dist checkpoints whose metadata goes through a restricted unpickler.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -26,6 +27,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
+
+import yaml
 
 from hybridflow.errors import ConfigError, RunError, check_int
 
@@ -83,7 +86,6 @@ class ResumePlan:
 def run_identity(cfg: Any, model: Any) -> dict[str, Any]:
     """What a checkpoint must match to load into a run: its algorithm, trained models and model
     shape (``cfg`` an RLConfig, ``model`` the ModelConfig), as plain data."""
-    import dataclasses
     roles = ["actor"] + (["critic"] if cfg.algorithm.spec.critic else [])
     return {"algorithm": cfg.algorithm.name, "roles": roles,
             "model": json.loads(json.dumps(dataclasses.asdict(model)))}
@@ -193,7 +195,6 @@ def _holds_run(run_dir: Path) -> bool:
 def _check_same_run(run_dir: Path, config: dict[str, Any], defaults: dict[str, Any]) -> None:
     """The run in ``run_dir`` is this one: its config.yaml equals ours but for RESUMABLE_KEYS
     and for keys it lacks that we hold at their defaults (options added since it was written)."""
-    import yaml
     stored_file = run_dir / "config.yaml"
     try:
         stored = yaml.safe_load(stored_file.read_text())

@@ -8,8 +8,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
 from hybridflow.errors import ConfigError, RunError
+from hybridflow.planner.calibrate import calibrate
+from hybridflow.planner.profile import profile_passes
 
 JOBS = ("train", "check", "plan", "lm-demo")
 HELP = {"train": "RL post-training (PPO, GRPO, ReMax, RLOO, REINFORCE++, Safe-RLHF)",
@@ -29,7 +32,7 @@ def _jobs():
 
 
 def _train(cfg) -> None:
-    from hybridflow.trainer import RLTrainer
+    from hybridflow.trainer import RLTrainer  # deferred: it imports torch, transformers
     trainer = RLTrainer(cfg)
     try:
         trainer.fit()
@@ -38,6 +41,7 @@ def _train(cfg) -> None:
 
 
 def _check(cfg) -> None:
+    # deferred: these import torch
     from hybridflow.preflight import check_run
     from hybridflow.planner.search import plan_layout, run_prediction
     cfg = plan_layout(cfg)
@@ -50,14 +54,12 @@ def _check(cfg) -> None:
 
 
 def _plan(cfg) -> None:
-    from hybridflow.planner.search import plan_lines
+    from hybridflow.planner.search import plan_lines  # deferred: it imports torch
     print("\n".join(plan_lines(cfg)))
 
 
 def _calibrate(out: str, quick: bool, config: str | None, overrides: list[str],
                configured_only: bool = False) -> None:
-    from pathlib import Path
-    from hybridflow.planner.calibrate import calibrate
     directory = Path(out).parent
     if not directory.is_dir():  # checked first: the measurement takes minutes
         raise ConfigError("--out", f"{out}: directory {directory} does not exist; create it or "
@@ -66,11 +68,10 @@ def _calibrate(out: str, quick: bool, config: str | None, overrides: list[str],
     if config is not None and "=" in config:  # no file given, only overrides (as for train)
         config, overrides = None, [config, *overrides]
     if config is not None or overrides:  # a bad config stops it before anything is measured
-        from hybridflow.config import RLConfig, load_config
+        from hybridflow.config import RLConfig, load_config  # deferred: it imports torch
         cfg = load_config(RLConfig, config, overrides)
     calibration = calibrate(quick=quick)
     if cfg is not None:
-        from hybridflow.planner.profile import profile_passes
         lora = cfg.actor.lora
         print(f"profiling {cfg.model}'s passes ({cfg.actor.engine.dtype}, "
               f"tp={cfg.actor.layout.tp}{f', LoRA rank {lora.rank}' if lora.enabled else ''})...",
@@ -112,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
     calibrate_p.add_argument("overrides", nargs="*", help="key=value overrides of --config")
     args = parser.parse_args(argv)
 
-    from hybridflow.config import load_config, to_yaml
+    from hybridflow.config import load_config, to_yaml  # deferred: it imports torch
     try:
         if args.command == "defaults":
             cls, _ = _jobs()[args.job]

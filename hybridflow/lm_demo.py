@@ -12,11 +12,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from hybridflow.config.loader import to_yaml
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
+from hybridflow.models.params import init_full_weights, llama_param_metas
 from hybridflow.parallel.layout import TrainLayout
+from hybridflow.parallel.spawn import spawn
 from hybridflow.tracking import Tracker, TrackingConfig
 from hybridflow.training.config import EngineConfig, OptimConfig
 from hybridflow.training.engine import TrainEngine
@@ -82,8 +85,6 @@ def copy_batch(cfg: LMDemoConfig, generator: torch.Generator) -> dict[str, torch
 
 
 def run_worker(rank: int, world: int, cfg: LMDemoConfig, run_dir: str) -> dict[str, float]:
-    from hybridflow.models.params import init_full_weights, llama_param_metas
-
     engine = TrainEngine(cfg.model, cfg.layout, cfg.engine)
     engine.load_full_weights(init_full_weights(llama_param_metas(cfg.model), seed=cfg.seed))
     dp_rank, _, _ = cfg.layout.coords(rank)
@@ -97,7 +98,6 @@ def run_worker(rank: int, world: int, cfg: LMDemoConfig, run_dir: str) -> dict[s
 
     tracker = bar = None
     if rank == 0:
-        from tqdm import tqdm
         tracker = Tracker(run_dir, to_yaml(cfg), cfg.tracking, cfg.name)
         bar = tqdm(total=cfg.steps, desc=f"lm-demo [{cfg.layout}]", unit="step")
     generator = torch.Generator().manual_seed(cfg.seed)
@@ -136,8 +136,6 @@ def copy_accuracy(engine: TrainEngine, batch: dict[str, torch.Tensor]) -> float:
 
 def run(cfg: LMDemoConfig) -> dict[str, float]:
     """Train on ``layout.world_size`` local gloo processes; returns first/last loss and accuracy."""
-    from hybridflow.parallel.spawn import spawn
-
     run_dir = Path(cfg.tracking.out_dir) / cfg.name
     print(f"lm-demo: {cfg.layout.world_size} processes at {cfg.layout}, writing {run_dir}/")
     result = spawn(run_worker, cfg.layout.world_size, cfg, str(run_dir))[0]

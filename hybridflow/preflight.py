@@ -20,14 +20,26 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import yaml
+
 from hybridflow.checkpoint import ResumePlan, plan_resume, run_identity
-from hybridflow.planner.memory import DTYPE_BYTES, MemoryEstimate
+from hybridflow.config.loader import to_yaml
 from hybridflow.config.rl import RLConfig
 from hybridflow.config.sources import SCORERS, model_sources
+from hybridflow.data.loader import tokenize_prompts
 from hybridflow.data.prompts import load_prompts
 from hybridflow.errors import ConfigError
+from hybridflow.hybrid_engine.switch import generation_metas, switch_recv_bytes
 from hybridflow.models.config import ModelConfig
+from hybridflow.models.hf import load_tokenizer
+from hybridflow.models.params import llama_param_metas
+from hybridflow.models.source import preset_has_no_weights
 from hybridflow.parallel.layout import GenLayout
+from hybridflow.planner.memory import (DTYPE_BYTES, MemoryEstimate, check_memory_fits, describe,
+                                       estimate_memory)
+from hybridflow.rewards import as_reward_fn, math_reward_fn, reasoning_gym_reward_fn
+from hybridflow.training.model import check_model_fits_layout
+from hybridflow.validation import check_validation
 
 """The worker groups of the reward and cost models -> the config key naming their checkpoint."""
 
@@ -81,13 +93,11 @@ class RunCheck:
 
     def require_weights(self) -> None:
         """A ConfigError naming the first model of the run that is a shape preset, with the fix."""
-        from hybridflow.models.source import preset_has_no_weights
         if self.presets:
             field, name = next(iter(self.presets.items()))
             raise preset_has_no_weights(name, field)
 
     def summary(self, cfg: RLConfig) -> str:
-        from hybridflow.planner.memory import describe
         a, c = cfg.actor.layout, cfg.critic.layout
         where = self.checkpoints["model"] or f"{cfg.model} (shape preset, no weights)"
         lines = [
@@ -129,8 +139,6 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
     """Every check that needs more than the config itself; see the module docstring.
     ``reward_fn`` / ``cost_fn``: Python callables that replace the config's ``reward`` / ``cost``
     (the Python API's); the config's are imported here otherwise, once."""
-    from hybridflow.planner.memory import check_memory_fits, estimate_memory
-
     checkpoints, shapes = model_sources(cfg)
     presets = {field: getattr(cfg, field) for field, path in checkpoints.items() if path is None}
     model = shapes["model"]
@@ -163,9 +171,6 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
 def resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
     """Where the run starts; refuses a run directory of another run, or a checkpoint that does
     not fit (another algorithm, model shape, a truncated file)."""
-    import yaml
-
-    from hybridflow.config.loader import to_yaml
     return plan_resume(cfg.resume, Path(cfg.tracking.out_dir) / cfg.name,
                        yaml.safe_load(to_yaml(cfg)), run_identity(cfg, model),
                        defaults=yaml.safe_load(to_yaml(RLConfig())))
@@ -173,7 +178,6 @@ def resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
 
 def _fits(model: ModelConfig, cfg: RLConfig, role: str, model_field: str = "model") -> None:
     """``role``'s layout and engine against the shape of the model at ``model_field``."""
-    from hybridflow.training.model import check_model_fits_layout
     part = getattr(cfg, role)
     try:
         check_model_fits_layout(model, part.layout, part.engine)
@@ -186,7 +190,6 @@ def _reward_functions(cfg: RLConfig, given: dict[str, Callable | None]
                       ) -> dict[str, Callable | None]:
     """"reward" and "cost" as ``fn(prompt_item, response)``: the ``given`` callable, else the
     config's spec imported (a user's file is executed once, here), else None."""
-    from hybridflow.rewards import as_reward_fn
     out: dict[str, Callable | None] = {}
     for field in ("reward", "cost"):
         spec = given[field] if given[field] is not None else getattr(cfg, field)
@@ -205,11 +208,6 @@ def _check_prompts(cfg: RLConfig, prompts: list, model_dir: Path | None,
     """The prompts against what reads them: the actor's tokenizer (its chat template,
     data.max_prompt_tokens), train_batch_size, and what a built-in reward needs of each prompt.
     ``model_dir`` None (a shape preset): text prompts are not tokenized; returns that note."""
-    from hybridflow.data.loader import tokenize_prompts
-    from hybridflow.models.hf import load_tokenizer
-    from hybridflow.rewards import math_reward_fn, reasoning_gym_reward_fn
-    from hybridflow.validation import check_validation
-
     source, limit = cfg.data.source, cfg.data.max_prompt_tokens
     notes = []
     if model_dir is None and any(p.prompt_ids is None for p in prompts):
@@ -270,8 +268,6 @@ def _check_out_dir(cfg: RLConfig) -> None:
 def _reshard_bytes(model: ModelConfig, gen: GenLayout, cfg: RLConfig) -> tuple[list[int], int]:
     """Bytes each actor rank receives in one switch (the configured mode), and the most any rank
     would receive on the naive path."""
-    from hybridflow.hybrid_engine.switch import generation_metas, switch_recv_bytes
-    from hybridflow.models.params import llama_param_metas
     # The parameters as the switch reshards them (a tied embedding's last-stage copy included).
     metas = generation_metas(llama_param_metas(model), model.tie_embeddings, gen)
     dtype_bytes = DTYPE_BYTES[cfg.actor.engine.dtype]

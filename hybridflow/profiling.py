@@ -5,6 +5,8 @@ package can use it."""
 
 from __future__ import annotations
 
+import time
+
 
 def profile_step(fn, wall: float | None, top: int) -> dict:
     """One call of ``fn`` under torch.profiler: the device's busy seconds (the sum of its
@@ -12,8 +14,7 @@ def profile_step(fn, wall: float | None, top: int) -> dict:
     unprofiled call's seconds; None: the profiled call's own, the profiler's overhead
     included), and the ``top`` kernels (CPU: operations) by that time (name, calls, seconds,
     share of ``wall``)."""
-    import time
-
+    # deferred: torch
     import torch
     from torch.profiler import ProfilerActivity, profile
     gpu = torch.cuda.is_available()
@@ -41,7 +42,7 @@ def self_us(event, gpu: bool) -> float:
     CPU operation (which also reports the kernels it launched) and a ``record_function`` range's
     span on the device timeline (``Optimizer.step#AdamW.step``: it spans the optimizer's kernels,
     which count themselves) are 0; on CPU its self CPU time."""
-    from torch.autograd import DeviceType
+    from torch.autograd import DeviceType  # deferred: torch
     if gpu:
         kernel = event.device_type == DeviceType.CUDA and not event.is_user_annotation
         return event.self_device_time_total if kernel else 0.0

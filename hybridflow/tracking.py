@@ -14,6 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import yaml
+
 from hybridflow.errors import ConfigError, RunError
 
 
@@ -91,8 +93,7 @@ class Tracker:
         self.wandb_id: str | None = None
         """The W&B run id (None without W&B); pass it back as ``wandb_id`` to resume."""
         if config.wandb:
-            import wandb
-            import yaml
+            import wandb  # deferred: W&B
             mode = "online" if os.environ.get("WANDB_API_KEY") else "offline"
             parsed = yaml.safe_load(config_yaml)
             self._wandb = wandb.init(
@@ -103,7 +104,7 @@ class Tracker:
             self.wandb_id = self._wandb.id
         self._tensorboard = None
         if config.tensorboard:
-            from torch.utils.tensorboard import SummaryWriter
+            from torch.utils.tensorboard import SummaryWriter  # deferred: torch, tensorboard
             with _writing(self.run_dir / "tensorboard"):
                 self._tensorboard = SummaryWriter(
                     str(self.run_dir / "tensorboard"),
@@ -241,9 +242,9 @@ def read_metrics(path: str | os.PathLike) -> list[dict[str, Any]]:
 def plot_metric(metrics_path: str | os.PathLike, key: str, out_png: str | os.PathLike,
                 title: str = "") -> None:
     """A PNG of ``key`` against ``step`` from a metrics.jsonl file."""
-    import matplotlib
+    import matplotlib  # deferred: matplotlib
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: matplotlib
 
     rows = [r for r in read_metrics(metrics_path) if key in r]
     fig, ax = plt.subplots(figsize=(6, 3.5))

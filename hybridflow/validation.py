@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import Sequence, TypeVar
 
 from hybridflow.errors import ConfigError, check_int
+from hybridflow.parallel.layout import GenLayout
 
 T = TypeVar("T")
 
@@ -56,7 +57,6 @@ def split_held_out(items: Sequence[T], size: int, seed: int) -> tuple[list[T], l
 
 def check_validation(cfg, n_prompts: int) -> None:
     """The held-out split against the data and the layouts (a ConfigError naming the key)."""
-    from hybridflow.parallel.layout import GenLayout
     v = cfg.validation
     if not v.enabled:
         return

@@ -246,6 +246,7 @@ def vocab_parallel_entropy(logits: torch.Tensor, group=None) -> torch.Tensor:
     e = torch.exp(y)
     sums = torch.stack([e.sum(dim=-1), (e * y).sum(dim=-1)])
     if parallel:
+        # deferred: Megatron
         from megatron.core.tensor_parallel import reduce_from_tensor_model_parallel_region
         sums = reduce_from_tensor_model_parallel_region(sums, group)
     return torch.log(sums[0]) - sums[1] / sums[0]

@@ -20,6 +20,8 @@ import typing
 from typing import Any, Mapping, TypeVar
 
 import yaml
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 from hybridflow.errors import ConfigError
 
@@ -42,7 +44,6 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None,
         composed = load_composed(path)
         auto_keys = getattr(cls, "AUTO_KEYS", ())
         if auto_keys:  # "auto" is no value of these int fields: taken out before the schema
-            from omegaconf import OmegaConf
             data = OmegaConf.to_container(composed)
             auto = _take_auto(data, auto_keys)
             composed = _create(data)
@@ -108,14 +109,12 @@ def make_config(cls: type[T], config: Any = None, values: Mapping[str, Any] | No
         where[last] = value
     if nested:
         node = _merge(node, _create(nested))
-    from omegaconf import OmegaConf
     return build_config(cls, OmegaConf.to_container(node, resolve=True))
 
 
 def _apply_overrides(node, overrides: list[str] | tuple[str, ...]) -> dict:
     """The structured OmegaConf ``node`` with ``key=value`` overrides applied, as a plain dict;
     keys and types are checked against the schema."""
-    from omegaconf import OmegaConf
     for item in overrides:
         if not isinstance(item, str) or "=" not in item:
             raise ConfigError(OVERRIDES, f"{item!r}: an override must look like key=value, e.g. "
@@ -159,7 +158,6 @@ def build_config(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
 
 def to_yaml(config: Any) -> str:
     """The resolved config as YAML (what runs/<name>/config.yaml holds)."""
-    from omegaconf import OmegaConf
     return OmegaConf.to_yaml(OmegaConf.structured(config))
 
 
@@ -173,8 +171,6 @@ def _dataclass_in(hint: Any) -> type | None:
 
 
 def _structured(obj: Any):
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
     try:
         return OmegaConf.structured(obj)
     except OmegaConfBaseException as e:
@@ -182,8 +178,6 @@ def _structured(obj: Any):
 
 
 def _create(data: dict):
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
     try:
         return OmegaConf.create(data)
     except OmegaConfBaseException as e:
@@ -191,8 +185,6 @@ def _create(data: dict):
 
 
 def _merge(base, other):
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
     try:
         return OmegaConf.merge(base, other)
     except OmegaConfBaseException as e:
@@ -208,7 +200,6 @@ def _merge(base, other):
 def _section_mismatch(base, other, prefix: str = ""):
     """(dotted key, base section, given value) where ``other`` puts a value that is not a
     mapping in place of one of ``base``'s sections, or None."""
-    from omegaconf import DictConfig, OmegaConf
     if not isinstance(base, DictConfig) or not isinstance(other, DictConfig):
         return None
     for key in other.keys():
@@ -243,8 +234,6 @@ def load_composed(path: str | os.PathLike, _chain: tuple[str, ...] = ()):
     order), as one OmegaConf node without a ``defaults`` key; not yet checked against a schema.
     A missing file, a cycle or a ``defaults`` that is no list of file names is a ConfigError
     naming the file and the fix."""
-    from omegaconf import OmegaConf
-
     real = os.path.realpath(path)
     if real in _chain:
         cycle = " -> ".join(os.path.relpath(p) for p in (*_chain[_chain.index(real):], real))
@@ -274,8 +263,6 @@ def load_composed(path: str | os.PathLike, _chain: tuple[str, ...] = ()):
 def _load_yaml(path: str | os.PathLike):
     """The YAML file at ``path`` as an OmegaConf node; any way it cannot be read is a
     ConfigError naming the file, the line and the fix."""
-    from omegaconf import OmegaConf
-
     path = os.fspath(path)
     if not os.path.isfile(path):
         raise ConfigError(CONFIG_FILE, f"{path}: config file not found")

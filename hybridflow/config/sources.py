@@ -11,6 +11,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.presets import shape_preset
 from hybridflow.models.source import resolve_model
+from hybridflow.training.loading import check_hf_checkpoint
 
 SCORERS = {"scores": "reward_model", "costs": "cost_model"}
 """The scores a model group gives -> the config key that names that model."""
@@ -39,7 +40,6 @@ def _resolve(name: str, field: str) -> tuple[Path | None, ModelConfig]:
 def _model_config(model_dir: Path, field: str) -> ModelConfig:
     """The checkpoint's shape, with every tensor's name and shape checked from the file headers
     (no tensor data is read): a bad checkpoint fails here, not in a worker."""
-    from hybridflow.training.loading import check_hf_checkpoint
     try:
         return check_hf_checkpoint(model_dir)
     except ConfigError as e:

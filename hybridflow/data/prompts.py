@@ -18,6 +18,9 @@ import os
 from dataclasses import dataclass, field
 from typing import Any, Iterable, Mapping
 
+import numpy as np
+import pyarrow.parquet as pq
+
 from hybridflow.errors import ConfigError
 
 FILE_SUFFIXES = (".jsonl", ".parquet")
@@ -140,8 +143,6 @@ def load_prompts(cfg: PromptDataConfig, vocab_size: int | None = None) -> list[P
 def synthetic_prompts(size: int, length: int, vocab_size: int, seed: int) -> list[PromptItem]:
     """``size`` prompts of ``length`` token ids each, drawn uniformly from [SYNTHETIC_FIRST_ID,
     vocab_size) by a generator seeded with ``seed``: set as ``prompt_ids``, no chat."""
-    import numpy as np
-
     if vocab_size <= SYNTHETIC_FIRST_ID:
         raise ValueError(f"vocab_size {vocab_size} leaves no ids from {SYNTHETIC_FIRST_ID}")
     ids = np.random.default_rng(seed).integers(SYNTHETIC_FIRST_ID, vocab_size,
@@ -156,6 +157,7 @@ def reasoning_gym_prompts(tasks: list[str], *, size: int, seed: int,
     generated with seed ``seed + i``: the question is the user turn, the answer the reference, and
     the entry itself ``extra``."""
     try:
+        # deferred: reasoning_gym
         import reasoning_gym
         from reasoning_gym.factory import DATASETS
     except ImportError:
@@ -195,8 +197,6 @@ def prompts_from_file(path: str | os.PathLike, *, prompt_key: str | None = None,
     if not os.path.isfile(path):
         raise ConfigError("data.source", f"prompt file {path!r} not found")
     if path.endswith(".parquet"):
-        import pyarrow.parquet as pq
-
         try:
             rows = enumerate(pq.read_table(path).to_pylist(), start=1)
         except Exception as e:  # pyarrow raises several types for a damaged file

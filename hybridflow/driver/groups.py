@@ -17,6 +17,8 @@ from typing import Any
 from hybridflow.batch import Batch
 from hybridflow.config.cluster import gpu_pools, worker_groups
 from hybridflow.config.sources import SCORERS
+from hybridflow.workers.actor import ActorRolloutRefWorker
+from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.group import ResourcePool, WorkerGroup
 
 TRAIN, GEN = "train", "gen"
@@ -129,11 +131,6 @@ def start_groups(cfg, model_dir: str, scorer_dirs: dict[str, Any]) -> Groups:
     """Start the run's groups (``cfg`` an RLConfig; ``model_dir`` the actor's checkpoint, from
     which the critic starts too; ``scorer_dirs``: "scores"/"costs" -> the reward/cost model's).
     Each worker gets its own role's config only."""
-    # Deferred: the workers' modules import torch and Megatron, which the driver itself needs
-    # only once groups start.
-    from hybridflow.workers.actor import ActorRolloutRefWorker
-    from hybridflow.workers.critic import CriticWorker
-
     start = time.perf_counter()
     scores_of = {field: key for key, field in SCORERS.items()}  # reward_model -> "scores"
     specs = []  # (name, world size, worker class, its keyword arguments)

@@ -114,7 +114,7 @@ def model_config_from_hf(hf_cfg: Any) -> ModelConfig:
 def hf_config_from_model_config(cfg: ModelConfig, **extra: Any) -> Any:
     """A transformers LlamaConfig / Qwen2Config for ``cfg``; ``extra`` (e.g. eos_token_id) is
     passed through to the config."""
-    import transformers
+    import transformers  # deferred: transformers
 
     if cfg.arch == "qwen2" and cfg.qkv_bias is False:
         raise ConfigError("model.qkv_bias", "Qwen2 always has q/k/v biases; set qkv_bias=True")
@@ -294,7 +294,7 @@ def _weight_map(ckpt_dir: Path) -> dict[str, Path]:
 
 def load_hf_config(ckpt_dir: str | os.PathLike) -> ModelConfig:
     """ModelConfig from ``ckpt_dir/config.json``."""
-    import transformers
+    import transformers  # deferred: transformers
 
     path = Path(ckpt_dir) / "config.json"
     if not path.exists():
@@ -324,7 +324,7 @@ def load_hf_config(ckpt_dir: str | os.PathLike) -> ModelConfig:
 def load_tokenizer(ckpt_dir: str | os.PathLike, field: str = "model") -> Any:
     """The transformers tokenizer of an HF checkpoint directory; one that cannot be loaded is a
     ConfigError naming the directory (``field`` is the config key that named it)."""
-    import transformers
+    import transformers  # deferred: transformers
 
     if not any((Path(ckpt_dir) / f).exists() for f in _TOKENIZER_FILES):
         raise ConfigError(field, f"{ckpt_dir}: has no tokenizer (none of "
@@ -343,7 +343,7 @@ def load_hf_state_dict(ckpt_dir: str | os.PathLike, names: list[str] | None = No
     """Tensors of an HF safetensors checkpoint (single file or sharded with an index); only
     ``names`` are read when given. Shapes are checked against ``cfg`` (default: the directory's
     config.json). Any problem is one ConfigError naming the file and the tensor."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError, safe_open  # deferred: safetensors
 
     ckpt_dir = Path(ckpt_dir)
     if cfg is None and (ckpt_dir / "config.json").exists():
@@ -435,7 +435,7 @@ def save_hf_checkpoint(ckpt_dir: str | os.PathLike, hf_sd: dict[str, torch.Tenso
     name -> text, whatever ``write_extra(directory)`` adds) that
     ``transformers.AutoModelForCausalLM.from_pretrained`` loads. Written into a temporary
     directory beside ``ckpt_dir`` and renamed into place."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # deferred: safetensors
 
     dest = Path(ckpt_dir)
     tensors = _check_hf_sd(hf_sd, cfg)

@@ -47,6 +47,7 @@ def load_gguf_dequantized(gguf: Path) -> tuple[dict, ModelConfig, object]:
     needs ``accelerate`` and keeps the weights packed in quantized modules (which
     ``save_pretrained`` refuses); here every tensor is dequantized into a plain state dict.
     """
+    # deferred: torch, transformers
     import torch
     import transformers
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
@@ -92,6 +93,7 @@ def prepare_smollm2(cache_dir: str | os.PathLike) -> Path:
     if importlib.util.find_spec("gguf") is None:  # transformers' GGUF reader needs it
         raise ConfigError("model", f"reading {GGUF_NAME} needs the gguf package; run `{_INSTALL}`")
 
+    # deferred: torch
     import torch
 
     from hybridflow.models.hf import save_hf_checkpoint

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from hybridflow.errors import ConfigError
 from hybridflow.models.presets import HF_NAMES, SHAPES
+from hybridflow.models.smollm2 import prepare_smollm2
 
 PRESETS = ("smollm2", "tiny-llama", "tiny-qwen2")
 """Names of models made here, weights and tokenizer included."""
@@ -35,10 +36,9 @@ def resolve_model(model: str, field: str = "model") -> Path:
     if model in SHAPES:
         raise preset_has_no_weights(model, field)
     if model == "smollm2":
-        from hybridflow.models.smollm2 import prepare_smollm2
         return prepare_smollm2(cache_dir())
     if model in ("tiny-llama", "tiny-qwen2"):
-        from hybridflow.models import tiny
+        from hybridflow.models import tiny  # deferred: it imports torch
         cfg = tiny.tiny_llama_config() if model == "tiny-llama" else tiny.tiny_qwen2_config()
         path = cache_dir() / model
         if not (path / "config.json").exists():

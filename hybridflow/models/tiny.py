@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.hf import hf_config_from_model_config, save_hf_checkpoint
@@ -66,7 +67,7 @@ def make_tiny_hf_model(cfg: ModelConfig, seed: int = 0) -> Any:
     """A transformers ``LlamaForCausalLM``/``Qwen2ForCausalLM`` in fp32, in eval mode, with every
     parameter (norms and biases too) drawn from a generator seeded with ``seed``, so the weights
     do not depend on transformers' init order or on the global RNG."""
-    import transformers
+    import transformers  # deferred: transformers
 
     hf_cfg = hf_config_from_model_config(cfg, bos_token_id=1, eos_token_id=2, pad_token_id=0)
     cls = getattr(transformers, hf_cfg.architectures[0])
@@ -84,8 +85,7 @@ def make_tiny_tokenizer(vocab_size: int = 512) -> Any:
     """A byte-level BPE ``PreTrainedTokenizerFast`` trained offline on a few built-in lines, with
     at most ``vocab_size`` tokens; pad/bos/eos are <|endoftext|>/<|im_start|>/<|im_end|> (ids 0,
     1, 2) and its chat template is ChatML."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
+    from transformers import PreTrainedTokenizerFast  # deferred: transformers
 
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

@@ -7,8 +7,10 @@ explicitly so that nothing of ours reaches into that state.
 
 from __future__ import annotations
 
+import torch
 import torch.distributed as dist
 
+import megatron_patches
 from hybridflow.parallel.layout import GenLayout, TrainLayout
 
 # Megatron's order string, innermost first: TP, then PP, then DP, so that the ranks of one TP x PP
@@ -19,8 +21,8 @@ MEGATRON_ORDER = "tp-cp-ep-pp-dp"
 def init_megatron_parallel(layout: TrainLayout, seed: int = 1234):
     """Initialise Megatron's groups for ``layout`` on the current default group; returns the
     ProcessGroupCollection. Call once per process, after ``dist.init_process_group``."""
-    import megatron_patches
     megatron_patches.apply()
+    # deferred: Megatron
     from megatron.core import parallel_state, tensor_parallel
     from megatron.core.process_groups_config import ProcessGroupCollection
 
@@ -47,14 +49,13 @@ def init_megatron_parallel(layout: TrainLayout, seed: int = 1234):
         mine = next(g for g in ours if rank in g)
         assert theirs == sorted(mine), f"megatron {name} group {theirs} != layout's {mine}"
     # The inference tracker keeps RNG state on the CPU generator; the CUDA tracker needs a GPU.
-    import torch
     tensor_parallel.model_parallel_cuda_manual_seed(
         seed, inference_rng_tracker=not torch.cuda.is_available())
     return ProcessGroupCollection.use_mpu_process_groups()
 
 
 def destroy_megatron_parallel() -> None:
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # deferred: Megatron
     if parallel_state.model_parallel_is_initialized():
         parallel_state.destroy_model_parallel()
 
@@ -63,7 +64,7 @@ def generation_process_groups(gen):
     """A ProcessGroupCollection for a model at the generation layout ``gen`` (pg = 1): its TP group
     is this rank's generation TP group (ranks at stride t/tg), its PP and CP groups are the rank
     alone. Collective over the world: every rank creates every group, in the same order."""
-    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.process_groups_config import ProcessGroupCollection  # deferred: Megatron
 
     if gen.pp != 1:
         raise ValueError("generation.pp > 1 is not supported by the generation model; use pp=1")
@@ -88,7 +89,7 @@ def single_replica_generation_groups(seed: int = 1234):
     world size), e.g. for a MegatronRollout in a test or a benchmark. Megatron's forward also reads
     state of its own (the attention buffer, the RNG tracker): it is set up for that layout unless
     something (a TrainEngine) already did. Collective over the world."""
-    from megatron.core import parallel_state
+    from megatron.core import parallel_state  # deferred: Megatron
 
     world = dist.get_world_size()
     layout = TrainLayout(tp=world)

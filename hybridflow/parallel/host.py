@@ -45,6 +45,6 @@ def keep_freed_memory() -> bool:
 def cpu_rank_settings() -> None:
     """One torch thread (several ranks share a few cores: oversubscribed, every pass is slower)
     and freed memory kept in the heap (``keep_freed_memory``)."""
-    import torch
+    import torch  # deferred: torch
     torch.set_num_threads(1)
     keep_freed_memory()

@@ -11,10 +11,14 @@ import shutil
 import socket
 import tempfile
 import traceback
+import warnings
 from typing import Any, Callable
 
+import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+
+from hybridflow.parallel.host import cpu_rank_settings
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -28,14 +32,10 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, q
             backend: str) -> None:
     # One thread per worker: several workers share two cores, and oversubscription is slower.
     os.environ["OMP_NUM_THREADS"] = "1"
-    import warnings
     # Megatron announces its fallbacks (no TE/apex) and uses a deprecated all-gather name once
     # per process; with several workers that buries the output that matters.
     warnings.filterwarnings("ignore", module=r"megatron\.")
     warnings.filterwarnings("ignore", category=FutureWarning, module=r"torch\.distributed")
-    import torch
-
-    from hybridflow.parallel.host import cpu_rank_settings
     cpu_rank_settings()
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       GLOO_SOCKET_IFNAME="lo")

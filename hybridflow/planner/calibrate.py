@@ -96,6 +96,7 @@ def _time_collectives(rank: int, world_size: int, message: int, warmup: int, rep
     """One rank's seconds per all-gather (``message`` bytes of output) and per broadcast
     (``message`` bytes from rank 0), each over ``warmup + repeats`` iterations, warm-up dropped.
     Run by ``spawn``: the default group is gloo; on GPU the timed one is a NCCL group over it."""
+    # deferred: torch
     import torch
     import torch.distributed as dist
 
@@ -105,7 +106,7 @@ def _time_collectives(rank: int, world_size: int, message: int, warmup: int, rep
         device, sync = torch.device("cuda", rank), torch.cuda.synchronize
     else:
         group, device, sync = None, torch.device("cpu"), (lambda: None)
-    from hybridflow.hybrid_engine.execute import broadcast_gather
+    from hybridflow.hybrid_engine.execute import broadcast_gather  # deferred: it imports torch
 
     out = torch.empty(message, dtype=torch.uint8, device=device)
     shard = torch.ones(message // world_size, dtype=torch.uint8, device=device)
@@ -132,7 +133,7 @@ def matmul_rate(device, dtype: str, n: int, *, warmup: int = 3, repeats: int = 1
     """FLOP/s of one n x n by n x n ``torch.matmul`` in ``dtype`` ("fp32", "bf16") on ``device``
     (a torch.device; on CPU with one thread, as each of our CPU workers runs): the median of
     ``repeats`` samples of ``inner`` calls after ``warmup``."""
-    import torch
+    import torch  # deferred: torch
     on_gpu = device.type == "cuda"
     sync = (lambda: torch.cuda.synchronize(device)) if on_gpu else (lambda: None)
     a, b = (torch.randn(n, n, dtype=_torch_dtype(dtype), device=device) for _ in range(2))
@@ -160,7 +161,7 @@ def timed_median(fn: Callable[[], object], sync: Callable[[], None], *, warmup: 
 
 
 def _torch_dtype(name: str):
-    import torch
+    import torch  # deferred: torch
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
 
 
@@ -168,7 +169,7 @@ def _torch_dtype(name: str):
 def _one_thread(on_gpu: bool):
     """On CPU, torch on one thread for the block (each of our CPU workers runs one); the previous
     thread count is restored after."""
-    import torch
+    import torch  # deferred: torch
     if on_gpu:
         yield
         return

@@ -102,12 +102,17 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.errors import ConfigError
+from hybridflow.hybrid_engine.switch import generation_metas, switch_recv_bytes
+from hybridflow.models.config import ModelConfig
+from hybridflow.models.params import (llama_param_metas, num_layers_of, owner_stage,
+                                      stage_layer_counts)
+from hybridflow.parallel.layout import GenLayout
 from hybridflow.planner.memory import (DTYPE_BYTES, MemoryEstimate, busiest_rank_split,
                                       busiest_stage_share, estimate_memory, logit_columns,
                                       param_count)
-from hybridflow.errors import ConfigError
 from hybridflow.planner.rates import Calibration
-from hybridflow.models.config import ModelConfig
+from hybridflow.training.lora import lora_param_counts
 
 ADAM_BYTES = 28
 """Bytes Adam reads and writes per parameter in a step: fp32 param, grad, two moments read; param
@@ -158,7 +163,6 @@ def stage_matmul_params(shape: ModelConfig, pp: int = 1, head: str = "lm",
     final norm's, and the output layer's on the last stage (the input embedding is only indexed;
     a tied one is counted once, as the output layer; a value head replaces the output layer with
     a [1, h] one). ``last``: the layout's ``last_stage_layers`` (None: an even split)."""
-    from hybridflow.models.params import llama_param_metas, owner_stage
     out = [0] * pp
     for m in llama_param_metas(shape):
         if m.position != "pre" and m.name != "output_layer.weight":
@@ -177,7 +181,6 @@ def attention_flops(shape: ModelConfig, seq: int, pp: int = 1,
     """FLOPs of attention's two products (scores, weighted values) for one sequence of ``seq``
     tokens on each of ``pp`` pipeline stages: ``4 L_s h seq^2``, L_s the stage's layers
     (``models.params.stage_layer_counts``; ``last`` as ``stage_matmul_params``')."""
-    from hybridflow.models.params import stage_layer_counts
     return [4 * layers * shape.hidden_size * seq * seq
             for layers in stage_layer_counts(shape.num_layers, pp, last)]
 
@@ -186,7 +189,6 @@ def _stage_flops(shape: ModelConfig, head: str, seq: int, pp: int, last: int | N
                  adapters: int | None, response: int | None) -> list[tuple[float, float, float]]:
     """Per pipeline stage, one sequence's forward FLOPs: (matmuls, attention, LoRA adapters). The
     adapters spread over the stages with the layers they sit in."""
-    from hybridflow.models.params import stage_layer_counts
     matmuls = [2 * n * seq for n in stage_matmul_params(shape, pp, head, last)]
     if head == "lm" and response is not None:
         matmuls[-1] -= 2 * shape.hidden_size * shape.vocab_size * (
@@ -346,7 +348,6 @@ def generation_floor(shape: ModelConfig, dtype: str, calib: Calibration, share: 
 def weights_bytes(shape: ModelConfig, dtype: str, tg: int) -> int:
     """Bytes of one rank's generation weights at generation tp ``tg`` (pp 1): what the switch
     hands the rollout backend."""
-    from hybridflow.models.params import llama_param_metas
     return sum(math.prod(m.shard_shape(tg)) for m in llama_param_metas(shape)) * DTYPE_BYTES[dtype]
 
 
@@ -395,7 +396,6 @@ def _offload(cfg: Any, memory: MemoryEstimate, calib: Calibration,
 
 
 def _generate(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, float]:
-    from hybridflow.parallel.layout import GenLayout
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
     dtype = cfg.actor.engine.dtype
     terms = generation_floor(shape, dtype, calib,
@@ -412,8 +412,6 @@ def switch_bytes(gen, metas: list, dtype_bytes: int, mode: str = "3d",
     """(bytes the busiest rank receives in one switch, bytes of the largest generation shard):
     the paper's Table 2 "communication volume" and "peak memory" of the generation weights, from
     our own reshard plan (``mode`` "3d") or verl's per-tensor path ("naive")."""
-    from hybridflow.hybrid_engine.switch import switch_recv_bytes
-    from hybridflow.models.params import num_layers_of, owner_stage
     layers, train = num_layers_of(metas), gen.train
     # A generation stage merges pp_stride consecutive training stages, whichever their split.
     storage = max(sum(math.prod(m.shard_shape(gen.tp)) for m in metas
@@ -427,9 +425,6 @@ def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration,
              lora: tuple[int, int] | None) -> dict[str, float]:
     """The switch's all-gather; with LoRA (``lora``: ``lora_param_counts``) each rank's merge of
     its adapted shards first (module docstring)."""
-    from hybridflow.hybrid_engine.switch import generation_metas
-    from hybridflow.models.params import llama_param_metas
-    from hybridflow.parallel.layout import GenLayout
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
     metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings, gen)
     b = DTYPE_BYTES[cfg.actor.engine.dtype]
@@ -454,7 +449,6 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
     fwd_mb = micro_batch_rows(cfg.actor.engine, seq, True)
     lora = None
     if cfg.actor.lora.enabled:
-        from hybridflow.training.lora import lora_param_counts
         lora = lora_param_counts(model, cfg.actor.lora)
     adapters = None if lora is None else lora[1]
     terms = {"reshard": _reshard(cfg, model, calib, lora),

@@ -79,7 +79,13 @@ from typing import Any
 
 from hybridflow.config.cluster import gpu_pools
 from hybridflow.errors import ConfigError
+from hybridflow.hybrid_engine.plan import copied_own_bytes, plan_reshard
+from hybridflow.hybrid_engine.switch import generation_metas
 from hybridflow.models.config import ModelConfig
+from hybridflow.models.params import llama_param_metas, stage_layer_counts
+from hybridflow.parallel.layout import GenLayout, TrainLayout
+from hybridflow.rollout.base import rollout_backend
+from hybridflow.training.lora import lora_param_counts
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
@@ -122,7 +128,6 @@ class MemoryEstimate:
 def param_count(shape: ModelConfig, head: str = "lm") -> int:
     """Parameters of the model; ``head="value"`` swaps the LM output layer for a scalar head
     (critics, reward and cost models)."""
-    from hybridflow.models.params import llama_param_metas
     metas = llama_param_metas(shape)
     n = sum(math.prod(m.shape) for m in metas)
     if head == "value":
@@ -227,7 +232,6 @@ def busiest_stage_share(num_layers: int, layout) -> float:
     """The most layers a pipeline stage of ``layout`` holds, over ``num_layers / pp``: 1 for an
     even split, more with ``layout.last_stage_layers`` (17 of 30 at pp=2: 1.13). The estimates
     spread a model's parameters over the stages with their layers."""
-    from hybridflow.models.params import stage_layer_counts
     counts = stage_layer_counts(num_layers, layout.pp, layout.last_stage_layers)
     return max(counts) * layout.pp / num_layers
 
@@ -283,7 +287,6 @@ def _training_activations(shape: ModelConfig, part, seq: int, samples: int,
                           response: int | None) -> int:
     """The stored activations of the largest training micro-batch on its busiest stage;
     ``response``: the response tokens of an LM head's logits (None: a value head, none)."""
-    from hybridflow.models.params import stage_layer_counts
     lay, eng = part.layout, part.engine
     width, b = _micro_batch_shape(eng, seq, forward=False)
     # Micro-batches per rank and mini-batch; under a budget at most one per sequence.
@@ -320,8 +323,6 @@ def _logits(shape: ModelConfig, tokens: float, tp: int, dtype: str, training: bo
 
 def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation, forward,
            updates) -> None:
-    from hybridflow.parallel.layout import GenLayout
-    from hybridflow.rollout.base import rollout_backend
     actor, r = cfg.actor, cfg.rollout
     backend = rollout_backend(r.backend)
     n, b = param_count(shape), DTYPE_BYTES[actor.engine.dtype]
@@ -340,7 +341,6 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
         # The frozen base holds no grads or optimizer state, the adapters do; the reference is
         # the base itself. Generation takes merged copies of the adapted weights' shards, so
         # those base shards stay beside the generation storage (lora_merge copy).
-        from hybridflow.training.lora import lora_param_counts
         adapted, a = lora_param_counts(shape, actor.lora)
         mp = busiest_rank_split(shape.num_layers, actor.layout)
         adapters = _train_state(a, actor.layout, actor.engine, shape.num_layers)
@@ -368,11 +368,6 @@ def _copied_shard_bytes(fields: tuple, t: int, p: int, last: int | None, tg: int
     """The most bytes of its own training shards a rank keeps beside its generation weights (the
     reshard plan's ``copied_own_bytes``): 0 with every shard resident. ``fields``: the model
     shape's (name, value) pairs, hashable for the cache."""
-    from hybridflow.hybrid_engine.plan import copied_own_bytes, plan_reshard
-    from hybridflow.hybrid_engine.switch import generation_metas
-    from hybridflow.models.params import llama_param_metas
-    from hybridflow.parallel.layout import GenLayout, TrainLayout
-
     shape = ModelConfig(**dict(fields))
     gen = GenLayout(train=TrainLayout(tp=t, pp=p, last_stage_layers=last), tp=tg)
     metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings, gen)
@@ -400,7 +395,6 @@ def _fix(cfg, role: str, parts: dict[str, int]) -> tuple[str, str]:
     nodes = cfg.cluster.gpus_per_node
     section = "actor" if role in ("actor", "ref", "rollout") else "critic"
     lay, eng = getattr(cfg, section).layout, getattr(cfg, section).engine
-    from hybridflow.rollout.base import rollout_backend  # torch: the planner imports without it
     if role == "rollout" and "kv_cache_mb" in rollout_backend(cfg.rollout.backend).reads:
         return "rollout.kv_cache_mb", "lower it, or use rollout.backend=megatron"
     if role == "rollout" and cfg.rollout.tp < lay.tp:

@@ -52,7 +52,10 @@ import os
 import statistics
 from typing import Any
 
+from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
+from hybridflow.parallel.layout import GenLayout, TrainLayout
+from hybridflow.planner.calibrate import timed_median
 from hybridflow.planner.rates import PassProfile, lora_key
 
 
@@ -64,21 +67,21 @@ def profile_passes(cfg: Any, calib, quick: bool = False, configured_only: bool =
     ``configured_only``: only the config's micro-batch sizes (``micro_batch_sizes``), not the
     search's whole ladder: minutes for a real model on a CPU instead of a quarter of an hour; the
     cost model then reads the nearest measured size's efficiency for the others."""
+    # deferred: these import torch
     from hybridflow.config.sources import model_sources
     from hybridflow.parallel.spawn import spawn
     from hybridflow.rollout.base import rollout_backend
     checkpoints, shapes = model_sources(cfg)
     # An unknown or missing backend fails here, before the spawn.
     if not rollout_backend(cfg.rollout.backend).builds_from_shape and checkpoints["model"] is None:
-        from hybridflow.errors import ConfigError
         raise ConfigError("model", f"{cfg.model} is a shape preset without weights, which the "
                                    f"{cfg.rollout.backend} backend needs to start; profile it "
                                    "with rollout.backend=megatron or name a checkpoint")
-    from hybridflow.workers.group import quiet_engines_env
+    from hybridflow.workers.group import quiet_engines_env  # deferred: it imports torch
     # The child inherits the environment at its start: torch reads its log level at import.
     saved = dict(os.environ)
     os.environ.update(quiet_engines_env())
-    import torch
+    import torch  # deferred: torch
     on_gpu = torch.cuda.is_available()
     tp = cfg.actor.layout.tp
     if on_gpu and tp > torch.cuda.device_count():
@@ -104,6 +107,7 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) 
     """A PassProfile from the seconds measured at ``tp``: ``times[kind][b]`` = (one micro-batch
     of b sequences, two), ``times["optimizer"]`` (the optimizer's step alone),
     ``times["generate"]``, ``times["weight_load"]`` (module docstring)."""
+    # deferred: these import torch
     from hybridflow.planner.memory import param_count
     from hybridflow.planner.cost import (ADAM_BYTES, forward_flops, generation_floor,
                                          train_flops, weights_bytes)
@@ -142,6 +146,7 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) 
 def micro_batch_sizes(cfg: Any, configured_only: bool = False) -> list[int]:
     """The sizes to measure: the search's candidates (unless ``configured_only``) and the
     configured ones (a token budget's as the cost model counts it), up to the step's samples."""
+    # deferred: these import torch
     from hybridflow.planner.search import MICRO_BATCHES
     from hybridflow.planner.cost import micro_batch_rows
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
@@ -154,7 +159,6 @@ def micro_batch_sizes(cfg: Any, configured_only: bool = False) -> list[int]:
 
 def _share(cfg: Any) -> int:
     """One generation replica's share of the step's samples at the configured layout."""
-    from hybridflow.parallel.layout import GenLayout
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
     return math.ceil(cfg.train_batch_size * cfg.rollout.sampling.n / gen.replicas)
 
@@ -164,10 +168,9 @@ def _measure_passes(rank: int, world_size: int, cfg: Any, shape: ModelConfig, si
     """Median seconds of each pass (as ``efficiencies`` reads them) at each micro-batch size of
     ``sizes``, and of the optimizer's step alone, at tp = the world size (every rank the same
     tokens)."""
+    # deferred: torch
     import torch
 
-    from hybridflow.planner.calibrate import timed_median
-    from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training.engine import TrainEngine
 
     torch.manual_seed(0)
@@ -222,9 +225,9 @@ def _measure_generate(rank: int, world_size: int, cfg: Any, shape: ModelConfig, 
                       repeats: int) -> tuple[float, float]:
     """Median seconds of the rollout backend's ``generate`` over one replica's share, and of its
     ``load_from_switch`` of the whole model, in a one-rank group."""
+    # deferred: torch
     import torch
 
-    from hybridflow.planner.calibrate import timed_median
     from hybridflow.rollout.base import RolloutSetup, SamplingConfig, rollout_backend
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
@@ -250,7 +253,6 @@ def _measure_generate(rank: int, world_size: int, cfg: Any, shape: ModelConfig, 
     # What the switch hands the rollout at generation tp = 1: every tensor, whole.
     from hybridflow.hybrid_engine.switch import generation_metas
     from hybridflow.models.params import DTYPES, llama_param_metas
-    from hybridflow.parallel.layout import GenLayout, TrainLayout
     metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings,
                              GenLayout(train=TrainLayout(), tp=1))
     tensors = {m.name: torch.zeros(m.shape, dtype=DTYPES[cfg.actor.engine.dtype],

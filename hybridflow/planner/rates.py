@@ -225,7 +225,7 @@ class PassProfile:
             if not isinstance(self.lora, dict) or set(self.lora) != {"rank", "target_modules"}:
                 raise ArgumentError("lora", f"must be null or {{rank, target_modules}}, got "
                                             f"{self.lora!r}")
-            from hybridflow.training.lora import LoraConfig
+            from hybridflow.training.lora import LoraConfig  # deferred: it imports torch
             self.lora = lora_key(LoraConfig(**self.lora))
 
     def efficiency(self, kind: str, micro_batch: float) -> float:

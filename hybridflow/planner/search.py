@@ -15,10 +15,14 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.config.sources import model_sources
 from hybridflow.errors import ConfigError
-from hybridflow.planner.rates import Calibration
-from hybridflow.planner.cost import Prediction, predict
 from hybridflow.models.config import ModelConfig
+from hybridflow.parallel.layout import TrainLayout
+from hybridflow.planner.cost import Prediction, predict
+from hybridflow.planner.memory import check_memory_fits
+from hybridflow.planner.rates import Calibration
+from hybridflow.training.model import check_model_fits_layout
 
 MICRO_BATCHES = (1, 2, 4, 8, 16)
 
@@ -98,7 +102,6 @@ def apply(cfg: Any, overrides: dict[str, Any]) -> Any:
     ConfigError when the combination is refused). A configured ``layout.last_stage_layers`` is
     kept where the mapping keeps the configured pp (it is a split of that pp's stages); other
     pp's are split evenly."""
-    from hybridflow.parallel.layout import TrainLayout
     c = copy.deepcopy(cfg)
     for role in ("actor", "critic"):
         if f"{role}.layout.tp" in overrides:
@@ -118,8 +121,6 @@ def search(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> tupl
         list[Mapping], dict[str, int]]:
     """The mappings that fit, fastest first, and how many candidates each check refused
     ({"config": n, "memory": n})."""
-    from hybridflow.planner.memory import check_memory_fits
-    from hybridflow.training.model import check_model_fits_layout
     fits, refused = [], {"config": 0, "memory": 0}
     for overrides in candidates(cfg, shapes["model"]):
         try:
@@ -168,7 +169,6 @@ def plan_layout(cfg: Any, log=print) -> Any:
     shapes looked up, the choice logged in one line."""
     if not cfg.planned_keys:
         return cfg
-    from hybridflow.config.sources import model_sources
     chosen, mapping = resolve_auto(cfg, model_sources(cfg)[1])
     log(f"planner ({', '.join(cfg.planned_keys)}): {mapping.describe()}, predicted step "
         f"{mapping.prediction.step:.3g} s; as overrides: "
@@ -195,7 +195,6 @@ def run_prediction(cfg: Any, shapes: dict[str, ModelConfig]) -> Prediction | Non
 def plan_lines(cfg: Any, top: int = 5) -> list[str]:
     """What ``hybridflow plan`` prints: the fastest mappings that fit, each phase's predicted
     seconds and the peak memory per device, then where the configured mapping stands."""
-    from hybridflow.config.sources import model_sources
     calib = load_calibration(cfg)
     _, shapes = model_sources(cfg)
     fits, refused = search(cfg, shapes, calib)

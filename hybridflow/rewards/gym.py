@@ -19,7 +19,7 @@ from hybridflow.rewards.math import boxed_contents, last_number, parse_number
 
 def extract_gym_answer(response: str, reference: str | None = None) -> str | None:
     """The bare answer of ``response`` (see the module docstring); None when it is empty."""
-    from reasoning_gym.utils import extract_answer
+    from reasoning_gym.utils import extract_answer  # deferred: reasoning_gym
 
     tagged = extract_answer(response)
     if tagged is not None:
@@ -37,7 +37,7 @@ def extract_gym_answer(response: str, reference: str | None = None) -> str | Non
 
 @functools.cache  # building a dataset's scorer can load files; one per dataset name is enough
 def _score_fn(dataset_name: str) -> Callable[[str | None, dict[str, Any]], float]:
-    import reasoning_gym
+    import reasoning_gym  # deferred: reasoning_gym
 
     try:
         return reasoning_gym.get_score_answer_fn(dataset_name)

@@ -43,7 +43,10 @@ from typing import Any, Iterable
 import torch
 
 from hybridflow.errors import ArgumentError, ConfigError, check_float, check_int
+from hybridflow.hybrid_engine.convert import to_hf
 from hybridflow.models.config import ModelConfig
+from hybridflow.models.hf import hf_param_shapes, hf_sources, megatron_name_for_hf
+from hybridflow.models.params import megatron_param_names
 
 @dataclass(kw_only=True)
 class SamplingConfig:
@@ -208,7 +211,6 @@ class RolloutBackend(ABC):
         """Load the generation-layout Megatron shards this rank holds after the 3D-HybridEngine's
         switch (Megatron names, global layer indices). By default they are converted to full
         HF-named tensors for ``update_weights_hf``, which needs them unsharded (tp = 1)."""
-        from hybridflow.hybrid_engine.convert import to_hf
         self.update_weights_hf(to_hf(tensors, self.model_config, self.tp))
 
     @abstractmethod
@@ -359,9 +361,6 @@ def group_hf_weights(weights: Iterable[tuple[str, torch.Tensor]], cfg: ModelConf
     an unknown name, a wrong shape, a name given twice, or a fused parameter with a part missing
     (a partly loaded fused module would silently keep uninitialised rows in vLLM).
     """
-    from hybridflow.models.hf import hf_param_shapes, hf_sources, megatron_name_for_hf
-    from hybridflow.models.params import megatron_param_names
-
     shapes = hf_param_shapes(cfg)
     groups: dict[str, dict[str, torch.Tensor]] = {}
     for name, tensor in weights:

@@ -54,6 +54,7 @@ from types import SimpleNamespace
 from typing import Mapping
 
 import torch
+import torch.distributed as dist
 import torch.nn.functional as F
 
 from hybridflow.models.config import ModelConfig
@@ -266,8 +267,6 @@ class FastDecoder:
         ``check_triton_kernels`` there, else torch. ``block``: slots per attention bucket of
         the torch step. ``prefill_tokens``: most prompt tokens (rows x width) prefilled at once,
         bounding the prefill's activations."""
-        import torch.distributed as dist
-
         self.cfg, self.params, self.dtype, self.device = cfg, params, dtype, torch.device(device)
         self.tp_group = tp_group
         self.tp = dist.get_world_size(tp_group) if tp_group is not None else 1
@@ -358,7 +357,6 @@ class FastDecoder:
     # ------------------------------------------------------------------------------ model
     def _all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp > 1:
-            import torch.distributed as dist
             dist.all_reduce(x, group=self.tp_group)
         return x
 
@@ -376,7 +374,6 @@ class FastDecoder:
         logits = F.linear(x, self.params[self._out_name])  # [B, V/tp]
         if self.tp == 1:
             return logits
-        import torch.distributed as dist
         parts = [torch.empty_like(logits) for _ in range(self.tp)]
         dist.all_gather(parts, logits.contiguous(), group=self.tp_group)
         return torch.cat(parts, dim=-1)

@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 
 from hybridflow.errors import ArgumentError
+from hybridflow.models.hf import load_hf_config
 from hybridflow.models.params import DTYPES
 from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, call_seed,
                                      check_prompts, eos_token_ids, group_hf_weights, left_pad)
@@ -38,9 +39,7 @@ class HFRollout(RolloutBackend):
         """``seed``: decides the samples of calls without ``sampling.seed`` (with the count of
         calls). ``cache_implementation``: transformers' KV cache ("static" for the
         compiled-friendly one; None = dynamic)."""
-        import transformers
-
-        from hybridflow.models.hf import load_hf_config
+        import transformers  # deferred: transformers
 
         if dtype not in DTYPES:
             raise ArgumentError("dtype", f"unknown dtype {dtype!r}; one of {sorted(DTYPES)}")

@@ -40,13 +40,22 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
+import megatron_patches
 from hybridflow.errors import ArgumentError
 from hybridflow.models.config import ModelConfig
-from hybridflow.models.params import DTYPES
+from hybridflow.models.hf import load_hf_config, load_hf_state_dict, merge_hf_to_megatron
+from hybridflow.models.params import DTYPES, llama_param_metas, shard, stacked_layout
+from hybridflow.parallel.groups import single_replica_generation_groups
+from hybridflow.parallel.layout import TrainLayout
 from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, RolloutSetup, SamplingConfig,
                                      call_seed, check_prompts, group_hf_weights, left_pad)
 from hybridflow.rollout.base import eos_token_ids as checkpoint_eos_ids
+from hybridflow.rollout.fast_decode import FastDecoder, sample_triton
+from hybridflow.training.config import EngineConfig
+from hybridflow.training.model import (batch_attention_mask, batch_position_ids,
+                                       check_model_fits_layout, transformer_config)
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +70,7 @@ class _MegatronSteps:
 
     def begin(self, ids: torch.Tensor, mask: torch.Tensor, steps: int, repeat: int = 1
               ) -> torch.Tensor:
-        from megatron.core.inference.contexts import StaticInferenceContext
+        from megatron.core.inference.contexts import StaticInferenceContext  # deferred: Megatron
 
         if repeat > 1:  # no shared prefill here: every row computes its prompt
             ids, mask = ids.repeat_interleave(repeat, 0), mask.repeat_interleave(repeat, 0)
@@ -127,7 +136,6 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
     noise.exponential_(generator=generator)
     plain = not (sampling.top_k and sampling.top_k < logits.shape[-1]) and sampling.top_p >= 1.0
     if fused and plain:
-        from hybridflow.rollout.fast_decode import sample_triton
         return sample_triton(logits, noise, sampling.temperature)
     logits = logits.float()
     scores = logits / sampling.temperature
@@ -207,8 +215,6 @@ class MegatronRollout(RolloutBackend):
         caller trains); the next call replays the graphs as they are if the parameters kept their
         storage (the switch at an unchanged layout hands over the training tensors themselves),
         instead of capturing them again. Needs ``fast_decode``."""
-        from hybridflow.models.hf import load_hf_config, load_hf_state_dict
-
         if dtype not in DTYPES:
             raise ArgumentError("dtype", f"unknown dtype {dtype!r}; one of {sorted(DTYPES)}")
         model_dir = None
@@ -256,10 +262,6 @@ class MegatronRollout(RolloutBackend):
 
     # ------------------------------------------------------------------------------ model
     def _default_groups(self):
-        import torch.distributed as dist
-
-        from hybridflow.parallel.groups import single_replica_generation_groups
-
         if not dist.is_initialized():
             raise RuntimeError(
                 "MegatronRollout needs torch.distributed: call dist.init_process_group first (one "
@@ -268,14 +270,10 @@ class MegatronRollout(RolloutBackend):
         return single_replica_generation_groups(seed=self.seed)
 
     def _build(self):
-        import megatron_patches
         megatron_patches.apply()
+        # deferred: Megatron
         from megatron.core.models.gpt import GPTModel
         from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-
-        from hybridflow.parallel.layout import TrainLayout
-        from hybridflow.training.config import EngineConfig
-        from hybridflow.training.model import check_model_fits_layout, transformer_config
 
         layout = TrainLayout(tp=self.tp)
         engine = EngineConfig(dtype="bf16" if self.dtype == torch.bfloat16 else "fp32")
@@ -320,8 +318,6 @@ class MegatronRollout(RolloutBackend):
         converted. With ``fast_decode``, row-parallel weights and fc1 may come stacked,
         ``[s, *shard at tp*s]`` (``takes_stacked``). Everything is checked before anything is
         set."""
-        from hybridflow.models.params import llama_param_metas, stacked_layout
-
         metas = None
         for name, t in tensors.items():
             if name not in self.params:
@@ -356,9 +352,6 @@ class MegatronRollout(RolloutBackend):
 
     def update_weights_hf(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         """Full HF-named tensors -> Megatron layout -> this rank's TP shard -> the model."""
-        from hybridflow.models.hf import merge_hf_to_megatron
-        from hybridflow.models.params import llama_param_metas, shard
-
         metas = {m.name: m for m in llama_param_metas(self.model_config)}
         groups = group_hf_weights(weights, self.model_config)
         local = {}
@@ -400,8 +393,6 @@ class MegatronRollout(RolloutBackend):
     def _forward(self, ids, mask, context) -> torch.Tensor:
         """Logits [B, V] at the last of the ``s`` new positions ``ids`` [B, s]; ``mask`` [B, S]
         (1 = real token) covers the cache so far, the new positions included."""
-        from hybridflow.training.model import batch_attention_mask, batch_position_ids
-
         s = ids.shape[1]
         if s == mask.shape[1]:  # prefill: causal + padding, as the training engine masks
             attn = batch_attention_mask(mask)
@@ -414,8 +405,6 @@ class MegatronRollout(RolloutBackend):
 
     def fast_decoder(self):
         """The FastDecoder over this model's parameters (built on first use)."""
-        from hybridflow.rollout.fast_decode import FastDecoder
-
         if self._fast is None:
             self._fast = FastDecoder(self.model_config, self.params, dtype=self.dtype,
                                      device=self.device, tp_group=self.pg.tp,

@@ -37,8 +37,10 @@ from pathlib import Path
 from typing import Iterable
 
 import torch
+import torch.distributed as dist
 
 from hybridflow.errors import ArgumentError
+from hybridflow.models.hf import load_hf_config
 from hybridflow.models.params import DTYPES, megatron_param_names
 from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, RolloutSetup, SamplingConfig,
                                      call_seed, check_prompts, eos_token_ids, group_hf_weights)
@@ -57,7 +59,7 @@ class RolloutWeightsError(RuntimeError):
 
 
 def _serialize(tensors: dict[str, torch.Tensor]) -> bytes:
-    from safetensors.torch import save
+    from safetensors.torch import save  # deferred: safetensors
     # Host tensors, contiguous: the views of a split fused weight (q/k/v) need not be.
     return save({n: t.detach().to("cpu").contiguous() for n, t in tensors.items()})
 
@@ -78,7 +80,7 @@ def _keep_default_group(external_launcher: bool):
     if not external_launcher:
         yield
         return
-    from vllm.distributed import parallel_state
+    from vllm.distributed import parallel_state  # deferred: vLLM
 
     original = parallel_state.destroy_distributed_environment
 
@@ -135,8 +137,6 @@ class VLLMRollout(RolloutBackend):
         of an initialised torch.distributed world of ``tp`` ranks builds it and makes the same
         calls), as when generation is colocated with training; otherwise vLLM starts its own
         workers (in-process at tp=1 with VLLM_ENABLE_V1_MULTIPROCESSING=0)."""
-        from hybridflow.models.hf import load_hf_config
-
         if dtype not in DTYPES:
             raise ArgumentError("dtype", f"unknown dtype {dtype!r}; one of {sorted(DTYPES)}")
         if transport == "auto":
@@ -157,13 +157,12 @@ class VLLMRollout(RolloutBackend):
         self.bucket_bytes, self.transport = bucket_bytes, transport
         self.external_launcher = external_launcher
         if external_launcher:
-            import torch.distributed as dist
             if not dist.is_initialized():
                 raise ArgumentError("external_launcher", "needs torch.distributed "
                                     "initialised in every rank (torchrun, Ray workers, or "
                                     "hybridflow.parallel.spawn) before the engine is built")
         self.eos_token_ids = eos_token_ids(self.model_dir)
-        from vllm.platforms import current_platform
+        from vllm.platforms import current_platform  # deferred: vLLM
         self.sleep_supported = current_platform.is_sleep_mode_available()
         if kv_cache_bytes is None and current_platform.is_cpu():
             kv_cache_bytes = 256 << 20
@@ -193,7 +192,7 @@ class VLLMRollout(RolloutBackend):
 
     # ------------------------------------------------------------------------------ engine
     def _start(self) -> None:
-        from vllm import LLM
+        from vllm import LLM  # deferred: vLLM
         start = time.monotonic()
         self.llm = LLM(**self._engine_kwargs)
         self._sleeping = False
@@ -223,7 +222,7 @@ class VLLMRollout(RolloutBackend):
     # ------------------------------------------------------------------------------ generate
     def generate(self, prompt_token_ids: list[list[int]], sampling: SamplingConfig
                  ) -> list[RolloutOutput]:
-        from vllm import SamplingParams
+        from vllm import SamplingParams  # deferred: vLLM
 
         if self.llm is None:
             raise RuntimeError("VLLMRollout is closed")
@@ -312,8 +311,7 @@ class VLLMRollout(RolloutBackend):
             log.debug("weight push failed", exc_info=True)
             failure = self._describe_failure(e)
         if self.external_launcher:
-            import torch.distributed as dist
-            from vllm.distributed.parallel_state import get_tp_group
+            from vllm.distributed.parallel_state import get_tp_group  # deferred: vLLM
 
             flag = torch.tensor([int(failure is not None)])
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=get_tp_group().cpu_group)

@@ -46,7 +46,7 @@ class WeightUpdateExtension:
         once all of its parts have arrived, and processes a partly loaded one with the rest left
         uninitialised.
         """
-        from safetensors.torch import load, load_file
+        from safetensors.torch import load, load_file  # deferred: safetensors
 
         if isinstance(payload, dict):
             tensors = payload

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import replace
 from typing import Callable, Iterator
 
 import torch
@@ -39,11 +40,12 @@ import torch.nn.functional as F
 from hybridflow.algorithms.losses import vocab_parallel_entropy
 from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.models.config import ModelConfig
-from hybridflow.models.params import DTYPES, ParamMeta, llama_param_metas, shard
+from hybridflow.models.params import DTYPES, ParamMeta, llama_param_metas, shard, unshard
 from hybridflow.parallel.groups import init_megatron_parallel
 from hybridflow.parallel.layout import TrainLayout
 from hybridflow.training.config import EngineConfig
-from hybridflow.training.lora import LoraConfig
+from hybridflow.training.lora import (Adapters, LoraConfig, initial_adapters, lora_metas,
+                                      merge_adapters)
 from hybridflow.training.micro_batches import (_take, first_logit_column, plan_micro_batches,
                                                response_starts, to_batch_order)
 from hybridflow.training.model import (ADAPTER_SUFFIXES, VALUE_HEAD, ValueHead, _build_chunks,
@@ -82,7 +84,7 @@ def _cross_entropy_and_entropy(vocab_shard: torch.Tensor, labels: torch.Tensor, 
                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token cross entropy of ``labels`` (as GPTModel computes it when given them) and the
     entropy, both [b, s], from this rank's vocabulary slice of the logits [b, s, V/tp]."""
-    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy
+    from megatron.core.tensor_parallel import vocab_parallel_cross_entropy  # deferred: Megatron
     # Megatron's cross entropy overwrites fp32 logits in place, and the entropy reads them too;
     # it reduces over parallel_state's TP group, which is ``tp_group``.
     cross_entropy = vocab_parallel_cross_entropy(vocab_shard.to(torch.float32, copy=True), labels)
@@ -103,6 +105,7 @@ def output_layer_from(model, start: int, tp_group) -> Iterator[None]:
     if not start or layer is None:
         yield
         return
+    # deferred: Megatron
     from megatron.core.tensor_parallel import gather_from_sequence_parallel_region
     sequence_parallel = layer.sequence_parallel
 
@@ -164,6 +167,7 @@ class TrainEngine:
     def __init__(self, model: ModelConfig, layout: TrainLayout, engine: EngineConfig,
                  *, build_optimizer: bool = True, head: str = "lm",
                  lora: LoraConfig | None = None):
+        # deferred: Megatron
         from megatron.core.distributed.finalize_model_grads import finalize_model_grads
 
         model = self._checked_model(model, layout, engine, head)
@@ -215,7 +219,6 @@ class TrainEngine:
                               "set it to false for critics and reward models")
         if head == "value" and model.tie_embeddings:
             # A value head has nothing to tie to; the LM output layer is replaced, not shared.
-            from dataclasses import replace
             model = replace(model, tie_embeddings=False)
         return model
 
@@ -235,6 +238,7 @@ class TrainEngine:
 
     def _wrap_in_ddp(self, chunks) -> list:
         """The chunks in Megatron's DDP, which keeps their gradients in fp32 buffers."""
+        # deferred: Megatron
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         from hybridflow.training.embedding import use_main_grad_lookup
@@ -262,6 +266,7 @@ class TrainEngine:
 
     def _build_optimizer(self):
         """Megatron's optimizer (``engine.optim``) over the DDP chunks; Adam fused on CUDA."""
+        # deferred: Megatron
         from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
 
         engine, o = self.config, self.config.optim
@@ -280,7 +285,6 @@ class TrainEngine:
     def _attach_adapters(self, chunks, lora):
         """Freeze every parameter and give the targeted linears LoRA adapters (before DDP wraps
         the chunks, so that only the adapters get grad buffers and optimizer state)."""
-        from hybridflow.training.lora import Adapters, initial_adapters, lora_metas
         if self.head != "lm":
             raise ArgumentError("lora", "adapters are for the actor (head='lm')")
         if self.config.sequence_parallel:  # RLConfig refuses it as actor.lora
@@ -442,13 +446,14 @@ class TrainEngine:
         return step
 
     def _collect_logits(self, vocab_shard: torch.Tensor, outputs: list):
+        # deferred: Megatron
         from megatron.core.tensor_parallel import gather_from_tensor_model_parallel_region
         outputs.append(gather_from_tensor_model_parallel_region(vocab_shard).detach())
         return vocab_shard.sum() * 0, torch.tensor(1, dtype=torch.int), {}
 
     def _run(self, batch: dict[str, torch.Tensor], loss_fn: LossFn | None, forward_only: bool,
              logits: bool = False, entropy: bool = False):
-        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.pipeline_parallel import get_forward_backward_func  # deferred: Megatron
 
         mbs = self._micro_batches(batch, forward_only)
         outputs: list = []
@@ -541,6 +546,7 @@ class TrainEngine:
         gradients are finite: one NaN would otherwise spread to every weight. The norm is reduced
         over the model-parallel ranks after the data-parallel all-reduce, so every rank decides
         alike. Returns (grad norm, whether the step was applied)."""
+        # deferred: Megatron
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
         opt = self.optimizer
         found_inf = opt.prepare_grads()
@@ -563,7 +569,6 @@ class TrainEngine:
         merged in (the weights the policy computes with)."""
         full = self._gather({n: p.detach() for n, p in self.named_local_params()}, self.metas)
         if merged and self.adapters is not None:
-            from hybridflow.training.lora import merge_adapters
             full = merge_adapters(full, self.full_adapters(), self.adapters.config.scaling)
         return full
 
@@ -574,7 +579,6 @@ class TrainEngine:
 
     def _gather(self, local: dict[str, torch.Tensor], metas: dict[str, ParamMeta]
                 ) -> dict[str, torch.Tensor]:
-        from hybridflow.models.params import unshard
         out = {}
         for name, meta in metas.items():
             box = [None] * self.layout.pp

@@ -30,6 +30,7 @@ from hybridflow.models.hf import (_safetensors_header, _weight_map, hf_param_nam
                                   megatron_name_for_hf, megatron_to_hf, merge_hf_to_megatron,
                                   save_hf_checkpoint)
 from hybridflow.models.params import ParamMeta
+from hybridflow.training.lora import PEFT_DIR, write_peft_adapter
 from hybridflow.training.model import VALUE_HEAD
 
 _EMBEDDING = "embedding.word_embeddings.weight"
@@ -120,7 +121,7 @@ class _SliceReader:
     def read(self, name: str, dim: int | None, parts: int, index: int) -> torch.Tensor:
         """Block ``index`` of ``parts`` equal blocks of tensor ``name`` along ``dim`` (the whole
         tensor when dim is None)."""
-        from safetensors import SafetensorError, safe_open
+        from safetensors import SafetensorError, safe_open  # deferred: safetensors
 
         path = self.weight_map[name]
         try:
@@ -216,7 +217,6 @@ def export_engine_to_hf(engine, out_dir: str | os.PathLike,
     full = engine.full_weights(merged=True)
     write_extra = None
     if engine.adapters is not None:
-        from hybridflow.training.lora import PEFT_DIR, write_peft_adapter
         adapters = engine.full_adapters()
 
         def write_extra(tmp: Path) -> None:
@@ -227,7 +227,7 @@ def export_engine_to_hf(engine, out_dir: str | os.PathLike,
         try:
             tokenizer = None
             if tokenizer_dir is not None:
-                import transformers
+                import transformers  # deferred: transformers
                 tokenizer = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
             save_hf_checkpoint(out_dir, megatron_to_hf(full, engine.model_config),
                                engine.model_config, tokenizer=tokenizer, write_extra=write_extra)

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import json
 import math
 from dataclasses import dataclass, field
 from typing import Iterator
@@ -37,7 +38,7 @@ import torch.nn.functional as F
 
 from hybridflow.errors import ConfigError, check_float, check_int
 from hybridflow.models.config import ModelConfig
-from hybridflow.models.params import ParamMeta, llama_param_metas, shard
+from hybridflow.models.params import ParamMeta, llama_param_metas, resolve, shard, split
 
 TARGETS = {"linear_qkv": "column", "linear_proj": "row", "linear_fc1": "column",
            "linear_fc2": "row"}
@@ -256,6 +257,7 @@ def _checkpoint_adapters(module: torch.nn.Module, column: bool, fc1: bool) -> No
     """Megatron's linears checkpoint their state dict with only ``weight``/``bias`` split over TP
     (anything else as replicated): give the adapters their own splits, and fc1's B the [gate; up]
     handling Megatron's MLP gives fc1's weight, so a checkpoint loads at any TP."""
+    # deferred: Megatron
     from megatron.core.transformer.mlp import apply_swiglu_sharded_factory
     from megatron.core.transformer.utils import make_sharded_tensors_for_checkpoint
     own = module.sharded_state_dict
@@ -282,7 +284,6 @@ def peft_state_dict(adapters: dict[str, torch.Tensor], cfg: ModelConfig
     """Full adapters (Megatron names) -> PEFT's LoRA tensors for the HF model: a fused Megatron
     linear's A is every HF module's A (q, k and v see the same input), its B splits by rows
     as the weight does."""
-    from hybridflow.models.params import resolve, split
     out = {}
     for name, a in adapters.items():
         if not name.endswith("lora_A"):
@@ -300,9 +301,7 @@ def write_peft_adapter(out_dir: Path, adapters: dict[str, torch.Tensor], cfg: Mo
                        lora: LoraConfig) -> None:
     """``adapter_config.json`` and ``adapter_model.safetensors`` in ``out_dir``:
     ``peft.PeftModel.from_pretrained(base_model, out_dir)`` loads them."""
-    import json
-
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # deferred: safetensors
     out_dir.mkdir(parents=True, exist_ok=True)
     modules = sorted({m for t in lora.target_modules for m in PEFT_TARGETS[t]})
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": lora.rank,

@@ -24,14 +24,23 @@ from typing import Callable
 
 import torch
 import torch.distributed as dist
+from torch.distributed.checkpoint.api import CheckpointException
 
+from hybridflow import checkpoint
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
-from hybridflow.models.hf import replace_dir_atomically
+from hybridflow.models.hf import (_safetensors_header, _weight_map, load_hf_config,
+                                  replace_dir_atomically)
 from hybridflow.models.params import DTYPES
+from hybridflow.parallel.layout import TrainLayout
+from hybridflow.parallel.spawn import spawn
+from hybridflow.training.config import EngineConfig
+from hybridflow.training.engine import TrainEngine
 from hybridflow.training.loading import (_raise_everywhere, check_hf_checkpoint,
                                          check_same_model, export_engine_to_hf,
                                          load_hf_into_engine)
+from hybridflow.training.lora import LoraConfig
+from hybridflow.training.model import check_model_fits_layout
 
 MODEL_FILE = "hybridflow_model.json"
 """Our ModelConfig (and the layout it was saved at, for information) beside the checkpoint."""
@@ -50,6 +59,7 @@ def _sharded_state_dict(engine) -> dict:
 
 
 def _save_strategy():
+    # deferred: Megatron
     from megatron.core.dist_checkpointing.strategies.torch import TorchDistSaveShardedStrategy
     # thread_count=1: one writer process and one file per saving rank (the default forks two).
     return TorchDistSaveShardedStrategy("torch_dist", 1, thread_count=1)
@@ -59,7 +69,7 @@ def save_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike,
                              tokenizer_dir: str | os.PathLike | None = None) -> Path:
     """Save the engine's weights as a Megatron-Core distributed checkpoint, with our ModelConfig
     (and the tokenizer of ``tokenizer_dir`` if it has one). Collective over all ranks."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # deferred: Megatron
 
     dest = Path(ckpt_dir)
     box = [None]
@@ -75,7 +85,7 @@ def save_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike,
         if dist.get_rank() == 0:
             _write_model_file(engine, tmp)
             if tokenizer_dir is not None and _has_tokenizer(Path(tokenizer_dir)):
-                import transformers
+                import transformers  # deferred: transformers
                 tok = transformers.AutoTokenizer.from_pretrained(str(tokenizer_dir))
                 tok.save_pretrained(str(tmp / TOKENIZER_DIR))
     except Exception as e:  # noqa: BLE001 - re-raised on every rank below
@@ -124,6 +134,7 @@ def read_checkpoint_model(ckpt_dir: str | os.PathLike) -> ModelConfig:
 
 def checkpoint_dtype(ckpt_dir: str | os.PathLike) -> str:
     """The engine dtype ("fp32"/"bf16") to load a distributed checkpoint with: its embedding's."""
+    # deferred: it imports Megatron
     from hybridflow.training.safe_load import safe_load_tensors_metadata
 
     check_is_megatron_checkpoint(ckpt_dir)
@@ -137,7 +148,7 @@ def checkpoint_dtype(ckpt_dir: str | os.PathLike) -> str:
 
 def check_is_megatron_checkpoint(ckpt_dir: str | os.PathLike) -> None:
     """Raise a ConfigError unless ``ckpt_dir`` holds a Megatron-Core distributed checkpoint."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # deferred: Megatron
 
     if not Path(ckpt_dir).is_dir():
         raise ConfigError("--ckpt", f"{ckpt_dir} is not a directory; point to a Megatron "
@@ -152,8 +163,8 @@ def load_megatron_checkpoint(engine, ckpt_dir: str | os.PathLike, *,
     """Load a distributed checkpoint (saved at any layout) into ``engine``. Collective. When the
     checkpoint carries our ModelConfig it must equal the engine's. Nothing in it is unpickled
     beyond checkpoint metadata and plain data (``safe_load``); errors name ``field``."""
+    # deferred: Megatron
     from megatron.core.dist_checkpointing.core import CheckpointingException
-    from torch.distributed.checkpoint.api import CheckpointException
 
     from hybridflow.training.safe_load import _unwrap, safe_load
 
@@ -187,16 +198,12 @@ def _log(msg: str) -> None:
 def read_checkpoint_lora(ckpt_dir: str | os.PathLike):
     """The LoRA config a checkpoint's adapters were trained with (``training.lora.LoraConfig``),
     or None when it has none."""
-    from hybridflow.training.lora import LoraConfig
     path = Path(ckpt_dir) / MODEL_FILE
     lora = json.loads(path.read_text()).get("lora") if path.exists() else None
     return None if lora is None else LoraConfig(**lora)
 
 
 def _build_engine(cfg: ModelConfig, tp: int, pp: int, dtype: str, lora=None):
-    from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.config import EngineConfig
-    from hybridflow.training.engine import TrainEngine
     return TrainEngine(cfg, TrainLayout(tp=tp, pp=pp, dp=1), EngineConfig(dtype=dtype),
                        build_optimizer=False, lora=lora)
 
@@ -231,7 +238,6 @@ _CONFIG_ERROR_LINE = re.compile(r"^hybridflow\.errors\.ConfigError: (.*?): (.*)$
 
 def _spawn(fn: Callable, world: int, *args) -> None:
     """spawn, with a worker's ConfigError raised here as one (not as a traceback)."""
-    from hybridflow.parallel.spawn import spawn
     try:
         spawn(fn, world, *args)
     except RuntimeError as e:
@@ -249,9 +255,6 @@ def _check_out_dir(out_dir: Path, source: Path, overwrite: bool) -> None:
 
 
 def _check_layout(cfg: ModelConfig, tp: int, pp: int, dtype: str) -> None:
-    from hybridflow.parallel.layout import TrainLayout
-    from hybridflow.training.config import EngineConfig
-    from hybridflow.training.model import check_model_fits_layout
     try:  # the tool's flags are --tp and --pp
         check_model_fits_layout(cfg, TrainLayout(tp=tp, pp=pp, dp=1), EngineConfig(dtype=dtype))
     except ConfigError as e:
@@ -282,7 +285,6 @@ def hf_to_megatron_checkpoint(hf_dir: str | os.PathLike, out_dir: str | os.PathL
 
 
 def _hf_dtype(hf_dir: Path) -> str:
-    from hybridflow.models.hf import _safetensors_header, _weight_map
     path = _weight_map(hf_dir)["model.embed_tokens.weight"]
     return "bf16" if _safetensors_header(path)["model.embed_tokens.weight"]["dtype"] == "BF16" \
         else "fp32"
@@ -293,9 +295,7 @@ def _actor_checkpoint(path: Path) -> Path:
     ``actor/`` of an RL checkpoint (``<run>/checkpoints/step_N``); a run directory's (or its
     ``checkpoints/`` folder's) newest complete checkpoint's actor. An RL checkpoint's manifest is
     checked first (files missing or truncated); nothing is loaded here."""
-    from megatron.core import dist_checkpointing
-
-    from hybridflow import checkpoint
+    from megatron.core import dist_checkpointing  # deferred: Megatron
 
     if not path.is_dir() or dist_checkpointing.check_is_distributed_checkpoint(str(path)):
         return path  # a Megatron checkpoint, or an error check_is_megatron_checkpoint names
@@ -341,7 +341,6 @@ def megatron_to_hf_checkpoint(ckpt_dir: str | os.PathLike, out_dir: str | os.Pat
     check_is_megatron_checkpoint(ckpt_dir)
     tokenizer_dir = ckpt_dir / TOKENIZER_DIR
     if hf_config_from is not None:
-        from hybridflow.models.hf import load_hf_config
         hf_config_from = Path(hf_config_from)
         if not hf_config_from.is_dir():
             raise ConfigError("--hf-config-from", f"{hf_config_from} is not a directory; give "
@@ -392,7 +391,7 @@ def save_train_state(engine, ckpt_dir: str | os.PathLike) -> None:
     """Weights and optimizer state of ``engine`` as a distributed checkpoint in ``ckpt_dir`` (made
     here; the caller makes the whole checkpoint appear atomically), with our ModelConfig beside
     them, so that ``tools/convert_checkpoint.py megatron-to-hf`` exports it. Collective."""
-    from megatron.core import dist_checkpointing
+    from megatron.core import dist_checkpointing  # deferred: Megatron
 
     dest = Path(ckpt_dir)
     if dist.get_rank() == 0:
@@ -409,7 +408,7 @@ def load_train_state(engine, ckpt_dir: str | os.PathLike) -> None:
     """Load what ``save_train_state`` wrote (at any layout) into ``engine``. Collective. A
     checkpoint that does not fit is a ConfigError on ``resume``; nothing in it is unpickled
     beyond checkpoint metadata."""
-    from hybridflow.training.safe_load import safe_load
+    from hybridflow.training.safe_load import safe_load  # deferred: it imports Megatron
 
     loaded = safe_load(_train_state_dict(engine, loading=True), str(ckpt_dir), field="resume")
     for i, chunk in enumerate(engine.chunks):

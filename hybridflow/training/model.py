@@ -9,12 +9,14 @@ from __future__ import annotations
 import re
 
 import torch
+import torch.nn.functional as F
 
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import DTYPES, stage_layer_counts
 from hybridflow.parallel.layout import TrainLayout
 from hybridflow.training.config import EngineConfig
+from megatron_patches import rope, wgrad
 
 
 def check_model_fits_layout(model: ModelConfig, layout: TrainLayout, engine: EngineConfig) -> None:
@@ -44,8 +46,7 @@ def check_model_fits_layout(model: ModelConfig, layout: TrainLayout, engine: Eng
 def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineConfig):
     """Megatron's TransformerConfig for a Llama-family model; fusions that need CUDA or
     Transformer Engine are off, except those megatron_patches stands in for."""
-    import torch.nn.functional as F
-    from megatron.core.transformer import TransformerConfig
+    from megatron.core.transformer import TransformerConfig  # deferred: Megatron
 
     dtype = DTYPES[engine.dtype]
     return TransformerConfig(
@@ -101,16 +102,15 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
 
 
 def _rope_fusion() -> bool:
-    from megatron_patches import rope
     return rope.apply()
 
 
 def _wgrad_fusion() -> bool:
-    from megatron_patches import wgrad
     return wgrad.apply()
 
 
 def _build_chunks(model: ModelConfig, layout: TrainLayout, tf_config, pg_collection):
+    # deferred: Megatron
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage,

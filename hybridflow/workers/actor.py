@@ -11,7 +11,17 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.algorithms import ActorObjective, actor_loss, prepare_rollout_correction
 from hybridflow.batch import Batch
+from hybridflow.hybrid_engine.switch import HybridEngine
+from hybridflow.models.hf import load_hf_config
+from hybridflow.parallel.groups import generation_process_groups
+from hybridflow.parallel.layout import GenLayout
+from hybridflow.rollout.base import RolloutSetup, call_seed, rollout_backend, rollout_batch
+from hybridflow.training.engine import TrainEngine
+from hybridflow.training.loading import load_hf_into_engine
+from hybridflow.training.megatron_ckpt import load_train_state, save_train_state
+from hybridflow.training.micro_batches import to_batch_order
 from hybridflow.workers.group import Rendezvous, Worker
 from hybridflow.workers.updates import (engine_batch, load_rank_state, logprob_batch, ppo_updates,
                                        save_rank_state, train_view)
@@ -27,12 +37,6 @@ class ActorRolloutRefWorker(Worker):
                  hybrid_engine, model_dir: str, seed: int, pad_token_id: int,
                  max_prompt_tokens: int):
         super().__init__(rank, world_size, rendezvous)
-        from hybridflow.hybrid_engine.switch import HybridEngine
-        from hybridflow.models.hf import load_hf_config
-        from hybridflow.parallel.layout import GenLayout
-        from hybridflow.training.engine import TrainEngine
-        from hybridflow.training.loading import load_hf_into_engine
-
         self.actor_cfg, self.rollout_cfg, self.ref_cfg = actor, rollout, ref
         self.model_dir, self.seed, self.pad_token_id = model_dir, seed, pad_token_id
         self.max_prompt_tokens = max_prompt_tokens
@@ -59,8 +63,6 @@ class ActorRolloutRefWorker(Worker):
         self.dp_group = self.actor.pg.dp
 
     def _make_rollout(self):
-        from hybridflow.parallel.groups import generation_process_groups
-        from hybridflow.rollout.base import RolloutSetup, call_seed, rollout_backend
         r = self.rollout_cfg
         backend = rollout_backend(r.backend)
         # One seed per generation replica (the ranks of its TP group must sample alike), mixed
@@ -126,7 +128,6 @@ class ActorRolloutRefWorker(Worker):
         return out
 
     def _pack(self, outputs, batch: Batch, sampling) -> Batch:
-        from hybridflow.rollout.base import rollout_batch
         # Fixed widths: every replica's rows have the same length, so the controller can
         # concatenate them.
         tensors = rollout_batch(outputs, self.pad_token_id,
@@ -156,7 +157,6 @@ class ActorRolloutRefWorker(Worker):
     # ----------------------------------------------------------------------------- update
     def update_actor(self, batch: Batch) -> Batch:
         """PPO epochs over mini-batches of this DP rank's share; metrics averaged."""
-        from hybridflow.algorithms import ActorObjective, actor_loss, prepare_rollout_correction
         a, rc = self.actor_cfg, self.actor_cfg.rollout_correction
         # Without old log-probs the update is on-policy (RLConfig.old_logprobs_from_update): the
         # training forward's own, detached, are the old ones, and come back with the metrics.
@@ -183,7 +183,6 @@ class ActorRolloutRefWorker(Worker):
                            "actor", loss_key="actor/loss", with_entropy=a.entropy_coef > 0)
         out.meta.update({k: v.item() for k, v in correction.items()})
         if seen:  # the last pipeline stage; micro-batches may be reordered and cut (a token budget)
-            from hybridflow.training.micro_batches import to_batch_order
             out.tensors["old_logprobs"] = to_batch_order(seen).cpu()
         return out
 
@@ -196,12 +195,10 @@ class ActorRolloutRefWorker(Worker):
     def save_state(self, ckpt_dir: str) -> None:
         """Write the actor's weights and optimizer state and this rank's RNG and rollout state
         into ``ckpt_dir`` (collective). The reference is the unchanged initial model."""
-        from hybridflow.training.megatron_ckpt import save_train_state
         save_train_state(self.actor, Path(ckpt_dir) / "actor")
         save_rank_state(Path(ckpt_dir) / f"actor-rank{self.rank:04d}.pt", self.rollout)
 
     def load_state(self, ckpt_dir: str) -> None:
-        from hybridflow.training.megatron_ckpt import load_train_state
         load_train_state(self.actor, Path(ckpt_dir) / "actor")
         self.hybrid.drop_base_copy()  # the LoRA base may differ from the one copied
         load_rank_state(Path(ckpt_dir) / f"actor-rank{self.rank:04d}.pt", self.rollout)

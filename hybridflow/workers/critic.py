@@ -7,7 +7,14 @@ from pathlib import Path
 
 import torch
 
+from hybridflow.algorithms import value_loss
 from hybridflow.batch import Batch
+from hybridflow.errors import ConfigError
+from hybridflow.models.hf import _weight_map, load_hf_config
+from hybridflow.training.engine import TrainEngine
+from hybridflow.training.loading import load_hf_into_engine
+from hybridflow.training.megatron_ckpt import load_train_state, save_train_state
+from hybridflow.training.model import VALUE_HEAD, shift_right
 from hybridflow.workers.group import Rendezvous, Worker
 from hybridflow.workers.updates import (engine_batch, load_rank_state, ppo_updates,
                                        save_rank_state, train_view)
@@ -20,10 +27,6 @@ class CriticWorker(Worker):
     def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, *, critic,
                  model_dir: str, trainable: bool = True, model_key: str = "model"):
         super().__init__(rank, world_size, rendezvous)
-        from hybridflow.models.hf import load_hf_config
-        from hybridflow.training.engine import TrainEngine
-        from hybridflow.training.loading import load_hf_into_engine
-
         self.critic_cfg = critic
         model_config = load_hf_config(model_dir)
         self.engine = TrainEngine(model_config, critic.layout, critic.engine,
@@ -36,9 +39,7 @@ class CriticWorker(Worker):
         """A reward model saved as transformers' *ForSequenceClassification keeps its scalar head
         as ``score.weight`` [1, hidden]; an LM checkpoint has none and keeps the fresh head.
         ``model_key``: the config key that named the checkpoint, for the error."""
-        from hybridflow.models.hf import _weight_map
-        from hybridflow.training.model import VALUE_HEAD
-        from safetensors import safe_open
+        from safetensors import safe_open  # deferred: safetensors
         files = _weight_map(Path(model_dir))
         if "score.weight" not in files:
             return
@@ -47,7 +48,6 @@ class CriticWorker(Worker):
         for name, param in self.engine.named_local_params():
             if name == VALUE_HEAD:
                 if head.shape != param.shape:
-                    from hybridflow.errors import ConfigError
                     raise ConfigError(model_key, f"{files['score.weight']}: score.weight has "
                                       f"shape {list(head.shape)}, expected {list(param.shape)} "
                                       "(one label)")
@@ -59,12 +59,10 @@ class CriticWorker(Worker):
 
     def save_state(self, ckpt_dir: str) -> None:
         """The critic's weights, optimizer and RNG states (see ActorRolloutRefWorker's)."""
-        from hybridflow.training.megatron_ckpt import save_train_state
         save_train_state(self.engine, Path(ckpt_dir) / "critic")
         save_rank_state(Path(ckpt_dir) / f"critic-rank{self.rank:04d}.pt")
 
     def load_state(self, ckpt_dir: str) -> None:
-        from hybridflow.training.megatron_ckpt import load_train_state
         load_train_state(self.engine, Path(ckpt_dir) / "critic")
         load_rank_state(Path(ckpt_dir) / f"critic-rank{self.rank:04d}.pt")
 
@@ -72,7 +70,6 @@ class CriticWorker(Worker):
     def _state_values(raw: torch.Tensor) -> torch.Tensor:
         # The head at position i has read token i; the value of the state *before* token i
         # (what GAE pairs with token i's reward) is the head's output at i - 1.
-        from hybridflow.training.model import shift_right
         return shift_right(raw)
 
     def compute_values(self, batch: Batch) -> Batch:
@@ -86,7 +83,6 @@ class CriticWorker(Worker):
         return Batch({"scores": raw[torch.arange(len(last)), last]})
 
     def update_critic(self, batch: Batch) -> Batch:
-        from hybridflow.algorithms import value_loss
         c = self.critic_cfg
 
         def loss_for(denom):

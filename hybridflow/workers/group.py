@@ -10,20 +10,27 @@ send results back.
 from __future__ import annotations
 
 import datetime
+import json
 import logging
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tempfile
 import time
 import uuid
 from dataclasses import dataclass
 from typing import Any
 
+import torch
+import torch.distributed as dist
+
 from hybridflow.batch import Batch
+from hybridflow.errors import ConfigError, RunError, check_float, check_int
 from hybridflow.parallel.host import cpu_rank_settings
 from hybridflow.parallel.spawn import free_port
-from hybridflow.errors import ConfigError, RunError, check_float, check_int
+from hybridflow.profiling import profile_step
 
 
 @dataclass(kw_only=True)
@@ -83,7 +90,7 @@ def quiet_engines_env() -> dict[str, str]:
 
 
 def init_ray(cfg: RayConfig) -> None:
-    import ray
+    import ray  # deferred: Ray
     if ray.is_initialized():
         return
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
@@ -111,8 +118,6 @@ def _start_reaper() -> None:
     """Ray's dashboard and runtime-env agents outlive a killed driver by a minute or more: a
     reaper process (hybridflow/workers/reaper.py) kills what the driver started once it is
     gone. One per driver process."""
-    import subprocess
-    import sys
     if os.environ.get("HYBRIDFLOW_REAPER_OF") == str(os.getpid()):
         return
     subprocess.Popen([sys.executable, "-m", "hybridflow.workers.reaper", str(os.getpid())],
@@ -140,8 +145,6 @@ class Worker:
 
     def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous):
         """``rendezvous``: from the WorkerGroup; subclasses pass it on unchanged."""
-        import torch
-        import torch.distributed as dist
         os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK="0")
         if rendezvous.init_method.startswith("file://"):  # a local run: gloo uses loopback only
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -170,7 +173,6 @@ class Worker:
         the call (``memory_meta``: the allocator's peak during it, what stays allocated, and how
         often it had to ask the device for memory). A call ``arm_profile`` named runs under
         torch.profiler."""
-        import torch
         run = getattr(self, method)
         armed = getattr(self, "_profile", {})
         if method in armed:
@@ -196,9 +198,6 @@ class Worker:
     @staticmethod
     def _profiled(run, where: tuple[str, int]):
         def profiled(*args: Any, **kwargs: Any) -> Any:
-            import json
-
-            from hybridflow.profiling import profile_step
             out = []
             prof = profile_step(lambda: out.append(run(*args, **kwargs)), None, where[1])
             with open(where[0], "w") as f:
@@ -210,7 +209,6 @@ class Worker:
 def cap_gpu_memory(gib: float) -> None:
     """Limit this process's CUDA allocator to ``gib`` GiB of the current device (an allocation
     beyond it raises torch's out-of-memory error, as on a GPU of that size)."""
-    import torch
     if not torch.cuda.is_available():
         raise ConfigError("ray.gpu_memory_gib", "this worker has no GPU; set it to null, or give "
                           "the workers GPUs (ray.gpus_per_worker)")
@@ -254,7 +252,7 @@ def max_memory_meta(metas: list[dict[str, Any]]) -> dict[str, float]:
 
 def _node_address() -> tuple[str, int]:
     """This node's address and a free port on it (runs where rank 0 will run)."""
-    import ray
+    import ray  # deferred: Ray
     ip = ray.util.get_node_ip_address()
     return ip, free_port("")
 
@@ -268,6 +266,7 @@ class ResourcePool:
     device, one per rank."""
 
     def __init__(self, world_size: int, cfg: RayConfig, share: int = 1, timeout_s: float = 300.0):
+        # deferred: Ray
         import ray
         from ray.util.placement_group import placement_group
 
@@ -290,7 +289,7 @@ class ResourcePool:
     def _check_resources(self, bundle: dict[str, float], wait_s: float = 5.0) -> None:
         """Fail at once, naming the field, if the bundles cannot fit; Ray's free counts lag
         behind just-released groups, so a shortfall is re-read for ``wait_s`` first."""
-        import ray
+        import ray  # deferred: Ray
         total = ray.cluster_resources()
         deadline = time.monotonic() + wait_s
         while True:
@@ -312,14 +311,14 @@ class ResourcePool:
 
     def options(self, rank: int) -> dict[str, Any]:
         """Ray actor options that put a worker of this pool's rank ``rank`` into its bundle."""
-        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy  # deferred: Ray
         return dict(num_gpus=self.cfg.gpus_per_worker / self.share,
                     num_cpus=self.cfg.cpus_per_worker / self.share,
                     scheduling_strategy=PlacementGroupSchedulingStrategy(
                         placement_group=self.placement_group, placement_group_bundle_index=rank))
 
     def close(self) -> None:
-        import ray
+        import ray  # deferred: Ray
         ray.util.remove_placement_group(self.placement_group)
 
 
@@ -331,7 +330,7 @@ class WorkerGroup:
     def __init__(self, worker_cls: type[Worker], world_size: int, *args: Any,
                  ray_config: RayConfig | None = None, name: str = "worker",
                  pool: ResourcePool | None = None, **kwargs: Any):
-        import ray
+        import ray  # deferred: Ray
         cfg = ray_config or RayConfig()
         self.own_pool = pool is None
         pool = pool or ResourcePool(world_size, cfg)
@@ -379,7 +378,7 @@ class WorkerGroup:
         ``field`` its config key), kills the group and raises a RunError naming the rank. An
         exception raised in a worker propagates: a ConfigError as itself (bad input found in a
         worker), anything else as Ray's RayTaskError with the worker's traceback."""
-        import ray
+        import ray  # deferred: Ray
         rank_of = {ref: r for r, ref in enumerate(futures)}
         results: list[Any] = [None] * len(futures)
         deadline = time.monotonic() + timeout_s if timeout_s else None
@@ -429,7 +428,7 @@ class WorkerGroup:
                         "(its last checkpoint, if any, is intact)")
 
     def _raise_if_died(self, refs: list, rank_of: dict, wait_s: float) -> None:
-        import ray
+        import ray  # deferred: Ray
         if not refs:
             return
         done, _ = ray.wait(refs, num_returns=len(refs), timeout=wait_s)
@@ -454,7 +453,7 @@ class WorkerGroup:
     def run_by_dp(self, method: str, batch: Batch, view: str = "train", **kwargs: Any) -> Batch:
         """Split ``batch`` over the data groups of ``view``, give every rank its group's shard,
         and concatenate the outputs of the groups' output ranks in group order."""
-        import ray
+        import ray  # deferred: Ray
         info = self._info(view)
         shards = batch.split(self.data_parallel_size(view))
         refs = [ray.put(s) for s in shards]
@@ -469,7 +468,7 @@ class WorkerGroup:
 
     def _kill(self) -> None:
         """End every rank's process now (a rank that is already dead is no error)."""
-        import ray
+        import ray  # deferred: Ray
         for a in self.actors:
             try:
                 ray.kill(a, no_restart=True)
@@ -479,7 +478,7 @@ class WorkerGroup:
     def shutdown(self) -> None:
         """Kill the ranks and free what the group holds; safe to call twice or after a rank
         died."""
-        import ray
+        import ray  # deferred: Ray
         if ray.is_initialized():
             self._kill()
             if self.own_pool and self.pool is not None:
@@ -493,7 +492,7 @@ class WorkerGroup:
 def _creation_error(e) -> BaseException | None:
     """The RayTaskError of a worker's constructor, if that is why its actor died (Ray's
     ActorDiedError carries it as its argument)."""
-    import ray
+    import ray  # deferred: Ray
     return next((a for a in e.args if isinstance(a, ray.exceptions.RayTaskError)), None)
 
 

@@ -9,6 +9,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.batch import Batch
+from hybridflow.errors import ConfigError
 
 # Fields each engine call needs from a Batch; everything else stays on the controller.
 MODEL_INPUTS = ("input_ids", "attention_mask")
@@ -74,7 +75,7 @@ def ppo_updates(engine, data: dict[str, torch.Tensor], schedule, agg: str, dp_gr
 def save_rank_state(path: Path, rollout=None) -> None:
     """This process's RNG states (and its rollout engine's call count): what, beside the
     weights, decides what it draws next. Tensors and ints, so loading needs no pickle."""
-    from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel  # deferred: Megatron
     state = {"torch": torch.get_rng_state(),
              "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
     if torch.cuda.is_available():
@@ -85,9 +86,8 @@ def save_rank_state(path: Path, rollout=None) -> None:
 
 
 def load_rank_state(path: Path, rollout=None) -> None:
-    from megatron.core import tensor_parallel
+    from megatron.core import tensor_parallel  # deferred: Megatron
 
-    from hybridflow.errors import ConfigError
     if not path.is_file():
         raise ConfigError("resume", f"{path} is missing: the checkpoint was saved by a run of "
                                     "another world size; resume it at its own layout")
