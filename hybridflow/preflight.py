@@ -41,8 +41,6 @@ from hybridflow.rewards import as_reward_fn, math_reward_fn, reasoning_gym_rewar
 from hybridflow.training.model import check_model_fits_layout
 from hybridflow.validation import check_validation
 
-"""The worker groups of the reward and cost models -> the config key naming their checkpoint."""
-
 
 @dataclass
 class RunCheck:

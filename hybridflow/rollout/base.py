@@ -48,6 +48,7 @@ from hybridflow.models.config import ModelConfig
 from hybridflow.models.hf import hf_param_shapes, hf_sources, megatron_name_for_hf
 from hybridflow.models.params import megatron_param_names
 
+
 @dataclass(kw_only=True)
 class SamplingConfig:
     """How to sample responses; the same meaning in every backend."""

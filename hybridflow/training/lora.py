@@ -30,6 +30,7 @@ import functools
 import json
 import math
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Iterator
 
 import torch
