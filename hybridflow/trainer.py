@@ -105,8 +105,6 @@ class RLTrainer:
     def prompt_items(self, prompts) -> list[PromptItem]:
         """Tokenized prompts from strings, chat records or PromptItems; those longer than
         data.max_prompt_tokens are dropped (and counted)."""
-        if prompts and isinstance(prompts[0], PromptItem) and prompts[0].prompt_ids is not None:
-            return prompts
         if prompts and not isinstance(prompts[0], PromptItem):
             prompts = prompts_from_records([{"prompt": p} if isinstance(p, str) else p
                                             for p in prompts])
@@ -120,7 +118,10 @@ class RLTrainer:
     def generate(self, prompts, sampling: SamplingConfig | None = None) -> Batch:
         """Sample responses for ``prompts`` (strings, chat records or PromptItems); the actor
         switches to the generation layout and back inside. Returns one row per sample."""
-        return steps.generate(self.start(), self.prompt_items(prompts), sampling)
+        tokenized = prompts and isinstance(prompts[0], PromptItem) and \
+            prompts[0].prompt_ids is not None
+        items = prompts if tokenized else self.prompt_items(prompts)
+        return steps.generate(self.start(), items, sampling)
 
     def score(self, batch: Batch) -> Batch:
         """Rewards, old (unless the update computes them: ``old_logprobs_from_update``) and
