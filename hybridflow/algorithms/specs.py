@@ -65,6 +65,13 @@ def algorithm_spec(name: str) -> AlgorithmSpec:
     return ALGORITHMS[name]
 
 
-def readers(option: str) -> list[str]:
-    """The algorithms that read ``algorithm.<option>``, in the table's order."""
-    return [name for name, spec in ALGORITHMS.items() if option in spec.reads]
+def readers(option: str) -> str:
+    """The algorithms that read ``algorithm.<option>``, in the table's order: "a or b"."""
+    return " or ".join(name for name, spec in ALGORITHMS.items() if option in spec.reads)
+
+
+def having(fact: str, conjunction: str = "or") -> str:
+    """The algorithms whose ``fact`` (an AlgorithmSpec flag) is true, in the table's order:
+    "a or b" (or "a and b")."""
+    return f" {conjunction} ".join(name for name, spec in ALGORITHMS.items()
+                                   if getattr(spec, fact))

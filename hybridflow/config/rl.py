@@ -14,20 +14,21 @@ from dataclasses import MISSING, dataclass, field
 from hybridflow.algorithms.kl import KL_KINDS
 from hybridflow.algorithms.losses import AGG_MODES, LEVELS
 from hybridflow.algorithms.mismatch import RolloutCorrectionConfig
-from hybridflow.algorithms.specs import (ALGORITHMS, OPTIONAL_OPTIONS, AlgorithmSpec, algorithm_spec,
-                                         readers)
+from hybridflow.algorithms.specs import (ALGORITHMS, OPTIONAL_OPTIONS, AlgorithmSpec,
+                                         algorithm_spec, having, readers)
 from hybridflow.checkpoint import CheckpointConfig
 from hybridflow.config.cluster import ClusterConfig, check_cluster
-from hybridflow.workers.group import RayConfig
 from hybridflow.data.prompts import PromptDataConfig
 from hybridflow.errors import ConfigError, check_choice, check_float, check_int
 from hybridflow.hybrid_engine.switch import LORA_MERGES, MODES
 from hybridflow.parallel.layout import GenLayout, TrainLayout
-from hybridflow.rollout.base import ROLLOUT_BACKENDS, RolloutBackend, SamplingConfig, rollout_backend
+from hybridflow.rollout.base import (ROLLOUT_BACKENDS, RolloutBackend, SamplingConfig,
+                                     rollout_backend)
 from hybridflow.tracking import TrackingConfig
 from hybridflow.training.config import EngineConfig, OptimConfig
 from hybridflow.training.lora import LoraConfig
 from hybridflow.validation import ValidationConfig
+from hybridflow.workers.group import RayConfig
 
 @dataclass(kw_only=True)
 class UpdateConfig:
@@ -251,11 +252,11 @@ class AlgorithmConfig:
         check_int("overlong_buffer", self.overlong_buffer, low=0)
         check_float("overlong_penalty", self.overlong_penalty, low=0, low_open=True)
         if self.dynamic_sampling and not self.spec.filters_groups:
-            which = " and ".join(n for n, spec in ALGORITHMS.items() if spec.filters_groups)
             raise ConfigError("dynamic_sampling", f"filters prompts whose samples' rewards are "
                                                   f"all equal, which only zeroes the advantages "
-                                                  f"of {which}, not {self.name}; use one of "
-                                                  "them or set it to false")
+                                                  f"of {having('filters_groups', 'and')}, not "
+                                                  f"{self.name}; use one of them or set it to "
+                                                  "false")
         check_int("max_sampling_rounds", self.max_sampling_rounds)
 
     @property
@@ -389,11 +390,11 @@ class RLConfig:
                                                     "prompt: use n >= 2")
         if a.spec.cost:
             if self.cost is None and self.cost_model is None:
-                raise ConfigError("cost", "safe_rlhf needs a cost function (cost) or a cost "
+                raise ConfigError("cost", f"{a.name} needs a cost function (cost) or a cost "
                                           "model (cost_model)")
         elif self.cost is not None or self.cost_model is not None:
             key = "cost" if self.cost is not None else "cost_model"
-            users = " or ".join(n for n, spec in ALGORITHMS.items() if spec.cost)
+            users = having("cost")
             raise ConfigError(key, f"only {users} uses a cost; algorithm.name={a.name} would "
                                    f"ignore it: remove it or use algorithm.name={users}")
         if self.data.source == "synthetic":  # random token ids: only a model can score them
@@ -428,13 +429,13 @@ class RLConfig:
         """An option set away from its default where this run would never read it is refused:
         the run would "work" and mean something else."""
         a, critic = self.algorithm, self.algorithm.spec.critic
-        trains_critic = " or ".join(n for n, spec in ALGORITHMS.items() if spec.critic)
+        trains_critic = having("critic")
         backend = self.rollout.backend_class
         scorers = self.reward_model is not None or self.cost_model is not None
         kl_fix = "set algorithm.kl_in_reward=true"
         inert = [  # (key, is it unused in this run, what would make it act)
-            *((f"algorithm.{k}", k not in a.spec.reads, "algorithm.name="
-               + " or ".join(readers(k))) for k in OPTIONAL_OPTIONS),
+            *((f"algorithm.{k}", k not in a.spec.reads, f"algorithm.name={readers(k)}")
+              for k in OPTIONAL_OPTIONS),
             ("algorithm.kl_coef", not a.kl_in_reward, kl_fix),
             ("algorithm.kl_type", not a.kl_in_reward, kl_fix),
             ("algorithm.kl_target", not a.kl_in_reward, kl_fix),
