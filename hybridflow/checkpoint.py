@@ -30,6 +30,7 @@ from typing import Any, Callable
 
 import yaml
 
+from hybridflow.algorithms.specs import algorithm_spec
 from hybridflow.errors import ConfigError, RunError, check_int
 
 FORMAT = 1
@@ -86,7 +87,7 @@ class ResumePlan:
 def run_identity(cfg: Any, model: Any) -> dict[str, Any]:
     """What a checkpoint must match to load into a run: its algorithm, trained models and model
     shape (``cfg`` an RLConfig, ``model`` the ModelConfig), as plain data."""
-    roles = ["actor"] + (["critic"] if cfg.algorithm.spec.critic else [])
+    roles = ["actor"] + (["critic"] if algorithm_spec(cfg.algorithm.name).critic else [])
     return {"algorithm": cfg.algorithm.name, "roles": roles,
             "model": json.loads(json.dumps(dataclasses.asdict(model)))}
 
