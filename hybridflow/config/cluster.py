@@ -94,11 +94,15 @@ def check_cluster(cfg: Any) -> None:
                 f"{c.nodes} * {c.gpus_per_node} = {c.gpus}")
         actor_size = cfg.actor.layout.world_size
         if len(pools) > 1:
-            other = next(names for names, size in pools if size != actor_size)
+            # The groups outside the actor's pool: of another world size, or all of them
+            # without colocation.
+            other = [n for names, _ in pools if "actor" not in names for n in names]
+            resize = ("" if cfg.critic.layout.world_size == actor_size else
+                      f"give critic.layout the actor's world size ({actor_size}) and ")
             raise ConfigError("critic.layout.dp" if ray.colocate else "ray.colocate",
-                              f"{what}: {' and '.join(other)} run on GPUs of their own; give "
-                              f"critic.layout the actor's world size ({actor_size}) and set "
-                              "ray.colocate=true so that all models share the same GPUs")
+                              f"{what}: {' and '.join(other)} run on GPUs of their own; "
+                              f"{resize}set ray.colocate=true so that all models share the "
+                              "same GPUs")
         lay = cfg.actor.layout
         per_dp = lay.tp * lay.pp * ray.gpus_per_worker
         fix = (f"set actor.layout.dp={c.gpus / per_dp:g}" if c.gpus % per_dp == 0 else

@@ -381,6 +381,8 @@ def test_a_70b_actor_at_tp1_does_not_fit(capsys, tmp_path):
 @pytest.mark.parametrize("overrides, key, message", [
     (["cluster.nodes=8"], "actor.layout.dp", "set actor.layout.dp=2"),
     (["critic.layout.dp=2"], "critic.layout.dp", "GPUs of their own"),
+    # Groups of one world size, each on GPUs of its own (a StopIteration before).
+    (["ray.colocate=false"], "ray.colocate", "critic and reward_model run on GPUs of their own"),
     (["ray.gpus_per_worker=0"], "ray.gpus_per_worker", "no rank claims a GPU"),
     (["cluster.nodes=32", "cluster.gpus_per_node=4"], "actor.layout.tp", "one node"),
     (["cluster.nodes=null", "cluster.gpus_per_node=4"], "cluster.gpus_per_node", "no effect"),
