@@ -243,7 +243,9 @@ def _import_callable(spec: str, key: str = "reward") -> Callable[..., Any]:
             module = importlib.import_module(target)
     except ConfigError:
         raise
-    except Exception as e:  # user code: a syntax error or anything it raises on import
+    # User code: a syntax error, anything it raises on import, or a sys.exit (SystemExit is no
+    # Exception: it would end the command silently).
+    except (Exception, SystemExit) as e:
         raise ConfigError(key, f"cannot import {target!r} from {spec!r}: "
                                f"{type(e).__name__}: {e}") from None
     if not hasattr(module, attr):

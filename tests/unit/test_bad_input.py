@@ -400,6 +400,9 @@ ROWS = [
      "reward", ["fn", "(response)"]),
     ("reward file raises on import", lambda f: [f.base, f.reward(
         "raise RuntimeError('no GPU here\\nnor there')")], "reward", ["r.py", "RuntimeError"]),
+    # SystemExit is no Exception: both commands printed nothing and exited 0.
+    ("reward file exits at import", lambda f: [f.base, f.reward("import sys\nsys.exit(0)")],
+     "reward", ["r.py", "SystemExit"]),
 
     # ---- checkpoints and run folders (nothing is loaded: trainer.json and its manifest decide)
     ("resume path missing", lambda f: [f.base, f"resume={f.tmp}/no_ckpt"], "resume",
