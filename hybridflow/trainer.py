@@ -142,9 +142,12 @@ class RLTrainer:
         # Planned again (check_run did at __init__): an earlier fit may have moved the run on.
         cfg, plan = self.config, resume_plan(self.config, self.checked.model)
         if plan.step >= cfg.steps:
-            print(f"{plan.run_dir} is complete: it reached step {plan.step} of steps={cfg.steps}; "
-                  "nothing to do (steps=N continues it, another name starts a new run)",
-                  flush=True)
+            # What reached the steps: this run's folder, or another run's checkpoint (resume=)
+            own = plan.checkpoint is None or plan.run_dir in plan.checkpoint.parents
+            how = "another name starts a new run" if own else f"into {plan.run_dir}"
+            print(f"{plan.run_dir if own else plan.checkpoint} is complete: it reached step "
+                  f"{plan.step} of steps={cfg.steps}; nothing to do (steps=N continues it, "
+                  f"{how})", flush=True)
             return []
         items = self.prompt_items(prompts if prompts is not None else self.checked.prompts)
         check_validation(cfg, len(items))  # before any process starts

@@ -252,6 +252,19 @@ def test_a_second_fit_sees_where_the_first_left_the_run(tmp_path, capsys):
     assert trainer.fit(PROMPTS) == [] and "is complete" in capsys.readouterr().out
 
 
+def test_a_finished_checkpoint_resumed_into_a_new_folder_names_the_checkpoint(tmp_path, capsys):
+    first = make_trainer(tmp_path, ("checkpoint.every", 2), steps=2)
+    first.fit(PROMPTS)
+    checkpoint = tmp_path / "rl" / "checkpoints" / "step_000002"
+    again = make_trainer(tmp_path, ("name", "again"), ("resume", str(checkpoint)), steps=2)
+    capsys.readouterr()
+    assert again.fit(PROMPTS) == []
+    out = capsys.readouterr().out
+    # The new folder holds nothing: what reached steps is the checkpoint.
+    assert f"{checkpoint} is complete" in out and "again is complete" not in out, out
+    assert not (tmp_path / "again").exists()
+
+
 def test_a_first_sigterm_asks_for_a_stop_and_a_second_ends_the_process(capsys):
     import os
     import signal
