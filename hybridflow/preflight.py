@@ -16,6 +16,7 @@ weights).
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -23,6 +24,7 @@ from typing import Callable
 import yaml
 
 from hybridflow.checkpoint import ResumePlan, plan_resume, run_identity
+from hybridflow.config.cluster import gpu_pools
 from hybridflow.config.loader import to_yaml
 from hybridflow.config.rl import RLConfig
 from hybridflow.config.sources import SCORERS, model_sources
@@ -153,6 +155,7 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
     prompts = load_prompts(cfg.data, vocab_size=model.vocab_size)
     notes = _check_prompts(cfg, prompts, checkpoints["model"], functions["reward"])
     _check_out_dir(cfg)
+    _check_local_cpus(cfg)
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
     recv, naive = _reshard_bytes(model, gen, cfg)
     memory = None
@@ -249,6 +252,22 @@ def _check_prompts(cfg: RLConfig, prompts: list, model_dir: Path | None,
     return notes
 
 
+def _check_local_cpus(cfg: RLConfig) -> None:
+    """A local Ray (of this machine, not a cluster the config describes) has ray.num_cpus CPUs,
+    else this machine's: every rank's ray.cpus_per_worker must fit in them, as the workers' start
+    would find (``ResourcePool``)."""
+    if cfg.ray.address != "local" or cfg.cluster.nodes is not None:
+        return
+    ranks = sum(size for _, size in gpu_pools(cfg))
+    cpus = cfg.ray.num_cpus or os.cpu_count() or 1
+    need = ranks * cfg.ray.cpus_per_worker
+    if need > cpus:
+        raise ConfigError("ray.cpus_per_worker", f"{ranks} ranks x {cfg.ray.cpus_per_worker:g} "
+                          f"CPU = {need:g} CPU, but a local Ray has {cpus} (ray.num_cpus, or "
+                          "this machine's); lower it (0 lets ranks share the CPUs) or shrink the "
+                          "layouts")
+
+
 def _check_out_dir(cfg: RLConfig) -> None:
     """The run folder can be made: the nearest existing parent is a writable folder."""
     parent = Path(cfg.tracking.out_dir).absolute()
@@ -258,6 +277,18 @@ def _check_out_dir(cfg: RLConfig) -> None:
         raise ConfigError("tracking.out_dir", f"{parent} is a file, not a folder")
     if not os.access(parent, os.W_OK | os.X_OK):
         raise ConfigError("tracking.out_dir", f"{parent} is not writable; choose another folder")
+    # os.access says yes to root everywhere, and some file systems take no folders (/proc): make
+    # one there and remove it.
+    try:
+        os.rmdir(tempfile.mkdtemp(prefix=".hybridflow-check-", dir=parent))
+    except OSError as e:
+        raise ConfigError("tracking.out_dir", f"cannot make a folder in {parent} ({e.strerror}); "
+                                              "choose another folder") from None
+    name_max = os.pathconf(parent, "PC_NAME_MAX")
+    if len(cfg.name.encode()) > name_max:
+        raise ConfigError("name", f"is {len(cfg.name.encode())} bytes long, and a folder name on "
+                                  f"the file system of {parent} takes at most {name_max}; "
+                                  "choose a shorter name")
     run_dir = Path(cfg.tracking.out_dir) / cfg.name
     if run_dir.exists() and not run_dir.is_dir():
         raise ConfigError("name", f"{run_dir} exists and is not a folder; choose another name")

@@ -400,6 +400,10 @@ ROWS = [
      "reward", ["fn", "(response)"]),
     ("reward file raises on import", lambda f: [f.base, f.reward(
         "raise RuntimeError('no GPU here\\nnor there')")], "reward", ["r.py", "RuntimeError"]),
+    ("name longer than a folder name can be", lambda f: [f.base, "name=" + "n" * 300], "name",
+     ["300 bytes", "at most 255"]),
+    ("more CPUs per rank than the machine has", lambda f: [f.base, "ray.cpus_per_worker=100"],
+     "ray.cpus_per_worker", ["x 100 CPU", "a local Ray has"]),
     # SystemExit is no Exception: both commands printed nothing and exited 0.
     ("reward file exits at import", lambda f: [f.base, f.reward("import sys\nsys.exit(0)")],
      "reward", ["r.py", "SystemExit"]),
@@ -487,6 +491,16 @@ def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, make, key, piece
     assert main(["check", *args, f"tracking.out_dir={runs}"]) == 2
     assert capsys.readouterr().err == err
     assert _contents(runs) == before
+
+
+def test_an_out_dir_that_takes_no_folder_is_refused_before_start(tmp_path, capsys):
+    """As root os.access allows everything, /proc included; check and train both refuse it."""
+    f = Files(tmp_path)
+    for command in ("check", "train"):
+        assert main([command, f.base, "tracking.out_dir=/proc/hybridflow-runs"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hybridflow: error: tracking.out_dir: ") and "/proc" in err, err
+    assert not Path("/proc/hybridflow-runs").exists()
 
 
 def _contents(root: Path) -> dict[str, bytes | None]:
