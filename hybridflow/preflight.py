@@ -153,7 +153,15 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
                                           f"(vocab_size {model.vocab_size})")
     functions = _reward_functions(cfg, {"reward": reward_fn, "cost": cost_fn})
     prompts = load_prompts(cfg.data, vocab_size=model.vocab_size)
-    notes = _check_prompts(cfg, prompts, checkpoints["model"], functions["reward"])
+    # Every model reads the prompt and the response: the fewest positions bound them.
+    positions = min(shape.max_position_embeddings for shape in shapes.values())
+    width = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
+    if cfg.rollout.backend_class.sized_by_max_len and width > positions:
+        raise ConfigError("data.max_prompt_tokens", f"the {cfg.rollout.backend} engine holds "
+                          f"data.max_prompt_tokens + rollout.sampling.max_tokens = {width} "
+                          f"positions, more than the model's {positions} "
+                          "(max_position_embeddings); lower either")
+    notes = _check_prompts(cfg, prompts, checkpoints["model"], functions["reward"], positions)
     _check_out_dir(cfg)
     _check_local_cpus(cfg)
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
@@ -205,9 +213,10 @@ def _reward_functions(cfg: RLConfig, given: dict[str, Callable | None]
 
 
 def _check_prompts(cfg: RLConfig, prompts: list, model_dir: Path | None,
-                   reward_fn: Callable | None) -> list[str]:
+                   reward_fn: Callable | None, positions: int) -> list[str]:
     """The prompts against what reads them: the actor's tokenizer (its chat template,
-    data.max_prompt_tokens), train_batch_size, and what a built-in reward needs of each prompt.
+    data.max_prompt_tokens), the models' ``positions`` (the longest prompt and a whole
+    response), train_batch_size, and what a built-in reward needs of each prompt.
     ``model_dir`` None (a shape preset): text prompts are not tokenized; returns that note."""
     source, limit = cfg.data.source, cfg.data.max_prompt_tokens
     notes = []
@@ -225,6 +234,13 @@ def _check_prompts(cfg: RLConfig, prompts: list, model_dir: Path | None,
         raise ConfigError("data.max_prompt_tokens", f"all {len(prompts)} prompts of {source} are "
                                                     f"longer than {limit} tokens (chat template "
                                                     "applied); raise it")
+    longest = max((len(p.prompt_ids) for p in kept if p.prompt_ids is not None), default=0)
+    response = cfg.rollout.sampling.max_tokens
+    if longest + response > positions:
+        raise ConfigError("rollout.sampling.max_tokens", f"the longest prompt of {source} "
+                          f"({longest} tokens) and a response of up to {response} take "
+                          f"{longest + response} positions, more than the model's {positions} "
+                          "(max_position_embeddings); lower it or data.max_prompt_tokens")
     if len(kept) < cfg.train_batch_size:
         long = f" ({dropped} longer than data.max_prompt_tokens dropped)" if dropped else ""
         raise ConfigError("train_batch_size", f"is {cfg.train_batch_size} but {source} gives "

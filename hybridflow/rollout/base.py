@@ -156,6 +156,9 @@ class RolloutBackend(ABC):
     """The ``rollout.*`` options only some backends read that this one does."""
     builds_from_shape: bool = False
     """Whether it starts from a bare shape (random or later weights), without a checkpoint."""
+    sized_by_max_len: bool = False
+    """Whether its engine is sized for ``max_model_len`` (data.max_prompt_tokens +
+    rollout.sampling.max_tokens) positions and refuses more than the model has."""
 
     model_config: ModelConfig
     """The architecture generated with; every backend sets it in its constructor."""

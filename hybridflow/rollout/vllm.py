@@ -101,6 +101,7 @@ class VLLMRollout(RolloutBackend):
     """vLLM engine on ``model_dir`` (an HF checkpoint directory)."""
 
     reads = ("kv_cache_mb",)
+    sized_by_max_len = True
 
     @classmethod
     def build(cls, setup: RolloutSetup) -> "VLLMRollout":

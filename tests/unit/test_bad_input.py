@@ -400,6 +400,13 @@ ROWS = [
      "reward", ["fn", "(response)"]),
     ("reward file raises on import", lambda f: [f.base, f.reward(
         "raise RuntimeError('no GPU here\\nnor there')")], "reward", ["r.py", "RuntimeError"]),
+    # tiny-llama has 512 positions.
+    ("vLLM engine longer than the model's positions", lambda f: [
+        f.base, "rollout.backend=vllm", "data.max_prompt_tokens=500",
+        "rollout.sampling.max_tokens=100"], "data.max_prompt_tokens", ["= 600 positions", "512"]),
+    ("prompt and response past the model's positions", lambda f: [
+        f.base, "rollout.sampling.max_tokens=600"], "rollout.sampling.max_tokens",
+     ["a response of up to 600", "512"]),
     ("name longer than a folder name can be", lambda f: [f.base, "name=" + "n" * 300], "name",
      ["300 bytes", "at most 255"]),
     ("more CPUs per rank than the machine has", lambda f: [f.base, "ray.cpus_per_worker=100"],
