@@ -91,10 +91,15 @@ def load_rank_state(path: Path, rollout=None) -> None:
     if not path.is_file():
         raise ConfigError("resume", f"{path} is missing: the checkpoint was saved by a run of "
                                     "another world size; resume it at its own layout")
-    state = torch.load(path, weights_only=True)
-    torch.set_rng_state(state["torch"])
-    tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
-    if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state(state["cuda"])
-    if rollout is not None:
-        rollout.load_state_dict(state["rollout"])
+    try:  # a damaged or crafted file is bad input: one line, not the loader's traceback
+        state = torch.load(path, weights_only=True)
+        torch.set_rng_state(state["torch"])
+        tensor_parallel.get_cuda_rng_tracker().set_states(state["tracker"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state(state["cuda"])
+        if rollout is not None:
+            rollout.load_state_dict(state["rollout"])
+    except Exception as e:  # noqa: BLE001 - whatever the file holds, the answer is the same
+        raise ConfigError("resume", f"{path}: not a rank state that hybridflow saved "
+                                    f"({type(e).__name__}); the checkpoint is damaged: resume "
+                                    "from another one") from None

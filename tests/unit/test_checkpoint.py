@@ -76,3 +76,35 @@ def test_a_run_of_an_older_version_resumes_when_new_options_keep_their_defaults(
     with pytest.raises(ConfigError, match=r"actor.new \(absent there, 'on' here\)"):
         plan_resume("auto", tmp_path, {**now, "actor": {"lr": 1, "new": "on"}}, IDENTITY,
                     defaults)
+
+
+class _Payload:
+    """A pickle that would run a command when loaded without weights_only."""
+
+    def __init__(self, marker):
+        self.marker = marker
+
+    def __reduce__(self):
+        import os
+        return os.system, (f"touch {self.marker}",)
+
+
+@pytest.mark.parametrize("content", ["crafted", "truncated", "another dict"])
+def test_a_bad_rank_state_is_one_line_and_runs_nothing(tmp_path, content):
+    """A per-rank RNG file of a checkpoint (what load_rank_state reads in each worker): a
+    crafted pickle, a cut file or a foreign one is refused in one line naming it."""
+    import torch
+
+    from hybridflow.workers.updates import load_rank_state, save_rank_state
+    path, marker = tmp_path / "actor-rank0000.pt", tmp_path / "ran"
+    if content == "crafted":
+        torch.save({"torch": _Payload(marker)}, path)
+    elif content == "truncated":
+        save_rank_state(path)
+        path.write_bytes(path.read_bytes()[:100])
+    else:
+        torch.save({"weights": torch.zeros(2)}, path)
+    with pytest.raises(ConfigError) as e:
+        load_rank_state(path)
+    assert e.value.field == "resume" and str(path) in e.value.message, e.value
+    assert "\n" not in e.value.message and not marker.exists()
