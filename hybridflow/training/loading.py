@@ -52,6 +52,10 @@ def check_same_model(expected: ModelConfig, found: ModelConfig, where: str,
                                    "from the checkpoint's config (load_hf_config)")
 
 
+FLOAT_DTYPES = ("BF16", "F16", "F32", "F64")
+"""safetensors' names of the dtypes a checkpoint's weights may have (converted on load)."""
+
+
 def check_hf_checkpoint(hf_dir: str | os.PathLike, cfg: ModelConfig | None = None) -> ModelConfig:
     """Check an HF directory from its headers alone (no tensor data is read): config.json maps to
     a ModelConfig (equal to ``cfg`` when given), every tensor of the model is present with the
@@ -86,6 +90,11 @@ def _checked_weight_map(hf_dir: Path, cfg: ModelConfig | None, ignore: tuple[str
         if name not in headers[path]:
             raise ConfigError("model", f"{path}: tensor {name} is listed in the index but not in "
                                        "the file")
+        dtype = headers[path][name]["dtype"]
+        if dtype not in FLOAT_DTYPES:
+            raise ConfigError("model", f"{path}: tensor {name} is stored as {dtype}, not as a "
+                                       f"floating-point type ({', '.join(FLOAT_DTYPES)}); re-save "
+                                       "the checkpoint with its weights")
         shape = tuple(headers[path][name]["shape"])
         want, why = expected[name]
         if shape != want:

@@ -171,6 +171,17 @@ def _drop_tensor(name: str) -> Callable[[Path], None]:
     return edit
 
 
+def _cast_tensor(name: str, dtype: str) -> Callable[[Path], None]:
+    def edit(path: Path) -> None:
+        import torch
+        from safetensors.torch import load_file, save_file
+        weights = path / "model.safetensors"
+        tensors = load_file(str(weights))
+        tensors[name] = tensors[name].to(getattr(torch, dtype))
+        save_file(tensors, str(weights))
+    return edit
+
+
 def _index_to(file: str) -> Callable[[Path], None]:
     """An index that puts every tensor in ``file``."""
     def edit(path: Path) -> None:
@@ -364,6 +375,10 @@ ROWS = [
     ("safetensors header entry without offsets", lambda f: [f.base, f.model(_safetensors_header(
         b'{"model.norm.weight": {"dtype": "F32", "shape": [128]}}'))],
      "model", ["model.safetensors", "model.norm.weight"]),
+    # An int16 tensor was loaded as numbers: the run went on with a broken model.
+    ("tensor stored as integers", lambda f: [f.base, f.model(_cast_tensor(
+        "model.layers.0.mlp.down_proj.weight", "int16"))], "model",
+     ["model.layers.0.mlp.down_proj.weight", "I16"]),
     ("tensor missing", lambda f: [f.base, f.model(_drop_tensor("model.norm.weight"))], "model",
      ["model.norm.weight", "missing"]),
     ("no safetensors file", lambda f: [f.base, f.model(_remove("model.safetensors"))], "model",
