@@ -84,7 +84,6 @@ from hybridflow.hybrid_engine.switch import generation_metas
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import llama_param_metas, stage_layer_counts
 from hybridflow.parallel.layout import GenLayout, TrainLayout
-from hybridflow.rollout.base import rollout_backend
 from hybridflow.training.lora import lora_param_counts
 
 GIB = 2**30
@@ -324,7 +323,7 @@ def _logits(shape: ModelConfig, tokens: float, tp: int, dtype: str, training: bo
 def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation, forward,
            updates) -> None:
     actor, r = cfg.actor, cfg.rollout
-    backend = rollout_backend(r.backend)
+    backend = r.backend_class
     n, b = param_count(shape), DTYPE_BYTES[actor.engine.dtype]
     resident["actor"] = _train_state(n, actor.layout, actor.engine, shape.num_layers)
     resident["ref"] = {"weights": resident["actor"]["weights"]}
@@ -395,7 +394,7 @@ def _fix(cfg, role: str, parts: dict[str, int]) -> tuple[str, str]:
     nodes = cfg.cluster.gpus_per_node
     section = "actor" if role in ("actor", "ref", "rollout") else "critic"
     lay, eng = getattr(cfg, section).layout, getattr(cfg, section).engine
-    if role == "rollout" and "kv_cache_mb" in rollout_backend(cfg.rollout.backend).reads:
+    if role == "rollout" and "kv_cache_mb" in cfg.rollout.backend_class.reads:
         return "rollout.kv_cache_mb", "lower it, or use rollout.backend=megatron"
     if role == "rollout" and cfg.rollout.tp < lay.tp:
         return "rollout.tp", (f"raise it (up to actor.layout.tp={lay.tp}) to split the "

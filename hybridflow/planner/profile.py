@@ -70,10 +70,9 @@ def profile_passes(cfg: Any, calib, quick: bool = False, configured_only: bool =
     # deferred: these import torch
     from hybridflow.config.sources import model_sources
     from hybridflow.parallel.spawn import spawn
-    from hybridflow.rollout.base import rollout_backend
     checkpoints, shapes = model_sources(cfg)
     # An unknown or missing backend fails here, before the spawn.
-    if not rollout_backend(cfg.rollout.backend).builds_from_shape and checkpoints["model"] is None:
+    if not cfg.rollout.backend_class.builds_from_shape and checkpoints["model"] is None:
         raise ConfigError("model", f"{cfg.model} is a shape preset without weights, which the "
                                    f"{cfg.rollout.backend} backend needs to start; profile it "
                                    "with rollout.backend=megatron or name a checkpoint")
@@ -228,12 +227,12 @@ def _measure_generate(rank: int, world_size: int, cfg: Any, shape: ModelConfig, 
     # deferred: torch
     import torch
 
-    from hybridflow.rollout.base import RolloutSetup, SamplingConfig, rollout_backend
+    from hybridflow.rollout.base import RolloutSetup, SamplingConfig
     on_gpu = torch.cuda.is_available()
     device = torch.device("cuda" if on_gpu else "cpu")
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     r = cfg.rollout
-    backend = rollout_backend(r.backend)
+    backend = r.backend_class
     rollout = backend.build(RolloutSetup(
         model_dir=model_dir, shape=shape, dtype=cfg.actor.engine.dtype,
         max_model_len=cfg.data.max_prompt_tokens + r.sampling.max_tokens, seed=0,

@@ -17,7 +17,7 @@ from hybridflow.hybrid_engine.switch import HybridEngine
 from hybridflow.models.hf import load_hf_config
 from hybridflow.parallel.groups import generation_process_groups
 from hybridflow.parallel.layout import GenLayout
-from hybridflow.rollout.base import RolloutSetup, call_seed, rollout_backend, rollout_batch
+from hybridflow.rollout.base import RolloutSetup, call_seed, rollout_batch
 from hybridflow.training.engine import TrainEngine
 from hybridflow.training.loading import load_hf_into_engine
 from hybridflow.training.megatron_ckpt import load_train_state, save_train_state
@@ -64,7 +64,7 @@ class ActorRolloutRefWorker(Worker):
 
     def _make_rollout(self):
         r = self.rollout_cfg
-        backend = rollout_backend(r.backend)
+        backend = r.backend_class
         # One seed per generation replica (the ranks of its TP group must sample alike), mixed
         # with the run's seed so that runs and replicas never share a stream.
         seed = call_seed(self.seed, self.gen.coords(self.rank)[0])
