@@ -24,10 +24,10 @@ from typing import Callable
 import yaml
 
 from hybridflow.checkpoint import ResumePlan, plan_resume, run_identity
-from hybridflow.config.cluster import gpu_pools
 from hybridflow.config.loader import to_yaml
 from hybridflow.config.rl import RLConfig
-from hybridflow.config.sources import SCORERS, model_sources
+from hybridflow.config.placement import ACTOR_SIDE, resolve_placement
+from hybridflow.config.sources import CRITIC, critic_shape, model_names, model_sources
 from hybridflow.data.loader import tokenize_prompts
 from hybridflow.data.prompts import load_prompts
 from hybridflow.errors import ConfigError
@@ -84,12 +84,11 @@ class RunCheck:
         return self.checkpoints["model"]
 
     @property
-    def scorer_dirs(self) -> dict[str, Path]:
-        """"scores" / "costs": the reward / cost model checkpoints, where the run has them (a
-        ConfigError as for ``model_dir``)."""
+    def model_dirs(self) -> dict[str, Path]:
+        """Config key -> checkpoint of every model the run names (a ConfigError as for
+        ``model_dir``)."""
         self.require_weights()
-        return {key: self.checkpoints[field] for key, field in SCORERS.items()
-                if field in self.checkpoints}
+        return dict(self.checkpoints)
 
     def require_weights(self) -> None:
         """A ConfigError naming the first model of the run that is a shape preset, with the fix."""
@@ -98,7 +97,7 @@ class RunCheck:
             raise preset_has_no_weights(name, field)
 
     def summary(self, cfg: RLConfig) -> str:
-        a, c = cfg.actor.layout, cfg.critic.layout
+        a = cfg.actor.layout
         where = self.checkpoints["model"] or f"{cfg.model} (shape preset, no weights)"
         lines = [
             f"model: {where} ({self.model.arch}, {self.model.num_layers} layers, "
@@ -108,11 +107,7 @@ class RunCheck:
             f"{self.gen.micro_dp} replica(s) per model-parallel group, "
             f"{self.gen.replicas} in all; backend {cfg.rollout.backend}",
         ]
-        scorers = [f for f in SCORERS.values() if f in self.checkpoints]
-        if cfg.algorithm.spec.critic or scorers:
-            users = (["critic"] if cfg.algorithm.spec.critic else []) + \
-                [f.replace("_", " ") for f in scorers]
-            lines.append(f"{' + '.join(users)}: {c} -> {c.world_size} ranks each")
+        lines.extend(resolve_placement(cfg).describe())
         recv = self.reshard_recv_bytes
         per_rank = ", ".join(_mib(b) for b in recv) if len(recv) <= 8 else \
             f"{_mib(min(recv))} to {_mib(max(recv))} ({len(recv)} ranks)"
@@ -140,14 +135,26 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
     ``reward_fn`` / ``cost_fn``: Python callables that replace the config's ``reward`` / ``cost``
     (the Python API's); the config's are imported here otherwise, once."""
     checkpoints, shapes = model_sources(cfg)
-    presets = {field: getattr(cfg, field) for field, path in checkpoints.items() if path is None}
+    names = model_names(cfg)
+    presets = {key: names[key] for key, path in checkpoints.items() if path is None}
     model = shapes["model"]
-    _fits(model, cfg, "actor")
-    for field in SCORERS.values():
-        if field in shapes:
-            _fits(shapes[field], cfg, "critic", field)
-    if cfg.algorithm.spec.critic:
-        _fits(model, cfg, "critic")  # the critic starts from the actor's weights
+    placement = resolve_placement(cfg)
+    for place in placement.models.values():
+        key = MODEL_KEYS[place.name]
+        shape = critic_shape(shapes) if key == CRITIC else shapes[key]
+        engine = (cfg.actor if place.name in ACTOR_SIDE else cfg.critic).engine
+        try:
+            check_model_fits_layout(shape, place.layout, engine)
+        except ConfigError as e:
+            field = (place.layout_key + e.field.removeprefix("layout")
+                     if e.field.startswith("layout.") else
+                     e.under("actor" if place.name in ACTOR_SIDE else "critic").field)
+            raise ConfigError(field, f"{e.message} (the {place.name}'s shape: "
+                              f"{key if key in shapes else 'model'})") from None
+        if shape.vocab_size < model.vocab_size:
+            raise ConfigError(key, f"its vocabulary ({shape.vocab_size} tokens) is smaller than "
+                              f"the actor's ({model.vocab_size}): it reads the actor's token ids; "
+                              "use a model with the actor's tokenizer")
     if cfg.pad_token_id >= model.vocab_size:
         raise ConfigError("pad_token_id", f"{cfg.pad_token_id} is not a token of the model "
                                           f"(vocab_size {model.vocab_size})")
@@ -177,22 +184,17 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
                     notes=notes, shapes=shapes)
 
 
+MODEL_KEYS = {"actor": "model", "reference": "model", "critic": CRITIC, "cost_critic": CRITIC,
+              "reward_model": "reward_model", "cost_model": "cost_model"}
+"""Placement model -> the config key of the checkpoint it starts from."""
+
+
 def resume_plan(cfg: RLConfig, model: ModelConfig) -> ResumePlan:
     """Where the run starts; refuses a run directory of another run, or a checkpoint that does
     not fit (another algorithm, model shape, a truncated file)."""
     return plan_resume(cfg.resume, Path(cfg.tracking.out_dir) / cfg.name,
                        yaml.safe_load(to_yaml(cfg)), run_identity(cfg, model),
                        defaults=yaml.safe_load(to_yaml(RLConfig())))
-
-
-def _fits(model: ModelConfig, cfg: RLConfig, role: str, model_field: str = "model") -> None:
-    """``role``'s layout and engine against the shape of the model at ``model_field``."""
-    part = getattr(cfg, role)
-    try:
-        check_model_fits_layout(model, part.layout, part.engine)
-    except ConfigError as e:
-        e = e.under(role)
-        raise ConfigError(e.field, f"{e.message} (the {model_field}'s shape)") from None
 
 
 def _reward_functions(cfg: RLConfig, given: dict[str, Callable | None]
@@ -274,7 +276,7 @@ def _check_local_cpus(cfg: RLConfig) -> None:
     would find (``ResourcePool``)."""
     if cfg.ray.address != "local" or cfg.cluster.nodes is not None:
         return
-    ranks = sum(size for _, size in gpu_pools(cfg))
+    ranks = sum(pool.ranks for pool in resolve_placement(cfg).pools)
     cpus = cfg.ray.num_cpus or os.cpu_count() or 1
     need = ranks * cfg.ray.cpus_per_worker
     if need > cpus:

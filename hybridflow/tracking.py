@@ -19,6 +19,10 @@ import yaml
 from hybridflow.errors import ConfigError, RunError
 
 
+CLOCK_KEYS = ("timing/", "throughput/")
+"""Prefixes of the metrics that read the clock: two runs of the same work differ in them only."""
+
+
 @dataclass(kw_only=True)
 class TrackingConfig:
     """Where a run's config and metrics go."""

@@ -96,7 +96,7 @@ class RLTrainer:
         """Start the worker groups (once); the handle the driver's functions take."""
         if self.groups is None:
             self.groups = start_groups(self.config, str(self.model_dir),
-                                       self.checked.scorer_dirs)
+                                       self.checked.model_dirs)
             if self.prediction is not None:
                 print(self.prediction.describe(self.config.cluster.calibration), flush=True)
         return Run(self.config, self.groups, self.tokenizer, self.reward_fn, self.cost_fn,
@@ -127,7 +127,7 @@ class RLTrainer:
         """Rewards, old (unless the update computes them: ``old_logprobs_from_update``) and
         reference log-probs, values (where a critic is trained) and advantages."""
         run = self.start()
-        return steps.advantages(run, steps.reward(run, batch))
+        return steps.advantages(run, steps.prepare(run, batch))
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
         """The critic's update (where there is one), then the policy's; their metrics. An

@@ -27,7 +27,8 @@ capture's share), ``rollout_sleep`` (the rollout engine freeing its KV cache and
 ``back_to_train``; ``reward``, ``old_logprobs``, ``ref_logprobs``, ``values``
 (PPO), ``advantages`` (from ``trainer.score``), ``update_critic`` (PPO), ``update_actor`` and
 ``step`` (the whole iteration, controller wall time). With ``--algorithm ppo`` the critic's worker
-group shares the actor's GPUs (``ray.colocate``; ``--no-colocate`` asks for GPUs of its own).
+group shares the actor's GPUs (``--placement colocate``; ``split`` gives it GPUs of its own, its
+calls then running beside the actor's).
 
 Generation: ``gen_tokens_per_s`` = response tokens of all replicas / replica 0's ``generate``
 time (the replicas decode at once, one per GPU). The HBM roofline of the decode steps is, per
@@ -177,8 +178,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--gpu-memory-gib", type=float, default=None, metavar="G",
                     help="ray.gpu_memory_gib: cap each worker's CUDA allocator at G GiB, as on "
                     "a GPU of that size")
-    ap.add_argument("--no-colocate", action="store_true",
-                    help="ray.colocate=false: the critic gets GPUs of its own")
+    ap.add_argument("--placement", choices=("colocate", "split", "standalone"),
+                    default="colocate", help="placement.preset: where the models live")
     ap.add_argument("--gpus-per-worker", type=float, default=None,
                     help="Ray GPUs per rank (default 1 on GPU, 0 on CPU)")
     ap.add_argument("--warmup", type=int, default=1)
@@ -374,6 +375,11 @@ def run_iteration(trainer, items) -> tuple[dict, object]:
             m[k] = v
     m["reward_mean"] = float(batch["scores"].mean())
     m["response_length_mean"] = float(batch["response_mask"].sum(-1).float().mean())
+    groups = trainer.start().groups
+    pools = [pool.name for pool in groups.placement.pools]
+    if len(pools) > 1:  # the time two pools were busy at once, each one's idle time
+        m.update({k[len("timing/"):]: v
+                  for k, v in groups.timeline.step_metrics(t0, t3, pools).items()})
     return m, batch
 
 
@@ -423,7 +429,7 @@ def run_config(args, path: Path, prompts: Path):
               "data.source": str(prompts), "data.max_prompt_tokens": args.prompt_max,
               "train_batch_size": args.batch, "steps": args.warmup + args.iters,
               "seed": args.seed, "ray.num_cpus": None if args.device == "cuda" else 2,
-              "ray.gpus_per_worker": args.gpus_per_worker, "ray.colocate": not args.no_colocate,
+              "ray.gpus_per_worker": args.gpus_per_worker, "placement.preset": args.placement,
               "cluster.calibration": args.calibration}
     roles = ("actor", "critic") if args.algorithm == "ppo" else ("actor",)
     for role in roles:
@@ -458,7 +464,7 @@ def main(argv=None) -> dict:
                   ref_offload=args.ref_offload, offload_optimizer=args.offload_optimizer,
                   lora_rank=args.lora_rank, lora_merge=args.lora_merge,
                   gpu_memory_gib=args.gpu_memory_gib,
-                  colocate=not args.no_colocate, warmup=args.warmup, iters=args.iters,
+                  placement=args.placement, warmup=args.warmup, iters=args.iters,
                   torch=torch.__version__)
     start = time.perf_counter()
     result.update(device_rates(args.device, ranks))
@@ -569,6 +575,10 @@ def summarize(result: dict, rows: list[dict], cfg: ModelConfig, args) -> None:
               "ref_logprobs_s", "values_s", "advantages_s", "update_critic_s", "update_actor_s",
               "step_s"]
     result["phases_s"] = {k[:-2]: round(mean(k), 4) for k in phases if mean(k) is not None}
+    if mean("overlap_s") is not None:  # more than one pool
+        result["overlap_s"] = round(mean("overlap_s"), 4)
+        result["idle_s"] = {k[len("idle_"):-2]: round(mean(k), 4) for k in rows[0]
+                            if k.startswith("idle_")}
     result["per_iteration"] = [{k: (round(v, 4) if isinstance(v, float) else v)
                                 for k, v in r.items() if k != "gen_replicas"} for r in rows]
     # generation

@@ -1,13 +1,7 @@
-"""The cluster a run is meant for, and the checks that need only the config: the worker groups'
-GPUs against the cluster's, and tensor-parallel groups inside one node.
-
-Worker groups and their GPUs, as ``driver.groups.start_groups`` places them: the actor group
-(actor, rollout and reference on each rank) has ``actor.layout.world_size`` ranks; the critic
-and the reward and cost models have ``critic.layout.world_size`` ranks each. With
-``ray.colocate`` the groups of equal world size share one ``ResourcePool`` of that many bundles
-(HybridFlow's colocated placement: they take turns on the same GPUs); without it every group has
-a pool of its own. Each bundle holds ``ray.gpus_per_worker`` GPUs. The memory on those GPUs is
-estimated in ``hybridflow.planner.memory``.
+"""The cluster a run is meant for, and the checks that need only the config: the pools' GPUs
+(``hybridflow.config.placement``) against the cluster's, and tensor-parallel groups inside one
+node. Each rank of a pool holds ``ray.gpus_per_worker`` GPUs; the memory on them is estimated in
+``hybridflow.planner.memory``.
 """
 
 from __future__ import annotations
@@ -15,11 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
+from hybridflow.config.placement import resolve_placement
 from hybridflow.errors import ConfigError, check_float, check_int
-
-GROUP_KEYS = {"actor": "actor.layout", "critic": "critic.layout",
-              "reward_model": "critic.layout", "cost_model": "critic.layout"}
-"""Worker group -> the config key of its layout (reward and cost models run at the critic's)."""
 
 
 @dataclass(kw_only=True)
@@ -53,31 +44,10 @@ class ClusterConfig:
         return (self.nodes or 0) * self.gpus_per_node
 
 
-def worker_groups(cfg: Any) -> list[tuple[str, int]]:
-    """(group, world size) of every worker group the run starts, ``cfg`` an RLConfig."""
-    groups = [("actor", cfg.actor.layout.world_size)]
-    if cfg.algorithm.spec.critic:
-        groups.append(("critic", cfg.critic.layout.world_size))
-    for key in ("reward_model", "cost_model"):
-        if getattr(cfg, key) is not None:
-            groups.append((key, cfg.critic.layout.world_size))
-    return groups
-
-
-def gpu_pools(cfg: Any) -> list[tuple[tuple[str, ...], int]]:
-    """(groups sharing the pool, its bundles) of every resource pool: with ``ray.colocate`` one
-    per distinct world size, else one per group."""
-    groups = worker_groups(cfg)
-    if not cfg.ray.colocate:
-        return [((name,), size) for name, size in groups]
-    sizes = list(dict.fromkeys(size for _, size in groups))
-    return [(tuple(n for n, s in groups if s == size), size) for size in sizes]
-
-
 def check_cluster(cfg: Any) -> None:
     """With ``cluster.nodes`` set: the pools' GPUs are the cluster's, and every TP group of a
-    training layout sits inside one node. ``cfg`` an RLConfig; raises a ConfigError naming the key
-    to change."""
+    layout sits inside one node. ``cfg`` an RLConfig; raises a ConfigError naming the key to
+    change."""
     c, ray = cfg.cluster, cfg.ray
     if c.nodes is None:
         return
@@ -85,36 +55,38 @@ def check_cluster(cfg: Any) -> None:
         raise ConfigError("ray.gpus_per_worker", f"is 0: no rank claims a GPU, so the "
                                                   f"{c.gpus} GPUs of cluster.nodes * "
                                                   "cluster.gpus_per_node go unused; set it to 1")
-    pools = gpu_pools(cfg)
-    used = sum(size for _, size in pools) * ray.gpus_per_worker
+    placement = resolve_placement(cfg)
+    pools = placement.pools
+    used = sum(pool.ranks for pool in pools) * ray.gpus_per_worker
     if used != c.gpus:
-        described = "; ".join(f"{' + '.join(names)}: {size} ranks" for names, size in pools)
-        what = (f"the worker groups take {used:g} GPUs ({described}; x ray.gpus_per_worker="
+        described = "; ".join(f"{pool.name} ({' + '.join(pool.models)}): {pool.ranks} ranks"
+                              for pool in pools)
+        what = (f"the pools take {used:g} GPUs ({described}; x ray.gpus_per_worker="
                 f"{ray.gpus_per_worker:g}) but cluster.nodes * cluster.gpus_per_node = "
                 f"{c.nodes} * {c.gpus_per_node} = {c.gpus}")
-        actor_size = cfg.actor.layout.world_size
         if len(pools) > 1:
-            # The groups outside the actor's pool: of another world size, or all of them
-            # without colocation.
-            other = [n for names, _ in pools if "actor" not in names for n in names]
-            resize = ("" if cfg.critic.layout.world_size == actor_size else
-                      f"give critic.layout the actor's world size ({actor_size}) and ")
-            raise ConfigError("critic.layout.dp" if ray.colocate else "ray.colocate",
-                              f"{what}: {' and '.join(other)} run on GPUs of their own; "
-                              f"{resize}set ray.colocate=true so that all models share the "
-                              "same GPUs")
+            raise ConfigError("placement", f"{what}: give the pools {c.gpus} GPUs in all (their "
+                                           "layouts' world sizes), or change cluster.nodes")
         lay = cfg.actor.layout
         per_dp = lay.tp * lay.pp * ray.gpus_per_worker
         fix = (f"set actor.layout.dp={c.gpus / per_dp:g}" if c.gpus % per_dp == 0 else
                f"choose tp * pp * dp = {c.gpus / ray.gpus_per_worker:g}")
-        raise ConfigError("actor.layout.dp", f"{what}; {fix} (and critic.layout the same world "
-                                             "size) or change cluster.nodes")
-    for name, _ in worker_groups(cfg):
-        key = GROUP_KEYS[name]
-        tp = (cfg.actor if key == "actor.layout" else cfg.critic).layout.tp
-        gpus = tp * ray.gpus_per_worker
-        if gpus > c.gpus_per_node or c.gpus_per_node % gpus:
-            raise ConfigError(f"{key}.tp", f"a tensor-parallel group of {tp} ranks takes {gpus:g} "
-                              f"GPUs, which do not tile the nodes of cluster.gpus_per_node="
-                              f"{c.gpus_per_node} (TP all-reduces every layer: it must stay in "
-                              f"one node); use a divisor of {c.gpus_per_node} and more pp")
+        raise ConfigError("actor.layout.dp", f"{what}; {fix} (and the other models' layouts the "
+                                             "same world size) or change cluster.nodes")
+    for pool in pools:
+        node = c.gpus_per_node  # a preset's pool spans whole nodes
+        if cfg.placement.pools:
+            node = pool.devices_per_node * ray.gpus_per_worker
+            if node > c.gpus_per_node:
+                raise ConfigError(f"placement.pools.{pool.name}.devices_per_node",
+                                  f"{pool.devices_per_node} ranks x {ray.gpus_per_worker:g} GPUs "
+                                  f"is more than cluster.gpus_per_node={c.gpus_per_node}")
+        for m in pool.models:
+            model = placement.models[m]
+            gpus = model.layout.tp * ray.gpus_per_worker
+            if gpus > node or node % gpus:
+                raise ConfigError(f"{model.layout_key}.tp", f"a tensor-parallel group of "
+                                  f"{model.layout.tp} ranks takes {gpus:g} GPUs, which do not "
+                                  f"tile the nodes of {node} GPUs (TP all-reduces every layer: "
+                                  f"it must stay in one node); use a divisor of {node} and more "
+                                  "pp")

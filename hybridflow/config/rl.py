@@ -18,6 +18,7 @@ from hybridflow.algorithms.specs import (ALGORITHMS, OPTIONAL_OPTIONS, Algorithm
                                          algorithm_spec, having, readers)
 from hybridflow.checkpoint import CheckpointConfig
 from hybridflow.config.cluster import ClusterConfig, check_cluster
+from hybridflow.config.placement import PlacementConfig, resolve_placement
 from hybridflow.data.prompts import PromptDataConfig
 from hybridflow.errors import ConfigError, check_choice, check_float, check_int
 from hybridflow.hybrid_engine.switch import LORA_MERGES, MODES
@@ -97,8 +98,12 @@ class ActorConfig(UpdateConfig):
 @dataclass(kw_only=True)
 class CriticConfig(UpdateConfig):
     """The value model of PPO (GAE), in its own worker group (its own Ray actors); reward and
-    cost models run at its layout too."""
+    cost models run at its layout too unless placement.layouts gives theirs."""
 
+    model: str | None = None
+    """The checkpoint the critic starts from (a value head on it, fresh unless the checkpoint
+    has a scalar ``score.weight``): an HF directory or a name as for ``model``; null: the
+    actor's. It reads the actor's token ids, so its vocabulary must be the actor's."""
     engine: EngineConfig = field(default_factory=lambda: EngineConfig(
         micro_batch_size=2, optim=OptimConfig(name="adam", lr=1e-5, clip_grad=1.0)))
     """Precision, micro-batching and optimizer."""
@@ -108,6 +113,9 @@ class CriticConfig(UpdateConfig):
     def __post_init__(self) -> None:
         super().__post_init__()
         check_float("value_clip", self.value_clip, low=0, low_open=True, none_ok=True)
+        if self.model is not None and (not isinstance(self.model, str) or not self.model):
+            raise ConfigError("model", "must be a checkpoint directory or a model name, or null "
+                                       "(the actor's)")
 
 
 @dataclass(kw_only=True)
@@ -322,6 +330,9 @@ class RLConfig:
     them in <model>/nonfinite_skipped."""
     ray: RayConfig = field(default_factory=RayConfig)
     """Ray."""
+    placement: PlacementConfig = field(default_factory=PlacementConfig)
+    """Which devices each model lives on, with which layout (hybridflow.config.placement): a
+    preset (colocate, split, standalone) or the pools written out."""
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     """The GPUs the run is meant for: with nodes set, hybridflow check checks the world sizes
     and the memory per GPU against them."""
@@ -381,6 +392,7 @@ class RLConfig:
         check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
         self._check_algorithm()
         self._check_batches()
+        resolve_placement(self)
         check_cluster(self)
 
     def _check_algorithm(self) -> None:

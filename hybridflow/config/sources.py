@@ -1,6 +1,6 @@
-"""The models a run config names (``model``, ``reward_model``, ``cost_model``): where each one's
-checkpoint is and its shape, read from the files' headers (what the pre-flight checks and the
-planner both start from)."""
+"""The models a run config names (``model``, ``critic.model``, ``reward_model``, ``cost_model``):
+where each one's checkpoint is and its shape, read from the files' headers (what the pre-flight
+checks and the planner both start from)."""
 
 from __future__ import annotations
 
@@ -17,14 +17,31 @@ SCORERS = {"scores": "reward_model", "costs": "cost_model"}
 """The scores a model group gives -> the config key that names that model."""
 
 
+CRITIC = "critic.model"
+
+
+def model_names(cfg: Any) -> dict[str, str]:
+    """Config key -> the name (a checkpoint or a preset) of every model the run names: model,
+    critic.model (where the run trains a critic from a checkpoint of its own), reward_model,
+    cost_model."""
+    names = {"model": cfg.model,
+             CRITIC: cfg.critic.model if cfg.algorithm.spec.critic else None,
+             **{field: getattr(cfg, field) for field in SCORERS.values()}}
+    return {key: name for key, name in names.items() if name is not None}
+
+
 def model_sources(cfg: Any) -> tuple[dict[str, Path | None], dict[str, ModelConfig]]:
-    """({field: checkpoint directory, None for a shape preset}, {field: shape}) of every model
-    the run names (model, reward_model, cost_model)."""
+    """({key: checkpoint directory, None for a shape preset}, {key: shape}) of every model of
+    ``model_names``."""
     checkpoints, shapes = {}, {}
-    for field in ("model", *SCORERS.values()):
-        if getattr(cfg, field) is not None:
-            checkpoints[field], shapes[field] = _resolve(getattr(cfg, field), field)
+    for key, name in model_names(cfg).items():
+        checkpoints[key], shapes[key] = _resolve(name, key)
     return checkpoints, shapes
+
+
+def critic_shape(shapes: dict[str, ModelConfig]) -> ModelConfig:
+    """The critic's shape: its own checkpoint's, else the actor's."""
+    return shapes.get(CRITIC, shapes["model"])
 
 
 def _resolve(name: str, field: str) -> tuple[Path | None, ModelConfig]:

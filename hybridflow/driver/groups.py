@@ -1,11 +1,13 @@
 """The worker groups of one run, with typed calls.
 
-``start_groups`` starts the groups the run's placement lists (``config.cluster.worker_groups``:
-the actor; the critic where the algorithm trains one; a reward and a cost model where the config
-names them) in the pools ``config.cluster.gpu_pools`` gives them. Each group is wrapped in a class
-whose methods are the calls the driver makes, each dispatching its batch by the data-parallel
-view its worker declares: ``train`` (the training layout's DP groups) or ``gen`` (the generation
-replicas). Only this module names the workers' methods.
+``start_groups`` starts a group for each model of the run's placement
+(``hybridflow.config.placement``: the actor, with the reference in its processes where they share
+pool and layout; the reference otherwise; the critic where the algorithm trains one; a reward and
+a cost model where the config names them) on the ``ResourcePool`` of its pool, the groups of one
+pool sharing its devices. Each group is wrapped in a class whose methods are the calls the driver
+makes, each dispatching its batch by the data-parallel view its worker declares: ``train`` (the
+training layout's DP groups) or ``gen`` (the generation replicas), and recording its start and end
+on the run's ``Timeline``. Only this module names the workers' methods.
 """
 
 from __future__ import annotations
@@ -15,42 +17,53 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from hybridflow.batch import Batch
-from hybridflow.config.cluster import gpu_pools, worker_groups
+from hybridflow.config.placement import Placement, resolve_placement
 from hybridflow.config.sources import SCORERS
+from hybridflow.driver.dataflow import Timeline
 from hybridflow.workers.actor import ActorRolloutRefWorker
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.group import ResourcePool, WorkerGroup
+from hybridflow.workers.reference import ReferenceWorker
 
 TRAIN, GEN = "train", "gen"
 """The dispatch views: a batch split over the training layout's DP groups, or over the generation
 replicas."""
 
 
-class ActorGroup:
-    """The actor's ranks: the policy's training engine, its rollout engine and the reference
-    (``ActorRolloutRefWorker``)."""
+class _Group:
+    """A worker group on a pool (its name); its dispatched calls go on ``timeline``."""
 
-    def __init__(self, group: WorkerGroup):
-        self.group = group
+    def __init__(self, group: WorkerGroup, pool: str, timeline: Timeline):
+        self.group, self.pool, self.timeline = group, pool, timeline
+
+    def _by_dp(self, method: str, batch: Batch, view: str, **kwargs: Any) -> Batch:
+        return self.timeline.timed(self.pool, f"{self.group.name}.{method}",
+                                   lambda: self.group.run_by_dp(method, batch, view=view,
+                                                                **kwargs))
+
+
+class ActorGroup(_Group):
+    """The actor's ranks: the policy's training engine, its rollout engine and, where it lives
+    there, the reference (``ActorRolloutRefWorker``)."""
 
     def generate(self, batch: Batch, sampling=None) -> Batch:
         """``sampling.n`` responses (default: the run's sampling) to each of ``batch``'s
         ``prompt_ids``, one row per sample; the actor switches to the generation layout and
         back inside."""
-        return self.group.run_by_dp("generate", batch, view=GEN, sampling=sampling)
+        return self._by_dp("generate", batch, GEN, sampling=sampling)
 
     def log_probs(self, batch: Batch) -> Batch:
         """``old_logprobs``: the policy's per-token log-probs of the responses."""
-        return self.group.run_by_dp("compute_log_prob", batch, view=TRAIN)
+        return self._by_dp("compute_log_prob", batch, TRAIN)
 
     def ref_log_probs(self, batch: Batch) -> Batch:
         """``ref_logprobs``: the reference's."""
-        return self.group.run_by_dp("compute_ref_log_prob", batch, view=TRAIN)
+        return self._by_dp("compute_ref_log_prob", batch, TRAIN)
 
     def update(self, batch: Batch) -> Batch:
         """The policy update over the step's samples: its metrics (meta), and ``old_logprobs``
         where the update computed them (on-policy)."""
-        return self.group.run_by_dp("update_actor", batch, view=TRAIN)
+        return self._by_dp("update_actor", batch, TRAIN)
 
     def describe(self) -> str:
         """The 3D-HybridEngine's summary of the switch between the two layouts."""
@@ -71,19 +84,24 @@ class ActorGroup:
         self.group.run("arm_profile", calls, top)
 
 
-class CriticGroup:
-    """The critic's ranks (``CriticWorker``, trained)."""
+class ReferenceGroup(_Group):
+    """The reference's ranks where it lives apart from the actor (``ReferenceWorker``)."""
 
-    def __init__(self, group: WorkerGroup):
-        self.group = group
+    def ref_log_probs(self, batch: Batch) -> Batch:
+        """``ref_logprobs``: the reference's per-token log-probs of the responses."""
+        return self._by_dp("compute_ref_log_prob", batch, TRAIN)
+
+
+class CriticGroup(_Group):
+    """The critic's ranks (``CriticWorker``, trained)."""
 
     def values(self, batch: Batch) -> Batch:
         """``values``: the value of the state before each token."""
-        return self.group.run_by_dp("compute_values", batch, view=TRAIN)
+        return self._by_dp("compute_values", batch, TRAIN)
 
     def update(self, batch: Batch) -> Batch:
         """The value update (metrics in meta)."""
-        return self.group.run_by_dp("update_critic", batch, view=TRAIN)
+        return self._by_dp("update_critic", batch, TRAIN)
 
     def save(self, ckpt_dir: str) -> None:
         self.group.run("save_state", ckpt_dir)
@@ -92,23 +110,24 @@ class CriticGroup:
         self.group.run("load_state", ckpt_dir)
 
 
-class ScorerGroup:
+class ScorerGroup(_Group):
     """A reward or cost model's ranks (``CriticWorker``, untrained)."""
-
-    def __init__(self, group: WorkerGroup):
-        self.group = group
 
     def scores(self, batch: Batch) -> Any:
         """One score per sample (a float tensor [B])."""
-        return self.group.run_by_dp("compute_scores", batch, view=TRAIN)["scores"].float()
+        return self._by_dp("compute_scores", batch, TRAIN)["scores"].float()
 
 
 @dataclass
 class Groups:
-    """The groups of one run. ``scorers``: by the scores they give, "scores" (the reward model)
-    and "costs" (the cost model)."""
+    """The groups of one run. ``reference``: the group that answers the reference's log-probs
+    (the actor's where the reference lives in its processes); ``scorers``: by the scores they
+    give, "scores" (the reward model) and "costs" (the cost model)."""
 
     actor: ActorGroup
+    reference: ActorGroup | ReferenceGroup
+    placement: Placement
+    timeline: Timeline
     critic: CriticGroup | None = None
     scorers: dict[str, ScorerGroup] = field(default_factory=dict)
     pools: list[ResourcePool] = field(default_factory=list)
@@ -119,45 +138,64 @@ class Groups:
 
     def close(self) -> None:
         """Stop every group and free its pool."""
-        for wrapper in (self.actor, self.critic, *self.scorers.values()):
-            if wrapper is not None:
-                wrapper.group.shutdown()
+        wrappers = {id(w): w for w in (self.actor, self.reference, self.critic,
+                                       *self.scorers.values()) if w is not None}
+        for wrapper in wrappers.values():
+            wrapper.group.shutdown()
         for pool in self.pools:
             pool.close()
         self.pools = []
 
 
-def start_groups(cfg, model_dir: str, scorer_dirs: dict[str, Any]) -> Groups:
-    """Start the run's groups (``cfg`` an RLConfig; ``model_dir`` the actor's checkpoint, from
-    which the critic starts too; ``scorer_dirs``: "scores"/"costs" -> the reward/cost model's).
-    Each worker gets its own role's config only."""
+def start_groups(cfg, model_dir: str, checkpoints: dict[str, Any]) -> Groups:
+    """Start the run's groups (``cfg`` an RLConfig; ``model_dir`` the actor's and reference's
+    checkpoint; ``checkpoints``: config key -> checkpoint directory of the other models the run
+    names: ``critic.model`` (absent: the actor's), ``reward_model``, ``cost_model``), each on
+    its pool. Each worker gets its own role's config only."""
     start = time.perf_counter()
-    scores_of = {field: key for key, field in SCORERS.items()}  # reward_model -> "scores"
-    specs = []  # (name, world size, worker class, its keyword arguments)
-    for name, size in worker_groups(cfg):
-        if name == "actor":
-            specs.append((name, size, ActorRolloutRefWorker, dict(
-                actor=cfg.actor, rollout=cfg.rollout, ref=cfg.ref,
-                hybrid_engine=cfg.hybrid_engine, model_dir=model_dir, seed=cfg.seed,
-                pad_token_id=cfg.pad_token_id, max_prompt_tokens=cfg.data.max_prompt_tokens)))
-        elif name == "critic":
-            specs.append((name, size, CriticWorker, dict(critic=cfg.critic,
-                                                         model_dir=model_dir)))
-        else:  # a reward or cost model, named by the scores it gives
-            specs.append((scores_of[name], size, CriticWorker, dict(
-                critic=cfg.critic, model_dir=str(scorer_dirs[scores_of[name]]),
-                trainable=False, model_key=name)))
-    pools: dict[int, ResourcePool] = {}  # world size -> the pool its colocated groups share
-    if cfg.ray.colocate:
-        for names, size in gpu_pools(cfg):
-            pools[size] = ResourcePool(size, cfg.ray, share=len(names))
-    built = {name: WorkerGroup(cls, size, ray_config=cfg.ray, name=name, pool=pools.get(size),
-                               **kwargs)
-             for name, size, cls, kwargs in specs}
-    critic = built.pop("critic", None)
-    groups = Groups(actor=ActorGroup(built.pop("actor")),
-                    critic=CriticGroup(critic) if critic is not None else None,
-                    scorers={k: ScorerGroup(g) for k, g in built.items()},
+    placement = resolve_placement(cfg)
+    timeline = Timeline()
+    pools = {pool.name: ResourcePool(pool.ranks, cfg.ray,
+                                     share=len(placement.pool_groups(pool)))
+             for pool in placement.pools}
+    critic_dir = str(checkpoints.get("critic.model") or model_dir)
+    built: dict[str, _Group] = {}
+    try:
+        for model in placement.groups():
+            size, pool = model.layout.world_size, model.pool
+            if model.name == "actor":
+                group = WorkerGroup(
+                    ActorRolloutRefWorker, size, ray_config=cfg.ray, name="actor",
+                    pool=pools[pool], actor=cfg.actor, rollout=cfg.rollout, ref=cfg.ref,
+                    hybrid_engine=cfg.hybrid_engine, model_dir=model_dir, seed=cfg.seed,
+                    pad_token_id=cfg.pad_token_id, max_prompt_tokens=cfg.data.max_prompt_tokens,
+                    with_ref=placement.reference_in_actor)
+                built["actor"] = ActorGroup(group, pool, timeline)
+            elif model.name == "reference":
+                group = WorkerGroup(ReferenceWorker, size, ray_config=cfg.ray, name="reference",
+                                    pool=pools[pool], layout=model.layout,
+                                    engine=cfg.actor.engine, ref=cfg.ref, model_dir=model_dir)
+                built["reference"] = ReferenceGroup(group, pool, timeline)
+            else:  # the critic, or a reward or cost model (untrained)
+                trainable = model.name == "critic"
+                group = WorkerGroup(
+                    CriticWorker, size, ray_config=cfg.ray, name=model.name, pool=pools[pool],
+                    critic=cfg.critic, layout=model.layout,
+                    model_dir=critic_dir if trainable else str(checkpoints[model.name]),
+                    trainable=trainable, model_key=model.name)
+                wrapper = CriticGroup if trainable else ScorerGroup
+                built[model.name] = wrapper(group, pool, timeline)
+    except BaseException:
+        for wrapper in built.values():
+            wrapper.group.shutdown()
+        for pool in pools.values():
+            pool.close()
+        raise
+    actor = built.pop("actor")
+    groups = Groups(actor=actor, reference=built.pop("reference", actor), placement=placement,
+                    timeline=timeline, critic=built.pop("critic", None),
+                    scorers={key: built[field] for key, field in SCORERS.items()
+                             if field in built},
                     pools=list(pools.values()))
     print(groups.actor.describe(), flush=True)
     print(f"workers ready in {time.perf_counter() - start:.1f}s", flush=True)

@@ -27,6 +27,10 @@ from hybridflow.tracking import Tracker, plot_metric, read_metrics
 from hybridflow.validation import split_held_out
 
 
+TIMELINE = "timeline.json"
+"""The run folder's Chrome trace of every call (``dataflow.Timeline``)."""
+
+
 def fit(run: Run, items: list[PromptItem], plan: ResumePlan, identity: dict[str, Any]
         ) -> tuple[list[dict[str, float]], int]:
     """Run the iterations from ``plan``'s step to ``config.steps`` over ``items`` (tokenized
@@ -85,6 +89,7 @@ def _iterations(run: Run, items, held_out, sampler, tracker: Tracker, first: int
             if cfg.validation.due(step, cfg.steps):
                 metrics.update(_validate(run, held_out, bar, step))
             tracker.log(step, metrics)
+            run.groups.timeline.write(tracker.run_dir / TIMELINE, step)
             bar.update(1)
             bar.set_postfix(reward=f"{metrics['reward/mean']:.3f}", kl=f"{metrics['kl']:.4f}")
             nonfinite = [k for k in metrics if k.endswith("/nonfinite_skipped") and metrics[k]]
@@ -159,6 +164,11 @@ def summarize(cfg, metrics_path: Path, run_dir: Path) -> None:
         print(f"val/reward (greedy, {cfg.validation.size} held-out prompts): "
               f"{val[0]['val/reward']:.3f} at step {val[0]['step']} -> "
               f"{val[-1]['val/reward']:.3f} at step {val[-1]['step']}", flush=True)
+    warm = [r for r in rows if "throughput/tokens_per_s_per_gpu" in r][1:]  # step 1 warms up
+    if warm:
+        print(f"throughput: {_mean(warm, 'throughput/tokens_per_s_per_gpu'):.1f} tokens/s per "
+              f"device (prompt + response, mean over steps 2 on), step "
+              f"{_mean(warm, 'timing/step_s'):.2f} s", flush=True)
     timed = [r for r in rows if "predicted/step_s" in r][1:]  # the first step warms up
     if timed:
         names = [k.removeprefix("predicted/") for k in timed[0]

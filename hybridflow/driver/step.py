@@ -1,11 +1,15 @@
 """One RL iteration, as functions over a ``Run`` (the config, the worker groups, how text is
-scored, and the controllers it steers):
+scored, and the controllers it steers), in stages:
 
-    collect (generate + reward, more rounds with dynamic sampling) -> old/ref log-probs (and
-    values) -> advantages -> critic update -> actor update -> metrics -> KL and Lagrange updates
+    collect (generate; with dynamic sampling, rewarded and drawn again)
+    -> prepare: reward and cost scores, old and reference log-probs, values, at once
+    -> advantages -> update: the critic's and the actor's, at once -> metrics -> KL and Lagrange
 
-The actor switches layouts inside ``generate``. ``iteration`` is the whole of it; the facade
-(``RLTrainer``) exposes the pieces for notebooks.
+The calls of a stage run at the same time where their models live on different pools, one
+after another on a pool (``dataflow.at_once``); with every model on one pool (the default
+``colocate`` placement) a stage is the plain sequence of its calls. The actor switches layouts
+inside ``generate``. ``iteration`` is the whole of it; the facade (``RLTrainer``) exposes the
+pieces for notebooks.
 """
 
 from __future__ import annotations
@@ -21,6 +25,7 @@ from hybridflow.algorithms import (AdaptiveKLController, FixedKLController, Lagr
                                    overlong_penalty, rollout_mismatch)
 from hybridflow.batch import Batch
 from hybridflow.data.prompts import PromptItem
+from hybridflow.driver.dataflow import DRIVER, Call, at_once
 from hybridflow.driver.groups import Groups
 from hybridflow.rewards import score_samples
 from hybridflow.workers.group import MEMORY, max_memory_meta
@@ -104,50 +109,102 @@ def generate(run: Run, items: list[PromptItem], sampling=None) -> Batch:
 
 def scores(run: Run, batch: Batch, key: str) -> torch.Tensor:
     """Per-sample ``key`` ("scores" or "costs"): from the model group for it if there is one,
-    else from the run's reward (cost) function."""
+    else from the run's reward (cost) function (on the timeline's driver row)."""
     if key in run.groups.scorers:
         return run.groups.scorers[key].scores(batch)
     fn = run.reward_fn if key == "scores" else run.cost_fn
-    return score_samples(fn, batch["item"], batch["response_text"],
-                         key="reward" if key == "scores" else "cost")
+    kind = "reward" if key == "scores" else "cost"
+    return run.groups.timeline.timed(DRIVER, f"{kind} function", lambda: score_samples(
+        fn, batch["item"], batch["response_text"], key=kind))
+
+
+def scorer_pool(run: Run, key: str) -> str:
+    """The pool that computes ``key`` ("scores" or "costs"): its model's, or the driver."""
+    return run.groups.scorers[key].pool if key in run.groups.scorers else DRIVER
+
+
+def reward_calls(run: Run, batch: Batch) -> list[Call]:
+    """The calls that score ``batch``: ``scores`` and, where the algorithm reads one, ``costs``
+    (``add_rewards`` puts their results in)."""
+    keys = ["scores"] + (["costs"] if run.config.algorithm.spec.cost else [])
+    return [Call(key, scorer_pool(run, key), lambda key=key: scores(run, batch, key))
+            for key in keys]
+
+
+def add_rewards(run: Run, batch: Batch, results: dict[str, Any]) -> Batch:
+    """``batch`` with the ``scores`` (and ``costs``) of ``results``, DAPO's overlong penalty
+    added to the scores (also kept as ``overlong_penalty``) where algorithm.overlong_buffer is
+    set."""
+    a = run.config.algorithm
+    batch.tensors.update({k: results[k] for k in ("scores", "costs") if k in results})
+    if a.overlong_buffer:
+        penalty = overlong_penalty(batch["response_mask"].sum(-1),
+                                   run.config.sampling.max_tokens, a.overlong_buffer,
+                                   a.overlong_penalty)
+        batch.tensors["overlong_penalty"] = penalty
+        batch.tensors["scores"] = batch["scores"] + penalty
+    return batch
 
 
 def reward(run: Run, batch: Batch) -> Batch:
-    """Per-sample ``scores`` (and ``costs`` where the algorithm reads a cost), with DAPO's
-    overlong penalty added to the scores (also kept as ``overlong_penalty``) where
-    algorithm.overlong_buffer is set. Cheap: dynamic sampling filters on it before any log-prob
-    is computed."""
-    a = run.config.algorithm
+    """Per-sample ``scores`` (and ``costs`` where the algorithm reads a cost), shaped as
+    ``add_rewards`` says. Cheap: dynamic sampling filters on it before any log-prob is
+    computed."""
     timing: dict[str, float] = {}
     with timer(timing, "timing/reward_s"):
-        batch.tensors["scores"] = scores(run, batch, "scores")
-        if a.spec.cost:
-            batch.tensors["costs"] = scores(run, batch, "costs")
-        if a.overlong_buffer:
-            penalty = overlong_penalty(batch["response_mask"].sum(-1),
-                                       run.config.sampling.max_tokens, a.overlong_buffer,
-                                       a.overlong_penalty)
-            batch.tensors["overlong_penalty"] = penalty
-            batch.tensors["scores"] = batch["scores"] + penalty
+        batch = add_rewards(run, batch, at_once(reward_calls(run, batch)))
     batch.meta.update(timing)
     return batch
 
 
-def advantages(run: Run, batch: Batch) -> Batch:
-    """Old and reference log-probs, values (where a critic is trained) and advantages of a
-    rewarded batch. An on-policy update computes the old log-probs in its own forward instead
-    (``RLConfig.old_logprobs_from_update``): nothing before it reads them."""
+def prepare(run: Run, batch: Batch) -> Batch:
+    """What the advantages read, at once where the models live apart: the scores (and costs)
+    where ``collect`` left them out, old log-probs (unless an on-policy update makes them:
+    ``RLConfig.old_logprobs_from_update``), reference log-probs and values (where a critic is
+    trained). Each call's seconds go to ``timing/<what>_s`` (scores and costs both to
+    ``timing/reward_s``)."""
     cfg, groups = run.config, run.groups
-    a = cfg.algorithm
-    timing: dict[str, float] = {}
+    calls = reward_calls(run, batch) if "scores" not in batch else []
     if not cfg.old_logprobs_from_update:
-        with timer(timing, "timing/old_logprobs_s"):
-            batch = batch.update(groups.actor.log_probs(batch))
-    with timer(timing, "timing/ref_logprobs_s"):
-        batch = batch.update(groups.actor.ref_log_probs(batch))
+        calls.append(Call("old_logprobs", groups.actor.pool,
+                          lambda: groups.actor.log_probs(batch)))
+    calls.append(Call("ref_logprobs", groups.reference.pool,
+                      lambda: groups.reference.ref_log_probs(batch)))
     if groups.critic is not None:
-        with timer(timing, "timing/values_s"):
-            batch = batch.update(groups.critic.values(batch))
+        calls.append(Call("values", groups.critic.pool,
+                          lambda: groups.critic.values(batch)))
+    timing: dict[str, float] = {}
+    results = at_once([_timed(call, timing) for call in calls])
+    if "scores" in results:
+        batch = add_rewards(run, batch, results)
+    for name in ("old_logprobs", "ref_logprobs", "values"):
+        if name in results:
+            batch = batch.update(results[name])
+    batch.meta.update(timing)
+    return batch
+
+
+TIMING_KEYS = {"scores": "reward", "costs": "reward"}
+"""Call name -> the phase its seconds count in, where that is not the call's name."""
+
+
+def _timed(call: Call, timing: dict[str, float]) -> Call:
+    """``call``, adding its seconds to ``timing["timing/<phase>_s"]``."""
+    key = f"timing/{TIMING_KEYS.get(call.name, call.name)}_s"
+
+    def fn():
+        start = time.perf_counter()
+        try:
+            return call.fn()
+        finally:
+            timing[key] = timing.get(key, 0.0) + time.perf_counter() - start
+    return Call(call.name, call.pool, fn)
+
+
+def advantages(run: Run, batch: Batch) -> Batch:
+    """The advantages (and returns, for a critic) of a prepared batch (``prepare``)."""
+    a = run.config.algorithm
+    timing: dict[str, float] = {}
     baseline = greedy_baseline(run, batch) if a.spec.greedy_baseline else None
     lagrange = run.controllers.lagrange
     with timer(timing, "timing/advantages_s"):
@@ -185,14 +242,21 @@ def greedy_sampling(cfg):
 
 
 def update(run: Run, batch: Batch) -> dict[str, float]:
-    """The critic's update (where there is one), then the policy's; their metrics. An on-policy
-    update's old log-probs (its forward's) are added to ``batch``."""
+    """The critic's update (where there is one) and the policy's, at once where they live
+    apart; their metrics. An on-policy update's old log-probs (its forward's) are added to
+    ``batch``."""
+    groups = run.groups
+    calls = []
+    if groups.critic is not None:
+        calls.append(Call("update_critic", groups.critic.pool,
+                          lambda: groups.critic.update(batch)))
+    calls.append(Call("update_actor", groups.actor.pool,
+                      lambda: groups.actor.update(batch)))
     metrics: dict[str, float] = {}
-    if run.groups.critic is not None:
-        with timer(metrics, "timing/update_critic_s"):
-            metrics.update(run.groups.critic.update(batch).meta)
-    with timer(metrics, "timing/update_actor_s"):
-        out = run.groups.actor.update(batch)
+    results = at_once([_timed(call, metrics) for call in calls])
+    if "update_critic" in results:
+        metrics.update(results["update_critic"].meta)
+    out = results["update_actor"]
     metrics.update(out.meta)
     batch.tensors.update(out.tensors)
     return metrics
@@ -204,10 +268,18 @@ def iteration(run: Run, draw: Callable[[], list[PromptItem]]) -> dict[str, float
     metrics."""
     start = time.perf_counter()
     batch, metrics = collect(run, draw)
-    batch = advantages(run, batch)
+    batch = advantages(run, prepare(run, batch))
     metrics.update(update(run, batch))
     metrics.update(step_metrics(run, batch))
-    metrics["timing/step_s"] = time.perf_counter() - start
+    end = time.perf_counter()
+    metrics["timing/step_s"] = end - start
+    # the paper's unit: prompt and response tokens of the step per second and device
+    devices = sum(pool.ranks for pool in run.groups.placement.pools)
+    metrics["throughput/tokens_per_s_per_gpu"] = (float(batch["attention_mask"].sum())
+                                                  / (end - start) / devices)
+    pools = [pool.name for pool in run.groups.placement.pools]
+    if len(pools) > 1:  # one pool is busy or idle, never overlapping
+        metrics.update(run.groups.timeline.step_metrics(start, end, pools))
     if run.prediction is not None:  # beside each measured phase, the cost model's
         metrics.update({f"predicted/{k}_s": v for k, v in run.prediction.phases.items()})
         metrics["predicted/step_s"] = run.prediction.step
@@ -216,19 +288,19 @@ def iteration(run: Run, draw: Callable[[], list[PromptItem]]) -> dict[str, float
 
 
 def collect(run: Run, draw: Callable[[], list[PromptItem]]) -> tuple[Batch, dict[str, float]]:
-    """The step's rewarded batch of train_batch_size groups (a prompt's n samples), and its
-    DAPO metrics.
+    """The step's batch of train_batch_size groups (a prompt's n samples), and its DAPO metrics.
 
-    Without dynamic sampling: one ``draw()``, generated and rewarded. With it (DAPO): the
+    Without dynamic sampling: one ``draw()``, generated (``prepare`` rewards it). With it (DAPO):
+    each round is rewarded at once, and the
     groups whose rewards (before overlong shaping) are all equal are set aside and further
     batches drawn, for at most algorithm.max_sampling_rounds rounds, until train_batch_size
     groups with differing rewards are in hand. Surplus groups are cut and a shortfall is filled
     with set-aside groups: the update's batch has a fixed size. Every draw comes from the
     run's prompt sampler, so a resumed run draws what the uninterrupted one would have."""
     a, size = run.config.algorithm, run.config.train_batch_size
+    if not a.dynamic_sampling:  # rewarded in ``prepare``, beside the log-probs
+        return generate(run, draw()), {}
     rounds = [reward(run, generate(run, draw()))]
-    if not a.dynamic_sampling:
-        return rounds[0], overlong_metrics(rounds[0])
     varied: list[tuple[int, int]] = []  # (round, group) in the order drawn
     equal: list[tuple[int, int]] = []
     while True:
@@ -247,7 +319,7 @@ def collect(run: Run, draw: Callable[[], list[PromptItem]]) -> tuple[Batch, dict
     batch = take_groups(rounds, varied[:size] + fill)
     return batch, {"dapo/rounds": len(rounds), "dapo/prompts_drawn": len(rounds) * size,
                    "dapo/groups_dropped": len(equal) - len(fill),
-                   "dapo/filled_with_equal": len(fill), **overlong_metrics(batch)}
+                   "dapo/filled_with_equal": len(fill)}
 
 
 def take_groups(rounds: list[Batch], chosen: list[tuple[int, int]]) -> Batch:
@@ -267,12 +339,6 @@ def take_groups(rounds: list[Batch], chosen: list[tuple[int, int]]) -> Batch:
             batch.meta[key] = sum(b.meta[key] for b in rounds)
     batch.meta.update(max_memory_meta([b.meta for b in rounds]))
     return batch
-
-
-def overlong_metrics(batch: Batch) -> dict[str, float]:
-    if "overlong_penalty" not in batch:
-        return {}
-    return {"reward/overlong_penalty_mean": batch["overlong_penalty"].mean().item()}
 
 
 def step_metrics(run: Run, batch: Batch) -> dict[str, float]:
@@ -297,6 +363,8 @@ def step_metrics(run: Run, batch: Batch) -> dict[str, float]:
                 if k.startswith(("timing/", "reshard/", "memory/"))})
     if "costs" in batch:
         out["cost/mean"] = batch["costs"].mean().item()
+    if "overlong_penalty" in batch:
+        out["reward/overlong_penalty_mean"] = batch["overlong_penalty"].mean().item()
     mismatch = rollout_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], mask)
     s = run.config.sampling
     if not (s.temperature == 1 and s.top_k == 0 and s.top_p == 1):

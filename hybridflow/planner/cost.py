@@ -386,8 +386,9 @@ def _offload(cfg: Any, memory: MemoryEstimate, calib: Calibration,
     """Adds the offload options' host copies to ``terms`` (module docstring), their bytes read
     from the memory estimate of the actor's GPUs."""
     pool = next(p for p in memory.pools if "actor" in p.groups)
-    if cfg.ref.offload:
-        ref = pool.phases["inference"].get("ref", {}).get("weights", 0)
+    if cfg.ref.offload:  # the reference's pool: the actor's, or its own
+        where = next(p for p in memory.pools if "ref" in p.phases.get("inference", {}))
+        ref = where.phases["inference"]["ref"].get("weights", 0)
         terms["ref_logprobs"]["host_round_trip"] = 2 * ref / _host_rate(calib)
     if cfg.hybrid_engine.offload_optimizer:
         state = pool.phases["actor update"]["actor"].get("optimizer", 0)

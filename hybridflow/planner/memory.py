@@ -74,10 +74,11 @@ from __future__ import annotations
 
 import functools
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
-from hybridflow.config.cluster import gpu_pools
+from hybridflow.config.placement import ACTOR_SIDE, resolve_placement
+from hybridflow.config.sources import critic_shape
 from hybridflow.errors import ConfigError
 from hybridflow.hybrid_engine.plan import copied_own_bytes, plan_reshard
 from hybridflow.hybrid_engine.switch import generation_metas
@@ -87,6 +88,8 @@ from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.training.lora import lora_param_counts
 
 GIB = 2**30
+TRAINED_CRITICS = ("critic", "cost_critic")
+"""Value-head groups that train (the others, reward and cost models, only score)."""
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
 
 
@@ -153,18 +156,25 @@ def estimate_memory(cfg: Any, shapes: dict[str, ModelConfig]) -> MemoryEstimate:
     seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
     pools = []
-    for groups, ranks in gpu_pools(cfg):
+    placement = resolve_placement(cfg)
+    for pool in placement.pools:
+        groups = tuple(placement.pool_groups(pool))
         resident: dict[str, dict[str, int]] = {}  # role -> part -> bytes, outside its own phase
         generation: dict[str, dict[str, int]] = {}
         forward: dict[str, int] = {}  # role -> its forward pass's transient
         updates: dict[str, tuple[str, int]] = {}  # phase -> (role, its activations)
         for group in groups:
+            layout = placement.models[group].layout
             if group == "actor":
                 _actor(cfg, shapes["model"], seq, samples, resident, generation, forward,
-                       updates)
+                       updates, placement.reference_in_actor)
+            elif group == "reference":
+                _reference(replace(cfg.actor, layout=layout), shapes["model"], seq,
+                           cfg.rollout.sampling.max_tokens, resident, forward)
             else:
-                shape = shapes["model" if group == "critic" else group]  # critic: actor's
-                _critic_side(cfg, group, shape, seq, samples, resident, forward, updates)
+                shape = critic_shape(shapes) if group in TRAINED_CRITICS else shapes[group]
+                _critic_side(replace(cfg.critic, layout=layout), group, shape, seq, samples,
+                             resident, forward, updates)
         phases = {"generation": {role: dict(parts) for role, parts in resident.items()}}
         for role, parts in generation.items():
             phases["generation"].setdefault(role, {}).update(parts)
@@ -181,7 +191,7 @@ def estimate_memory(cfg: Any, shapes: dict[str, ModelConfig]) -> MemoryEstimate:
             phases[name] = _with(resident, role, "activations", act)
             if cfg.ref.offload:
                 phases[name]["ref"] = {}
-        pools.append(PoolMemory(groups=groups, ranks=ranks, phases=phases))
+        pools.append(PoolMemory(groups=groups, ranks=pool.ranks, phases=phases))
     return MemoryEstimate(pools=tuple(pools))
 
 
@@ -321,12 +331,14 @@ def _logits(shape: ModelConfig, tokens: float, tp: int, dtype: str, training: bo
 
 
 def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation, forward,
-           updates) -> None:
+           updates, with_ref: bool) -> None:
+    """The actor's group: the policy, its rollout engine and, ``with_ref``, the reference."""
     actor, r = cfg.actor, cfg.rollout
     backend = r.backend_class
     n, b = param_count(shape), DTYPE_BYTES[actor.engine.dtype]
     resident["actor"] = _train_state(n, actor.layout, actor.engine, shape.num_layers)
-    resident["ref"] = {"weights": resident["actor"]["weights"]}
+    if with_ref:
+        resident["ref"] = {"weights": resident["actor"]["weights"]}
     gen = GenLayout(train=actor.layout, tp=r.tp)
     gen_weights = {"generation weights": int(n * b / (gen.tp * gen.pp))}
     if cfg.hybrid_engine.mode == "3d":  # the training shards the generation ones copy stay
@@ -374,14 +386,23 @@ def _copied_shard_bytes(fields: tuple, t: int, p: int, last: int | None, tg: int
     return max(copied_own_bytes(plan, rank, resident) for rank in range(gen.train.world_size))
 
 
-def _critic_side(cfg, group: str, shape: ModelConfig, seq: int, samples: int, resident, forward,
-                 updates) -> None:
-    critic = cfg.critic
+def _reference(part, shape: ModelConfig, seq: int, response: int, resident, forward) -> None:
+    """The reference in a group of its own: ``part`` the actor's config at its layout;
+    ``response``: the response tokens its logits cover."""
+    b = DTYPE_BYTES[part.engine.dtype]
+    resident["ref"] = {"weights": int(param_count(shape) * b
+                                      / busiest_rank_split(shape.num_layers, part.layout))}
+    forward["ref"] = _forward_transient(shape, part, seq, response)
+
+
+def _critic_side(critic, group: str, shape: ModelConfig, seq: int, samples: int, resident,
+                 forward, updates) -> None:
+    """A value-head group: ``critic`` the critic's config at the group's layout."""
     n = param_count(shape, head="value")
-    if group == "critic":
-        resident["critic"] = _train_state(n, critic.layout, critic.engine, shape.num_layers)
-        updates["critic update"] = ("critic", _training_activations(shape, critic, seq, samples,
-                                                                     None))
+    if group in TRAINED_CRITICS:
+        resident[group] = _train_state(n, critic.layout, critic.engine, shape.num_layers)
+        updates[f"{group.replace('_', ' ')} update"] = (
+            group, _training_activations(shape, critic, seq, samples, None))
     else:
         b = DTYPE_BYTES[critic.engine.dtype]
         resident[group] = {"weights": int(n * b / busiest_rank_split(shape.num_layers,
@@ -392,8 +413,11 @@ def _critic_side(cfg, group: str, shape: ModelConfig, seq: int, samples: int, re
 def _fix(cfg, role: str, parts: dict[str, int]) -> tuple[str, str]:
     """(key, how) to shrink ``role``'s share of a GPU; ``parts`` its bytes by part."""
     nodes = cfg.cluster.gpus_per_node
-    section = "actor" if role in ("actor", "ref", "rollout") else "critic"
-    lay, eng = getattr(cfg, section).layout, getattr(cfg, section).engine
+    model = {"ref": "reference", "rollout": "actor"}.get(role, role)
+    section = "actor" if model in ACTOR_SIDE else "critic"
+    eng = getattr(cfg, section).engine
+    place = resolve_placement(cfg).models[model]
+    lay, key = place.layout, place.layout_key
     if role == "rollout" and "kv_cache_mb" in cfg.rollout.backend_class.reads:
         return "rollout.kv_cache_mb", "lower it, or use rollout.backend=megatron"
     if role == "rollout" and cfg.rollout.tp < lay.tp:
@@ -411,7 +435,6 @@ def _fix(cfg, role: str, parts: dict[str, int]) -> tuple[str, str]:
         if section == "actor" and lay.tp > 1 and not eng.sequence_parallel:
             return "actor.engine.sequence_parallel", "set it to true: it splits the stored " \
                                                      "activations over tp"
-    key = f"{section}.layout"
     if lay.tp * 2 <= nodes:
         return f"{key}.tp", (f"raise it (tp={lay.tp} now; up to cluster.gpus_per_node={nodes}) or "
                              f"{key}.pp, lowering {key}.dp to keep the world size")

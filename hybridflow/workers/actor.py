@@ -31,11 +31,12 @@ class ActorRolloutRefWorker(Worker):
     """Actor + rollout + reference on one rank. It receives its roles' configs only (the
     ``actor``, ``rollout``, ``ref`` and ``hybrid_engine`` sections of the run config) and the
     run-wide values it needs: the sampling ``seed``, ``pad_token_id`` and the prompt width
-    ``max_prompt_tokens``."""
+    ``max_prompt_tokens``. ``with_ref=False``: the reference lives in a group of its own
+    (``ReferenceWorker``), and this one holds none."""
 
     def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, *, actor, rollout, ref,
                  hybrid_engine, model_dir: str, seed: int, pad_token_id: int,
-                 max_prompt_tokens: int):
+                 max_prompt_tokens: int, with_ref: bool = True):
         super().__init__(rank, world_size, rendezvous)
         self.actor_cfg, self.rollout_cfg, self.ref_cfg = actor, rollout, ref
         self.model_dir, self.seed, self.pad_token_id = model_dir, seed, pad_token_id
@@ -43,10 +44,10 @@ class ActorRolloutRefWorker(Worker):
         self.model_config = load_hf_config(model_dir)
         self.actor = TrainEngine(self.model_config, actor.layout, actor.engine, lora=actor.lora)
         load_hf_into_engine(self.actor, model_dir)
-        # The reference is always there: its KL to the actor is logged every step. With LoRA it
-        # is the actor's frozen base with the adapters off.
+        # The reference is always somewhere: its KL to the actor is logged every step. With LoRA
+        # it is the actor's frozen base with the adapters off.
         self.ref = None
-        if self.actor.adapters is None:
+        if self.actor.adapters is None and with_ref:
             self.ref = TrainEngine(self.model_config, actor.layout, actor.engine,
                                    build_optimizer=False)
             load_hf_into_engine(self.ref, model_dir)

@@ -22,14 +22,16 @@ from hybridflow.workers.updates import (engine_batch, load_rank_state, ppo_updat
 
 class CriticWorker(Worker):
     """A value-head model on one rank: the critic (values, clipped value loss) or, with
-    ``trainable=False``, a reward/cost model scoring each sequence at its last token."""
+    ``trainable=False``, a reward/cost model scoring each sequence at its last token. ``critic``:
+    the critic's config (engine, update); ``layout``: this model's (default the critic's)."""
 
     def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, *, critic,
-                 model_dir: str, trainable: bool = True, model_key: str = "model"):
+                 model_dir: str, trainable: bool = True, model_key: str = "model",
+                 layout=None):
         super().__init__(rank, world_size, rendezvous)
-        self.critic_cfg = critic
+        self.critic_cfg, self.layout = critic, layout or critic.layout
         model_config = load_hf_config(model_dir)
-        self.engine = TrainEngine(model_config, critic.layout, critic.engine,
+        self.engine = TrainEngine(model_config, self.layout, critic.engine,
                                   build_optimizer=trainable, head="value")
         load_hf_into_engine(self.engine, model_dir)
         self._load_score_head(model_dir, model_key)
@@ -55,7 +57,7 @@ class CriticWorker(Worker):
                     param.copy_(head)
 
     def dispatch_info(self, view: str) -> tuple[int, bool]:
-        return train_view(self.critic_cfg.layout, self.rank)
+        return train_view(self.layout, self.rank)
 
     def save_state(self, ckpt_dir: str) -> None:
         """The critic's weights, optimizer and RNG states (see ActorRolloutRefWorker's)."""

@@ -48,10 +48,8 @@ class RayConfig:
     """GPUs each rank claims (1 on GPU machines; 0 on CPU)."""
     cpus_per_worker: float = 0.0
     """CPUs each rank claims; 0 lets more ranks than cores share them (CPU demos)."""
-    colocate: bool = True
-    """Models whose layouts have the same world size (actor, critic, reward and cost models)
-    share one rank's GPU and CPUs, each taking an equal part of them (HybridFlow's colocated
-    placement); false gives every worker group resources of its own."""
+    colocate: bool | None = None
+    """Replaced by ``placement.preset`` (colocate, split, standalone); refused when set."""
     start_timeout_s: float = 1800.0
     """Seconds a worker group may take to start (its constructors: loading models, building
     engines) before the run stops; 0 waits forever."""
@@ -77,6 +75,11 @@ class RayConfig:
         check_float("call_timeout_s", self.call_timeout_s, low=0)
         check_float("collective_timeout_s", self.collective_timeout_s, low=0, low_open=True)
         check_float("gpu_memory_gib", self.gpu_memory_gib, low=0, low_open=True, none_ok=True)
+        if self.colocate is not None:
+            raise ConfigError("colocate", "moved: where models live is placement.preset now "
+                              "(colocate: every model on the same devices, as colocate=true "
+                              "was; standalone: a pool each, as colocate=false was; split); "
+                              "remove ray.colocate")
 
 
 def quiet_engines_env() -> dict[str, str]:
@@ -284,7 +287,8 @@ class ResourcePool:
             ray.util.remove_placement_group(self.placement_group)
             raise ConfigError("ray.gpus_per_worker", f"{world_size} bundles of {bundle} were not "
                               f"placed within {timeout_s:g}s (other groups hold the resources); "
-                              "set ray.colocate=true or lower the per-rank resources") from None
+                              "share the devices (placement.preset=colocate) or lower the per-rank "
+                              "resources") from None
 
     def _check_resources(self, bundle: dict[str, float], wait_s: float = 5.0) -> None:
         """Fail at once, naming the field, if the bundles cannot fit; Ray's free counts lag
@@ -306,8 +310,8 @@ class ResourcePool:
             raise ConfigError(field, f"{self.world_size} ranks x {need:g} {key} = "
                               f"{need * self.world_size:g} {key}, but Ray has "
                               f"{free.get(key, 0):g} free of {total.get(key, 0):g}; lower it, "
-                              "shrink the layout, or set ray.colocate=true so that models share "
-                              "their GPUs")
+                              "shrink the layout, or share the devices between models "
+                              "(placement.preset=colocate)")
 
     def options(self, rank: int) -> dict[str, Any]:
         """Ray actor options that put a worker of this pool's rank ``rank`` into its bundle."""

@@ -51,7 +51,7 @@ def test_groups_that_do_not_fit_say_which_field(ray_with_two_gpus):
     # Not colocated: the second group finds the GPUs taken (and says so at once).
     first = WorkerGroup(GpuWorker, 2, ray_config=cfg, name="first")
     try:
-        with pytest.raises(ConfigError, match=r"Ray has 0 free of 2.*ray.colocate=true"):
+        with pytest.raises(ConfigError, match=r"Ray has 0 free of 2.*placement.preset=colocate"):
             WorkerGroup(GpuWorker, 2, ray_config=cfg, name="second")
     finally:
         first.shutdown()

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.tracking import CLOCK_KEYS
+
 pytestmark = [pytest.mark.slow]
 
 PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)}
@@ -116,7 +118,7 @@ class Attempt:
 
 def metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(CLOCK_KEYS)} for r in rows]
 
 
 def test_killed_and_preempted_run_equals_an_uninterrupted_one(setup):

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from hybridflow.config import RLConfig, load_config
+from hybridflow.tracking import CLOCK_KEYS
 from hybridflow.trainer import RLTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("cache")]
@@ -118,8 +119,8 @@ def test_grpo_lora_and_its_export(tmp_path):
                                          "actor.kl_loss_coef=0.1",
                                          "hybrid_engine.lora_merge=in_place"))
     for row, got in zip(history, same):
-        assert {k: v for k, v in got.items() if not k.startswith(("timing/", "memory/"))} == \
-            {k: v for k, v in row.items() if not k.startswith(("timing/", "memory/"))}
+        assert {k: v for k, v in got.items() if not k.startswith((*CLOCK_KEYS, "memory/"))} == \
+            {k: v for k, v in row.items() if not k.startswith((*CLOCK_KEYS, "memory/"))}
     for name, w in after.items():
         assert torch.equal(after_in_place[name], w), name
 

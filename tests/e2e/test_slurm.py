@@ -16,6 +16,8 @@ from pathlib import Path
 
 import pytest
 
+from hybridflow.tracking import CLOCK_KEYS
+
 from tests.e2e.slurm_cluster import SlurmCluster, SlurmError
 
 pytestmark = [pytest.mark.slow]
@@ -130,7 +132,7 @@ class Job:
 
 def metrics(run_dir: Path) -> list[dict]:
     rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(CLOCK_KEYS)} for r in rows]
 
 
 @pytest.fixture(scope="module")

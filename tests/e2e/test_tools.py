@@ -80,7 +80,7 @@ def test_bench_rl_step_ppo_reports_every_phase(tmp_path):
     for phase in ("reshard", "generate", "rollout_sleep", "ref_logprobs", "values",
                   "update_critic", "update_actor", "step"):
         assert r["phases_s"][phase] >= 0, phase
-    assert r["forward_micro_batch_size"] == 4 and r["colocate"] is True
+    assert r["forward_micro_batch_size"] == 4 and r["placement"] == "colocate"
     # the CPU rate sampled at the start and after the timed iteration; the floors use the mean
     samples = r["matmul_tflops_samples"]
     assert len(samples) == 2 and r["matmul_tflops"] == pytest.approx(sum(samples) / 2, abs=1e-4)

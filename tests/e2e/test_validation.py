@@ -7,7 +7,7 @@ import pytest
 
 from hybridflow.config import RLConfig, load_config
 from hybridflow.errors import ConfigError
-from hybridflow.tracking import read_metrics
+from hybridflow.tracking import CLOCK_KEYS, read_metrics
 from hybridflow.trainer import RLTrainer
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("cache")]
@@ -42,7 +42,7 @@ def fit(cfg):
 
 
 def strip_timing(rows):
-    return [{k: v for k, v in r.items() if not k.startswith("timing/")} for r in rows]
+    return [{k: v for k, v in r.items() if not k.startswith(CLOCK_KEYS)} for r in rows]
 
 
 def test_validation_held_out_and_resume(tmp_path):

@@ -17,8 +17,8 @@ from hybridflow.workers.group import max_memory_meta, memory_meta  # noqa: E402
 from hybridflow.models.tiny import tiny_llama_config  # noqa: E402
 
 
-def _ppo_config(tmp_path, colocate=True):
-    extra = [] if colocate else ["--no-colocate"]
+def _ppo_config(tmp_path, placement="colocate"):
+    extra = ["--placement", placement]
     args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--algorithm", "ppo",
                                      "--micro-batch", "2", *extra])
     return bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
@@ -62,7 +62,7 @@ def test_memory_pairs_add_the_colocated_workers_resident_bytes(tmp_path):
 
 
 def test_memory_pairs_without_colocation_count_one_process(tmp_path):
-    cfg = _ppo_config(tmp_path, colocate=False)
+    cfg = _ppo_config(tmp_path, placement="split")
     rows = [_row(generation=(3.0, 1.0), compute_ref_log_prob=(2.0, 1.5), compute_values=(0.8, 0.5),
                  update_critic=(1.2, 0.6), update_actor=(4.0, 1.5))]
     result = {}

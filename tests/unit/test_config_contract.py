@@ -32,7 +32,10 @@ def schema_keys(cls, prefix=""):
         keys.add(key)
         hint = typing.get_type_hints(cls)[f.name]
         sub = [a for a in (hint, *typing.get_args(hint)) if dataclasses.is_dataclass(a)]
-        if sub:
+        if typing.get_origin(hint) is dict and sub:
+            # a mapping of names to sections: placement.pools.<name>.nodes
+            keys |= schema_keys(sub[0], key + ".*.")
+        elif sub:
             keys |= schema_keys(sub[0], key + ".")
     return keys
 

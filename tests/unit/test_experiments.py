@@ -9,6 +9,7 @@ import yaml
 
 from hybridflow.cli import main
 from hybridflow.config import RLConfig, load_config, to_yaml
+from hybridflow.config.placement import resolve_placement
 from hybridflow.preflight import check_run
 from hybridflow.planner.memory import estimate_memory, layer_activation_bytes, param_count
 from hybridflow.data.loader import tokenize_prompts
@@ -180,7 +181,7 @@ def test_paper_config_is_the_papers_workload(path):
     gpus = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     assert 16 <= gpus <= 128 and cfg.cluster.gpu_memory_gb == 80
     assert cfg.actor.layout.world_size == cfg.critic.layout.world_size == gpus  # colocated
-    assert cfg.ray.colocate and cfg.ray.gpus_per_worker == 1
+    assert len(resolve_placement(cfg).pools) == 1 and cfg.ray.gpus_per_worker == 1
     assert f"on {gpus}\n# A100-80GB GPUs" in path.read_text()  # the file names its cluster
 
 
@@ -380,9 +381,10 @@ def test_a_70b_actor_at_tp1_does_not_fit(capsys, tmp_path):
 
 @pytest.mark.parametrize("overrides, key, message", [
     (["cluster.nodes=8"], "actor.layout.dp", "set actor.layout.dp=2"),
-    (["critic.layout.dp=2"], "critic.layout.dp", "GPUs of their own"),
-    # Groups of one world size, each on GPUs of its own (a StopIteration before).
-    (["ray.colocate=false"], "ray.colocate", "critic and reward_model run on GPUs of their own"),
+    (["critic.layout.dp=2"], "placement", "give the pools 128 GPUs in all"),
+    # Models of one world size, each on GPUs of its own (a StopIteration before).
+    (["placement.preset=standalone"], "placement", "reward_model (reward_model): 128 ranks"),
+    (["ray.colocate=false"], "ray.colocate", "placement.preset"),
     (["ray.gpus_per_worker=0"], "ray.gpus_per_worker", "no rank claims a GPU"),
     (["cluster.nodes=32", "cluster.gpus_per_node=4"], "actor.layout.tp", "one node"),
     (["cluster.nodes=null", "cluster.gpus_per_node=4"], "cluster.gpus_per_node", "no effect"),

@@ -10,7 +10,10 @@ import torch
 
 from hybridflow.algorithms import estimate_advantages
 from hybridflow.batch import Batch
+from hybridflow.config.placement import resolve_placement
+from hybridflow.driver.dataflow import Timeline
 from hybridflow.driver.groups import ActorGroup, Groups, ScorerGroup
+from hybridflow.tracking import CLOCK_KEYS
 from hybridflow.trainer import RLTrainer
 
 T = 3  # response tokens per sample
@@ -20,6 +23,8 @@ class FakeActor:
     """Answers generate / log-prob calls like ActorRolloutRefWorker's group: every sample is T
     response tokens; the policy's log-prob of a token is -0.5, the reference's
     -0.5 - kl_gap * (the row's index), so sample i is kl_gap * i nats per token from it."""
+
+    name = "actor"
 
     def __init__(self, kl_gap=0.0, nonfinite_at=()):
         self.kl_gap, self.generated, self.samplings = kl_gap, [], []
@@ -77,6 +82,8 @@ class FakeActor:
 class FakeRewardModel:
     """A reward-model group: scores 10 + the id of the sample's last token."""
 
+    name = "reward_model"
+
     def run_by_dp(self, method, batch, **_):
         assert method == "compute_scores"
         return Batch({"scores": 10.0 + batch["input_ids"][:, -1].float()})
@@ -87,9 +94,12 @@ def make_trainer(tmp_path, *overrides, actor=None, reward_model=False, **kwargs)
            "train_batch_size": 2, "actor": {"engine": {"micro_batch_size": 1}},
            "tracking": {"out_dir": str(tmp_path)}}
     trainer = RLTrainer(cfg, reward_fn=lambda response: 1.0, **dict(overrides), **kwargs)
-    # The worker groups, as start_groups would leave them.
-    trainer.groups = Groups(actor=ActorGroup(actor or FakeActor()),
-                            scorers={"scores": ScorerGroup(FakeRewardModel())}
+    # The worker groups, as start_groups would leave them: one pool.
+    timeline = Timeline()
+    group = ActorGroup(actor or FakeActor(), "actor", timeline)
+    trainer.groups = Groups(actor=group, reference=group,
+                            placement=resolve_placement(trainer.config), timeline=timeline,
+                            scorers={"scores": ScorerGroup(FakeRewardModel(), "actor", timeline)}
                             if reward_model else {})
     return trainer
 
@@ -235,7 +245,7 @@ def test_a_resumed_run_continues_the_sampler_and_controllers(tmp_path):
     second.fit(PROMPTS)
     assert fake(first).generated + fake(second).generated == fake(whole).generated
     assert second.controllers.kl.value == whole_kl.value != 0.001
-    rows = lambda d: [{k: v for k, v in json.loads(line).items() if not k.startswith("timing")}
+    rows = lambda d: [{k: v for k, v in json.loads(line).items() if not k.startswith(CLOCK_KEYS)}
                       for line in (d / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert rows(tmp_path / "b") == rows(tmp_path / "a")
 
@@ -311,7 +321,7 @@ def _dapo_trainer(path, *overrides, equal=(0, 2, 4), **kwargs):
 
 
 def _metrics(run_dir):
-    return [{k: v for k, v in json.loads(line).items() if not k.startswith("timing")}
+    return [{k: v for k, v in json.loads(line).items() if not k.startswith(CLOCK_KEYS)}
             for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
