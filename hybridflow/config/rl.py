@@ -363,6 +363,11 @@ class RLConfig:
         if not self.planned_keys:
             return
         what = "layout: auto" if self.layout == "auto" else f"{self.auto[0]}: auto"
+        p = self.placement
+        if p.pools or p.layouts or p.preset not in (None, "colocate"):
+            raise ConfigError("placement", f"{what}: the planner maps every model onto the same "
+                              "devices (placement.preset: colocate) and searches no other "
+                              "placement yet; remove the placement settings or set the layouts")
         if self.cluster.calibration is None:
             raise ConfigError("cluster.calibration", f"{what} needs the rates of the devices: run "
                               "`hybridflow calibrate --out calibration.json` on one of them and "
