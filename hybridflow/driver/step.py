@@ -173,8 +173,7 @@ def prepare(run: Run, batch: Batch) -> Batch:
     if groups.critic is not None:
         calls.append(Call("values", groups.critic.pool,
                           lambda: groups.critic.values(batch)))
-    timing: dict[str, float] = {}
-    results = at_once([_timed(call, timing) for call in calls])
+    results, timing = timed_at_once(calls)
     if "scores" in results:
         batch = add_rewards(run, batch, results)
     for name in ("old_logprobs", "ref_logprobs", "values"):
@@ -188,17 +187,25 @@ TIMING_KEYS = {"scores": "reward", "costs": "reward"}
 """Call name -> the phase its seconds count in, where that is not the call's name."""
 
 
-def _timed(call: Call, timing: dict[str, float]) -> Call:
-    """``call``, adding its seconds to ``timing["timing/<phase>_s"]``."""
-    key = f"timing/{TIMING_KEYS.get(call.name, call.name)}_s"
+def timed_at_once(calls: list[Call]) -> tuple[dict[str, Any], dict[str, float]]:
+    """``at_once(calls)``'s results, and each phase's seconds (``timing/<phase>_s``: the sum
+    of its calls')."""
+    seconds: dict[str, float] = {}  # by call: each lane writes its own keys
 
-    def fn():
-        start = time.perf_counter()
-        try:
-            return call.fn()
-        finally:
-            timing[key] = timing.get(key, 0.0) + time.perf_counter() - start
-    return Call(call.name, call.pool, fn)
+    def timed(call: Call) -> Call:
+        def fn():
+            start = time.perf_counter()
+            try:
+                return call.fn()
+            finally:
+                seconds[call.name] = time.perf_counter() - start
+        return Call(call.name, call.pool, fn)
+    results = at_once([timed(call) for call in calls])
+    timing: dict[str, float] = {}
+    for name, s in seconds.items():
+        key = f"timing/{TIMING_KEYS.get(name, name)}_s"
+        timing[key] = timing.get(key, 0.0) + s
+    return results, timing
 
 
 def advantages(run: Run, batch: Batch) -> Batch:
@@ -252,8 +259,7 @@ def update(run: Run, batch: Batch) -> dict[str, float]:
                           lambda: groups.critic.update(batch)))
     calls.append(Call("update_actor", groups.actor.pool,
                       lambda: groups.actor.update(batch)))
-    metrics: dict[str, float] = {}
-    results = at_once([_timed(call, metrics) for call in calls])
+    results, metrics = timed_at_once(calls)
     if "update_critic" in results:
         metrics.update(results["update_critic"].meta)
     out = results["update_actor"]
