@@ -141,8 +141,9 @@ def build_config(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}.{unknown[0]}" if path else str(unknown[0])
-        raise ConfigError(where, f"not a key of {cls.__name__}; `hybridflow defaults train` "
-                                 "prints every key with its default")
+        raise ConfigError(where, MOVED_KEYS.get(where, f"not a key of {cls.__name__}; "
+                                                "`hybridflow defaults train` prints every key "
+                                                "with its default"))
     kwargs = {}
     for name, value in data.items():
         sub = _dataclass_in(hints[name])
@@ -220,12 +221,20 @@ def _section_mismatch(base, other, prefix: str = ""):
     return None
 
 
+MOVED_KEYS = {
+    "ray.colocate": "moved: where models live is placement.preset now (colocate: every model on "
+                    "the same devices, as colocate=true was; standalone: a pool each, as "
+                    "colocate=false was; split); remove ray.colocate",
+}
+"""Keys that are gone, with what replaced them."""
+
+
 def _from_omegaconf(e: Exception) -> ConfigError:
     key = getattr(e, "full_key", None) or CONFIG_FILE
     message = str(e).split("\n")[0]
     if type(e).__name__ == "ConfigKeyError":
-        message = ("not a key of the config; `hybridflow defaults train` prints every key with "
-                   "its default")
+        message = MOVED_KEYS.get(key, "not a key of the config; `hybridflow defaults train` "
+                                      "prints every key with its default")
     return ConfigError(key, message)
 
 

@@ -48,8 +48,6 @@ class RayConfig:
     """GPUs each rank claims (1 on GPU machines; 0 on CPU)."""
     cpus_per_worker: float = 0.0
     """CPUs each rank claims; 0 lets more ranks than cores share them (CPU demos)."""
-    colocate: bool | None = None
-    """Replaced by ``placement.preset`` (colocate, split, standalone); refused when set."""
     start_timeout_s: float = 1800.0
     """Seconds a worker group may take to start (its constructors: loading models, building
     engines) before the run stops; 0 waits forever."""
@@ -75,11 +73,6 @@ class RayConfig:
         check_float("call_timeout_s", self.call_timeout_s, low=0)
         check_float("collective_timeout_s", self.collective_timeout_s, low=0, low_open=True)
         check_float("gpu_memory_gib", self.gpu_memory_gib, low=0, low_open=True, none_ok=True)
-        if self.colocate is not None:
-            raise ConfigError("colocate", "moved: where models live is placement.preset now "
-                              "(colocate: every model on the same devices, as colocate=true "
-                              "was; standalone: a pool each, as colocate=false was; split); "
-                              "remove ray.colocate")
 
 
 def quiet_engines_env() -> dict[str, str]:
