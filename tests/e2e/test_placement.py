@@ -70,3 +70,19 @@ def test_split_and_standalone_compute_what_colocate_does(tmp_path):
     pools = {pool for pool, *_ in calls(tmp_path / "standalone" / "timeline.json")}
     assert pools == {"actor", "reference", "critic", "reward_model"}
     assert all(f"timing/idle_{p}_s" in alone[0] for p in pools)
+
+
+@pytest.mark.gpu
+def test_split_on_one_gpu_computes_what_colocate_does(tmp_path):
+    """The GPU path of the same: each pool takes half of one GPU (ray.gpus_per_worker=0.5), the
+    actor side's and the critic side's processes each with its own CUDA context and NCCL world;
+    the megatron backend generates."""
+    on_gpu = ("ray.gpus_per_worker=0.5", "rollout.backend=megatron", "ray.num_cpus=4")
+    colocated = train(ppo(tmp_path, "colocate", *on_gpu))
+    split = train(ppo(tmp_path, "split", "placement.preset=split", *on_gpu))
+    assert len(split) == len(colocated) == 2
+    for s, c in zip(split, colocated):
+        assert computed(s).keys() == computed(c).keys()
+        for key, value in computed(c).items():
+            assert computed(s)[key] == pytest.approx(value, rel=1e-5, abs=1e-6), key
+    assert all(r["timing/overlap_s"] > 0 for r in split)
