@@ -110,8 +110,9 @@ class RunCheck:
         ]
         scorers = [f for f in SCORERS.values() if f in self.checkpoints]
         if cfg.algorithm.spec.critic or scorers:
-            users = (["critic"] if cfg.algorithm.spec.critic else []) + \
-                [f.replace("_", " ") for f in scorers]
+            spec = cfg.algorithm.spec
+            users = [r.replace("_", " ") for r in ("critic", "cost_critic") if getattr(spec, r)] \
+                + [f.replace("_", " ") for f in scorers]
             lines.append(f"{' + '.join(users)}: {c} -> {c.world_size} ranks each")
         recv = self.reshard_recv_bytes
         per_rank = ", ".join(_mib(b) for b in recv) if len(recv) <= 8 else \
@@ -147,7 +148,7 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
         if field in shapes:
             _fits(shapes[field], cfg, "critic", field)
     if cfg.algorithm.spec.critic:
-        _fits(model, cfg, "critic")  # the critic starts from the actor's weights
+        _fits(model, cfg, "critic")  # the critic (and cost critic) start from the actor's weights
     if cfg.pad_token_id >= model.vocab_size:
         raise ConfigError("pad_token_id", f"{cfg.pad_token_id} is not a token of the model "
                                           f"(vocab_size {model.vocab_size})")

@@ -2,8 +2,8 @@
 GPUs against the cluster's, and tensor-parallel groups inside one node.
 
 Worker groups and their GPUs, as ``driver.groups.start_groups`` places them: the actor group
-(actor, rollout and reference on each rank) has ``actor.layout.world_size`` ranks; the critic
-and the reward and cost models have ``critic.layout.world_size`` ranks each. With
+(actor, rollout and reference on each rank) has ``actor.layout.world_size`` ranks; the critic,
+the cost critic and the reward and cost models have ``critic.layout.world_size`` ranks each. With
 ``ray.colocate`` the groups of equal world size share one ``ResourcePool`` of that many bundles
 (HybridFlow's colocated placement: they take turns on the same GPUs); without it every group has
 a pool of its own. Each bundle holds ``ray.gpus_per_worker`` GPUs. The memory on those GPUs is
@@ -17,9 +17,10 @@ from typing import Any
 
 from hybridflow.errors import ConfigError, check_float, check_int
 
-GROUP_KEYS = {"actor": "actor.layout", "critic": "critic.layout",
+GROUP_KEYS = {"actor": "actor.layout", "critic": "critic.layout", "cost_critic": "critic.layout",
               "reward_model": "critic.layout", "cost_model": "critic.layout"}
-"""Worker group -> the config key of its layout (reward and cost models run at the critic's)."""
+"""Worker group -> the config key of its layout (the cost critic, reward and cost models run at
+the critic's)."""
 
 
 @dataclass(kw_only=True)
@@ -58,6 +59,8 @@ def worker_groups(cfg: Any) -> list[tuple[str, int]]:
     groups = [("actor", cfg.actor.layout.world_size)]
     if cfg.algorithm.spec.critic:
         groups.append(("critic", cfg.critic.layout.world_size))
+    if cfg.algorithm.spec.cost_critic:
+        groups.append(("cost_critic", cfg.critic.layout.world_size))
     for key in ("reward_model", "cost_model"):
         if getattr(cfg, key) is not None:
             groups.append((key, cfg.critic.layout.world_size))

@@ -72,17 +72,18 @@ class ActorGroup:
 
 
 class CriticGroup:
-    """The critic's ranks (``CriticWorker``, trained)."""
+    """A trained value model's ranks (``CriticWorker``): the critic, or the cost critic."""
 
     def __init__(self, group: WorkerGroup):
         self.group = group
 
     def values(self, batch: Batch) -> Batch:
-        """``values``: the value of the state before each token."""
+        """The value of the state before each token: ``values`` (the critic) or ``cost_values``
+        (the cost critic)."""
         return self.group.run_by_dp("compute_values", batch, view=TRAIN)
 
     def update(self, batch: Batch) -> Batch:
-        """The value update (metrics in meta)."""
+        """The value update on the batch's ``returns`` (``cost_returns``) (metrics in meta)."""
         return self.group.run_by_dp("update_critic", batch, view=TRAIN)
 
     def save(self, ckpt_dir: str) -> None:
@@ -110,16 +111,17 @@ class Groups:
 
     actor: ActorGroup
     critic: CriticGroup | None = None
+    cost_critic: CriticGroup | None = None
     scorers: dict[str, ScorerGroup] = field(default_factory=dict)
     pools: list[ResourcePool] = field(default_factory=list)
 
     def trained(self) -> list[ActorGroup | CriticGroup]:
         """The groups whose state a checkpoint holds."""
-        return [self.actor] + ([self.critic] if self.critic is not None else [])
+        return [self.actor] + [g for g in (self.critic, self.cost_critic) if g is not None]
 
     def close(self) -> None:
         """Stop every group and free its pool."""
-        for wrapper in (self.actor, self.critic, *self.scorers.values()):
+        for wrapper in (self.actor, self.critic, self.cost_critic, *self.scorers.values()):
             if wrapper is not None:
                 wrapper.group.shutdown()
         for pool in self.pools:
@@ -129,7 +131,7 @@ class Groups:
 
 def start_groups(cfg, model_dir: str, scorer_dirs: dict[str, Any]) -> Groups:
     """Start the run's groups (``cfg`` an RLConfig; ``model_dir`` the actor's checkpoint, from
-    which the critic starts too; ``scorer_dirs``: "scores"/"costs" -> the reward/cost model's).
+    which the critics start too; ``scorer_dirs``: "scores"/"costs" -> the reward/cost model's).
     Each worker gets its own role's config only."""
     start = time.perf_counter()
     scores_of = {field: key for key, field in SCORERS.items()}  # reward_model -> "scores"
@@ -140,9 +142,9 @@ def start_groups(cfg, model_dir: str, scorer_dirs: dict[str, Any]) -> Groups:
                 actor=cfg.actor, rollout=cfg.rollout, ref=cfg.ref,
                 hybrid_engine=cfg.hybrid_engine, model_dir=model_dir, seed=cfg.seed,
                 pad_token_id=cfg.pad_token_id, max_prompt_tokens=cfg.data.max_prompt_tokens)))
-        elif name == "critic":
+        elif name in ("critic", "cost_critic"):
             specs.append((name, size, CriticWorker, dict(critic=cfg.critic,
-                                                         model_dir=model_dir)))
+                                                         model_dir=model_dir, role=name)))
         else:  # a reward or cost model, named by the scores it gives
             specs.append((scores_of[name], size, CriticWorker, dict(
                 critic=cfg.critic, model_dir=str(scorer_dirs[scores_of[name]]),
@@ -154,9 +156,10 @@ def start_groups(cfg, model_dir: str, scorer_dirs: dict[str, Any]) -> Groups:
     built = {name: WorkerGroup(cls, size, ray_config=cfg.ray, name=name, pool=pools.get(size),
                                **kwargs)
              for name, size, cls, kwargs in specs}
-    critic = built.pop("critic", None)
+    critic, cost_critic = built.pop("critic", None), built.pop("cost_critic", None)
     groups = Groups(actor=ActorGroup(built.pop("actor")),
                     critic=CriticGroup(critic) if critic is not None else None,
+                    cost_critic=CriticGroup(cost_critic) if cost_critic is not None else None,
                     scorers={k: ScorerGroup(g) for k, g in built.items()},
                     pools=list(pools.values()))
     print(groups.actor.describe(), flush=True)

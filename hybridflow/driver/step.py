@@ -2,7 +2,8 @@
 scored, and the controllers it steers):
 
     collect (generate + reward, more rounds with dynamic sampling) -> old/ref log-probs (and
-    values) -> advantages -> critic update -> actor update -> metrics -> KL and Lagrange updates
+    values) -> Lagrange update -> advantages -> critic updates -> actor update -> metrics -> KL
+    update
 
 The actor switches layouts inside ``generate``. ``iteration`` is the whole of it; the facade
 (``RLTrainer``) exposes the pieces for notebooks.
@@ -44,11 +45,9 @@ class Controllers:
         return cls(kl, lagrange)
 
     def update(self, metrics: dict[str, float], samples: int) -> None:
-        """After a step: the adaptive KL towards its target, lambda on the step's mean cost
-        (logged as ``lagrange``)."""
+        """After a step: the adaptive KL towards its target. (Lambda moves before the step's
+        advantages: ``advantages``.)"""
         self.kl.update(metrics["kl"], samples)
-        if self.lagrange is not None:
-            metrics["lagrange"] = self.lagrange.update(metrics["cost/mean"])
 
     def state_dict(self) -> dict[str, Any]:
         return {"kl_coef": self.kl.value,
@@ -134,9 +133,12 @@ def reward(run: Run, batch: Batch) -> Batch:
 
 
 def advantages(run: Run, batch: Batch) -> Batch:
-    """Old and reference log-probs, values (where a critic is trained) and advantages of a
-    rewarded batch. An on-policy update computes the old log-probs in its own forward instead
-    (``RLConfig.old_logprobs_from_update``): nothing before it reads them."""
+    """Old and reference log-probs, values (where a critic, and a cost critic, is trained) and
+    advantages of a rewarded batch, with the value models' targets. Where the algorithm reads a
+    cost, the batch's mean cost first moves the Lagrange multiplier that its advantages then
+    read, as Safe RLHF's reference trainer does. An on-policy update computes the old log-probs
+    in its own forward instead (``RLConfig.old_logprobs_from_update``): nothing before it reads
+    them."""
     cfg, groups = run.config, run.groups
     a = cfg.algorithm
     timing: dict[str, float] = {}
@@ -148,20 +150,24 @@ def advantages(run: Run, batch: Batch) -> Batch:
     if groups.critic is not None:
         with timer(timing, "timing/values_s"):
             batch = batch.update(groups.critic.values(batch))
+    if groups.cost_critic is not None:
+        with timer(timing, "timing/cost_values_s"):
+            batch = batch.update(groups.cost_critic.values(batch))
     baseline = greedy_baseline(run, batch) if a.spec.greedy_baseline else None
     lagrange = run.controllers.lagrange
+    if lagrange is not None:
+        lagrange.update(batch["costs"].mean())
     with timer(timing, "timing/advantages_s"):
-        adv, returns = estimate_advantages(
+        adv, targets = estimate_advantages(
             a.name, scores=batch["scores"], mask=batch["response_mask"],
             logprobs=batch.tensors.get("old_logprobs"), ref_logprobs=batch["ref_logprobs"],
             kl_coef=run.controllers.kl.value if a.kl_in_reward else 0.0, kl_type=a.kl_type,
-            values=batch.tensors.get("values"), group_ids=batch["group"],
-            baseline_scores=baseline, costs=batch.tensors.get("costs"),
+            values=batch.tensors.get("values"), cost_values=batch.tensors.get("cost_values"),
+            group_ids=batch["group"], baseline_scores=baseline, costs=batch.tensors.get("costs"),
             lagrange=lagrange.value if lagrange is not None else None,
             gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_by_std)
     batch.tensors["advantages"] = adv
-    if returns is not None:
-        batch.tensors["returns"] = returns
+    batch.tensors.update(targets)
     batch.meta.update(timing)
     return batch
 
@@ -185,12 +191,15 @@ def greedy_sampling(cfg):
 
 
 def update(run: Run, batch: Batch) -> dict[str, float]:
-    """The critic's update (where there is one), then the policy's; their metrics. An on-policy
-    update's old log-probs (its forward's) are added to ``batch``."""
+    """The critic's and the cost critic's updates (where there are), then the policy's; their
+    metrics. An on-policy update's old log-probs (its forward's) are added to ``batch``."""
     metrics: dict[str, float] = {}
     if run.groups.critic is not None:
         with timer(metrics, "timing/update_critic_s"):
             metrics.update(run.groups.critic.update(batch).meta)
+    if run.groups.cost_critic is not None:
+        with timer(metrics, "timing/update_cost_critic_s"):
+            metrics.update(run.groups.cost_critic.update(batch).meta)
     with timer(metrics, "timing/update_actor_s"):
         out = run.groups.actor.update(batch)
     metrics.update(out.meta)
@@ -297,6 +306,8 @@ def step_metrics(run: Run, batch: Batch) -> dict[str, float]:
                 if k.startswith(("timing/", "reshard/", "memory/"))})
     if "costs" in batch:
         out["cost/mean"] = batch["costs"].mean().item()
+    if run.controllers.lagrange is not None:  # as the step's advantages read it
+        out["lagrange"] = run.controllers.lagrange.value
     mismatch = rollout_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], mask)
     s = run.config.sampling
     if not (s.temperature == 1 and s.top_k == 0 and s.top_p == 1):
