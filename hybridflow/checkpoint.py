@@ -7,7 +7,8 @@ controllers, the step and the W&B run id. On disk::
 
     <run_dir>/checkpoints/step_000012/
         trainer.json            the driver's state, and the size of every file (a manifest)
-        actor/  critic/         Megatron-Core dist checkpoints (weights + optimizer state)
+        actor/  critic/ ...     Megatron-Core dist checkpoints (weights + optimizer state) of
+                                the trained models: the actor, the critic, the cost critic
         actor-rank0000.pt ...   each rank's RNG states (tensors and ints: loaded weights_only)
 
 It is written into a hidden temporary directory beside it and renamed when complete: a
@@ -87,7 +88,8 @@ class ResumePlan:
 def run_identity(cfg: Any, model: Any) -> dict[str, Any]:
     """What a checkpoint must match to load into a run: its algorithm, trained models and model
     shape (``cfg`` an RLConfig, ``model`` the ModelConfig), as plain data."""
-    roles = ["actor"] + (["critic"] if algorithm_spec(cfg.algorithm.name).critic else [])
+    spec = algorithm_spec(cfg.algorithm.name)
+    roles = ["actor"] + [role for role in ("critic", "cost_critic") if getattr(spec, role)]
     return {"algorithm": cfg.algorithm.name, "roles": roles,
             "model": json.loads(json.dumps(dataclasses.asdict(model)))}
 

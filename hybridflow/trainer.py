@@ -125,12 +125,13 @@ class RLTrainer:
 
     def score(self, batch: Batch) -> Batch:
         """Rewards, old (unless the update computes them: ``old_logprobs_from_update``) and
-        reference log-probs, values (where a critic is trained) and advantages."""
+        reference log-probs, values (where critics are trained) and advantages; where the
+        algorithm reads a cost, the Lagrange multiplier's step on the batch's mean cost."""
         run = self.start()
         return steps.advantages(run, steps.prepare(run, batch))
 
     def update_actor(self, batch: Batch) -> dict[str, float]:
-        """The critic's update (where there is one), then the policy's; their metrics. An
+        """The critics' updates (where there are), then the policy's; their metrics. An
         on-policy update's old log-probs (its forward's) are added to ``batch``."""
         return steps.update(self.start(), batch)
 

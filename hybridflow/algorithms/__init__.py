@@ -9,6 +9,7 @@ from hybridflow.algorithms.advantages import (
     compute_reinforce_pp_advantage,
     compute_remax_advantage,
     compute_rloo_advantage,
+    compute_safe_rlhf_advantage,
     masked_mean,
     masked_var,
     masked_whiten,
@@ -39,7 +40,7 @@ from hybridflow.algorithms.objective import (
     actor_loss,
     prepare_rollout_correction,
 )
-from hybridflow.algorithms.safe_rlhf import LagrangeMultiplier, safe_rlhf_combined_advantage
+from hybridflow.algorithms.safe_rlhf import LagrangeMultiplier, safe_rlhf_token_rewards
 
 __all__ = [
     "ADVANTAGE_ESTIMATORS",
@@ -57,6 +58,7 @@ __all__ = [
     "compute_reinforce_pp_advantage",
     "compute_remax_advantage",
     "compute_rloo_advantage",
+    "compute_safe_rlhf_advantage",
     "entropy_from_logits",
     "entropy_loss",
     "estimate_advantages",
@@ -70,7 +72,7 @@ __all__ = [
     "prepare_rollout_correction",
     "rollout_correction",
     "rollout_mismatch",
-    "safe_rlhf_combined_advantage",
+    "safe_rlhf_token_rewards",
     "value_loss",
     "vocab_parallel_entropy",
 ]

@@ -1,4 +1,5 @@
-"""Advantage estimators: GAE, GRPO, ReMax, RLOO and REINFORCE++, plus masked statistics.
+"""Advantage estimators: GAE, GRPO, ReMax, RLOO, REINFORCE++ and Safe RLHF's PPO-Lagrangian, plus
+masked statistics.
 
 Every function is a pure tensor function over a batch of B responses padded to T tokens. ``mask``
 is the [B, T] response mask (bool or 0/1 float): 1 on tokens the policy generated, 0 on padding
@@ -6,7 +7,7 @@ and on tokens it did not generate (e.g. tool output spliced into a multi-turn re
 positions never influence a result and come out as 0, whatever garbage (even inf or NaN) they hold.
 
 ``ADVANTAGE_ESTIMATORS`` is the plug point a trainer calls through: ``fn(AdvantageInputs) ->
-(advantages, returns_or_None)``.
+(advantages, targets)``, ``targets`` the regression targets of the value models it trains.
 """
 
 from __future__ import annotations
@@ -280,6 +281,38 @@ def compute_reinforce_pp_advantage(token_rewards: torch.Tensor, mask: torch.Tens
     return masked_whiten(returns_to_go, mask)
 
 
+@torch.no_grad()
+def compute_safe_rlhf_advantage(token_rewards: torch.Tensor, token_costs: torch.Tensor,
+                                values: torch.Tensor, cost_values: torch.Tensor,
+                                mask: torch.Tensor, gamma: float, lam: float,
+                                lagrange: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Safe RLHF's PPO-Lagrangian advantage (Dai et al. 2023, arXiv 2310.12773; the
+    ``ppo_lag`` trainer of PKU-Alignment's safe-rlhf): GAE of the reward stream with the critic's
+    values and of the cost stream with the cost critic's, combined as
+    (A_r - lambda * A_c) / (1 + lambda). Dividing by 1 + lambda keeps the advantage's scale, and
+    so the policy's step, from growing with lambda.
+
+    Args:
+        token_rewards: [B, T] per-token rewards (``safe_rlhf_token_rewards``).
+        token_costs: [B, T] per-token costs (higher = less safe), likewise.
+        values: [B, T] the critic's values of the reward stream.
+        cost_values: [B, T] the cost critic's values of the cost stream.
+        mask: [B, T] response mask.
+        gamma: discount, in [0, 1], of both streams.
+        lam: GAE lambda, in [0, 1], of both streams.
+        lagrange: the Lagrange multiplier lambda, >= 0 (``LagrangeMultiplier.value``).
+
+    Returns:
+        (advantages, returns, cost_returns), each [B, T] and 0 on masked tokens: the combined
+        advantage and each critic's regression target.
+    """
+    if not lagrange >= 0:
+        raise ArgumentError("lagrange", f"must be >= 0, got {lagrange!r}")
+    reward_adv, returns = compute_gae(token_rewards, values, mask, gamma, lam)
+    cost_adv, cost_returns = compute_gae(token_costs, cost_values, mask, gamma, lam)
+    return (reward_adv - lagrange * cost_adv) / (1.0 + lagrange), returns, cost_returns
+
+
 # ---------------------------------------------------------------------------------------------
 # Uniform entry point for the trainer
 # ---------------------------------------------------------------------------------------------
@@ -294,17 +327,23 @@ class AdvantageInputs:
     scores: torch.Tensor | None = None
     """[B] outcome score per response (grpo, remax, rloo)."""
     token_rewards: torch.Tensor | None = None
-    """[B, T] per-token rewards (gae, reinforce_plus_plus)."""
+    """[B, T] per-token rewards (gae, reinforce_plus_plus, safe_rlhf)."""
     values: torch.Tensor | None = None
-    """[B, T] critic values (gae)."""
+    """[B, T] critic values (gae, safe_rlhf)."""
+    token_costs: torch.Tensor | None = None
+    """[B, T] per-token costs (safe_rlhf)."""
+    cost_values: torch.Tensor | None = None
+    """[B, T] cost critic values (safe_rlhf)."""
+    lagrange: float | None = None
+    """The Lagrange multiplier lambda (safe_rlhf)."""
     group_ids: torch.Tensor | Sequence | None = None
     """[B] prompt id per response; responses to one prompt share it (grpo, rloo)."""
     baseline_scores: torch.Tensor | None = None
     """[B] score of the greedy response to the same prompt (remax)."""
     gamma: float = 1.0
-    """Discount (gae, reinforce_plus_plus)."""
+    """Discount (gae, reinforce_plus_plus, safe_rlhf)."""
     lam: float = 1.0
-    """GAE lambda (gae)."""
+    """GAE lambda (gae, safe_rlhf)."""
     norm_by_std: bool = True
     """grpo: divide by the group std; False is Dr. GRPO."""
 
@@ -320,31 +359,42 @@ class AdvantageInputs:
         return value
 
 
-AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, torch.Tensor | None]]
+Targets = dict[str, torch.Tensor]
+AdvantageFn = Callable[[AdvantageInputs], tuple[torch.Tensor, Targets]]
 
 
-def _gae(x: AdvantageInputs) -> tuple[torch.Tensor, torch.Tensor]:
-    return compute_gae(x.require("token_rewards", "gae"), x.require("values", "gae"), x.mask,
-                       x.gamma, x.lam)
+def _gae(x: AdvantageInputs) -> tuple[torch.Tensor, Targets]:
+    adv, returns = compute_gae(x.require("token_rewards", "gae"), x.require("values", "gae"),
+                               x.mask, x.gamma, x.lam)
+    return adv, {"returns": returns}
 
 
-def _grpo(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+def _grpo(x: AdvantageInputs) -> tuple[torch.Tensor, Targets]:
     return compute_grpo_advantage(x.require("scores", "grpo"), x.mask, x.require("group_ids", "grpo"),
-                                  norm_by_std=x.norm_by_std), None
+                                  norm_by_std=x.norm_by_std), {}
 
 
-def _remax(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+def _remax(x: AdvantageInputs) -> tuple[torch.Tensor, Targets]:
     return compute_remax_advantage(x.require("scores", "remax"), x.require("baseline_scores", "remax"),
-                                   x.mask), None
+                                   x.mask), {}
 
 
-def _rloo(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
-    return compute_rloo_advantage(x.require("scores", "rloo"), x.mask, x.require("group_ids", "rloo")), None
+def _rloo(x: AdvantageInputs) -> tuple[torch.Tensor, Targets]:
+    return compute_rloo_advantage(x.require("scores", "rloo"), x.mask, x.require("group_ids", "rloo")), {}
 
 
-def _reinforce_pp(x: AdvantageInputs) -> tuple[torch.Tensor, None]:
+def _reinforce_pp(x: AdvantageInputs) -> tuple[torch.Tensor, Targets]:
     return compute_reinforce_pp_advantage(x.require("token_rewards", "reinforce_plus_plus"), x.mask,
-                                          x.gamma), None
+                                          x.gamma), {}
+
+
+def _safe_rlhf(x: AdvantageInputs) -> tuple[torch.Tensor, Targets]:
+    need = "safe_rlhf"
+    adv, returns, cost_returns = compute_safe_rlhf_advantage(
+        x.require("token_rewards", need), x.require("token_costs", need),
+        x.require("values", need), x.require("cost_values", need), x.mask, x.gamma, x.lam,
+        x.require("lagrange", need))
+    return adv, {"returns": returns, "cost_returns": cost_returns}
 
 
 ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
@@ -353,6 +403,9 @@ ADVANTAGE_ESTIMATORS: dict[str, AdvantageFn] = {
     "remax": _remax,
     "rloo": _rloo,
     "reinforce_plus_plus": _reinforce_pp,
+    "safe_rlhf": _safe_rlhf,
 }
-"""Name -> ``fn(AdvantageInputs) -> (advantages [B, T], returns [B, T] or None)``. Only GAE
-produces returns (the critic's regression target); the critic-free estimators give None."""
+"""Name -> ``fn(AdvantageInputs) -> (advantages [B, T], targets)``. ``targets``: the regression
+target [B, T] of each value model the algorithm trains, by the batch key its worker reads:
+``returns`` (the critic: gae, safe_rlhf) and ``cost_returns`` (safe_rlhf's cost critic); {} for
+the critic-free estimators."""

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError, ConfigError
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -31,12 +31,22 @@ class AlgorithmSpec:
     greedy_baseline: bool = False
     """Each prompt's greedy response, scored as the samples are, is the baseline (ReMax)."""
     cost: bool = False
-    """Reads a cost (function or model) too: the estimator's advantages of the reward and of the
-    cost combine as (A_r - lambda * A_c) / (1 + lambda), lambda a Lagrange multiplier driven by
-    the episode cost (Safe RLHF)."""
+    """Reads a cost per sample (function or model) beside the reward: the estimator gets a
+    per-token cost stream beside the reward's (the cost on the last token, the KL penalty's
+    opposite on every token: ``safe_rlhf_token_rewards``) and a Lagrange multiplier lambda that
+    the step's mean cost drives against algorithm.cost_limit (Safe RLHF)."""
+    cost_critic: bool = False
+    """Trains a second value model on the cost stream (the cost_critic worker group: the
+    critic's layout, engine and optimizer, started from the same checkpoint) whose values the
+    estimator reads beside the critic's. Needs ``critic`` and ``cost``."""
     reads: tuple[str, ...] = ()
     """The ``algorithm.*`` options it reads beyond those every algorithm reads (KL in reward,
     overlong shaping): any other set away from its default is refused as inert."""
+
+    def __post_init__(self) -> None:
+        if self.cost_critic and not (self.critic and self.cost):
+            raise ArgumentError("cost_critic", "a cost critic learns the values of a cost "
+                                               "stream beside a critic's: set critic and cost too")
 
 
 ALGORITHMS: dict[str, AlgorithmSpec] = {
@@ -47,9 +57,9 @@ ALGORITHMS: dict[str, AlgorithmSpec] = {
     "rloo": AlgorithmSpec(estimator="rloo", groups=True, filters_groups=True),
     "reinforce_plus_plus": AlgorithmSpec(estimator="reinforce_plus_plus", token_level=True,
                                          reads=("gamma",)),
-    "safe_rlhf": AlgorithmSpec(estimator="grpo", groups=True, cost=True,
-                               reads=("norm_by_std", "cost_limit", "lagrange_init",
-                                      "lagrange_lr")),
+    "safe_rlhf": AlgorithmSpec(estimator="safe_rlhf", critic=True, cost=True, cost_critic=True,
+                               token_level=True, reads=("gamma", "lam", "cost_limit",
+                                                        "lagrange_init", "lagrange_lr")),
 }
 """``algorithm.name`` -> its facts."""
 

@@ -173,7 +173,7 @@ def run_models(cfg: Any) -> list[str]:
     spec = cfg.algorithm.spec
     has = {"actor": True, "reference": True, "critic": spec.critic,
            "reward_model": cfg.reward_model is not None, "cost_model": cfg.cost_model is not None,
-           "cost_critic": getattr(spec, "cost_critic", False)}
+           "cost_critic": spec.cost_critic}
     return [m for m in MODELS if has[m]]
 
 

@@ -97,8 +97,9 @@ class ActorConfig(UpdateConfig):
 
 @dataclass(kw_only=True)
 class CriticConfig(UpdateConfig):
-    """The value model of PPO (GAE), in its own worker group (its own Ray actors); reward and
-    cost models run at its layout too unless placement.layouts gives theirs."""
+    """The value model of PPO and Safe-RLHF (GAE), in its own worker group (its own Ray actors);
+    Safe-RLHF's cost critic is a second one with the same engine and optimizer. The cost critic,
+    reward and cost models run at its layout too unless placement.layouts gives theirs."""
 
     model: str | None = None
     """The checkpoint the critic starts from (a value head on it, fresh unless the checkpoint
@@ -210,16 +211,18 @@ class AlgorithmConfig:
     """Advantage estimator and KL control."""
 
     name: str = "grpo"
-    """grpo, ppo (critic + GAE), remax, rloo, reinforce_plus_plus or safe_rlhf."""
+    """grpo, ppo (critic + GAE), remax, rloo, reinforce_plus_plus or safe_rlhf (PPO-Lagrangian:
+    a critic and a cost critic, GAE)."""
     gamma: float = 1.0
-    """Discount (ppo, reinforce_plus_plus)."""
+    """Discount (ppo, reinforce_plus_plus, safe_rlhf)."""
     lam: float = 1.0
-    """GAE lambda (ppo)."""
+    """GAE lambda (ppo, safe_rlhf)."""
     norm_by_std: bool = True
-    """GRPO and Safe-RLHF: divide by the group's std (false: Dr. GRPO)."""
+    """GRPO: divide by the group's std (false: Dr. GRPO)."""
     kl_in_reward: bool = False
-    """Subtract kl_coef * KL(actor || ref) from the reward: per token for ppo and
-    reinforce_plus_plus, summed over the response from the sequence's score for the others."""
+    """Subtract kl_coef * KL(actor || ref) from the reward: per token for ppo,
+    reinforce_plus_plus and safe_rlhf (which adds it to the cost stream's tokens too), summed
+    over the response from the sequence's score for the others."""
     kl_coef: float = 0.001
     """KL penalty coefficient in the reward (initial value when adaptive)."""
     kl_type: str = "k1"
@@ -229,11 +232,12 @@ class AlgorithmConfig:
     kl_horizon: int = 10000
     """Adaptive KL controller's horizon."""
     cost_limit: float = 0.0
-    """Safe-RLHF: mean episode cost allowed."""
+    """Safe-RLHF: mean episode cost allowed (the threshold d)."""
     lagrange_init: float = 1.0
     """Safe-RLHF: initial Lagrange multiplier (> 0)."""
     lagrange_lr: float = 0.1
-    """Safe-RLHF: learning rate of log lambda."""
+    """Safe-RLHF: learning rate of log lambda, which each step moves by lr * lambda * (the step's
+    mean cost - cost_limit)."""
     overlong_buffer: int = 0
     """DAPO's overlong shaping: the last this many tokens before rollout.sampling.max_tokens cost
     up to overlong_penalty, linearly (0 disables it)."""
@@ -285,7 +289,7 @@ class RLConfig:
     actor: ActorConfig = field(default_factory=ActorConfig)
     """The policy."""
     critic: CriticConfig = field(default_factory=CriticConfig)
-    """The value model (PPO only)."""
+    """The value models (ppo's critic; safe_rlhf's critic and cost critic)."""
     ref: RefConfig = field(default_factory=RefConfig)
     """The reference policy."""
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
@@ -340,7 +344,7 @@ class RLConfig:
     """manual: the layouts as configured; auto: the planner (docs/planner.md) chooses the
     actor's tp, pp and dp over the run's devices (cluster.nodes x cluster.gpus_per_node, or the
     configured actor world size without a cluster), rollout.tp and the micro-batch size at
-    start-up, from the rates in cluster.calibration; PPO's critic and the reward and cost models
+    start-up, from the rates in cluster.calibration; the critics and the reward and cost models
     take the actor's layout."""
     auto: list[str] = field(default_factory=list)
     """Single keys the planner chooses, the others staying as configured: what ``key: auto`` in a

@@ -2,8 +2,8 @@
 
 ``start_groups`` starts a group for each model of the run's placement
 (``hybridflow.config.placement``: the actor, with the reference in its processes where they share
-pool and layout; the reference otherwise; the critic where the algorithm trains one; a reward and
-a cost model where the config names them) on the ``ResourcePool`` of its pool, the groups of one
+pool and layout; the reference otherwise; the critic and the cost critic where the algorithm
+trains them; a reward and a cost model where the config names them) on the ``ResourcePool`` of its pool, the groups of one
 pool sharing its devices. Each group is wrapped in a class whose methods are the calls the driver
 makes, each dispatching its batch by the data-parallel view its worker declares: ``train`` (the
 training layout's DP groups) or ``gen`` (the generation replicas), and recording its start and end
@@ -93,14 +93,15 @@ class ReferenceGroup(_Group):
 
 
 class CriticGroup(_Group):
-    """The critic's ranks (``CriticWorker``, trained)."""
+    """A trained value model's ranks (``CriticWorker``): the critic, or the cost critic."""
 
     def values(self, batch: Batch) -> Batch:
-        """``values``: the value of the state before each token."""
+        """The value of the state before each token: ``values`` (the critic) or ``cost_values``
+        (the cost critic)."""
         return self._by_dp("compute_values", batch, TRAIN)
 
     def update(self, batch: Batch) -> Batch:
-        """The value update (metrics in meta)."""
+        """The value update on the batch's ``returns`` (``cost_returns``) (metrics in meta)."""
         return self._by_dp("update_critic", batch, TRAIN)
 
     def save(self, ckpt_dir: str) -> None:
@@ -129,17 +130,19 @@ class Groups:
     placement: Placement
     timeline: Timeline
     critic: CriticGroup | None = None
+    cost_critic: CriticGroup | None = None
     scorers: dict[str, ScorerGroup] = field(default_factory=dict)
     pools: list[ResourcePool] = field(default_factory=list)
 
     def trained(self) -> list[ActorGroup | CriticGroup]:
         """The groups whose state a checkpoint holds."""
-        return [self.actor] + ([self.critic] if self.critic is not None else [])
+        return [self.actor] + [g for g in (self.critic, self.cost_critic) if g is not None]
 
     def close(self) -> None:
         """Stop every group and free its pool."""
         wrappers = {id(w): w for w in (self.actor, self.reference, self.critic,
-                                       *self.scorers.values()) if w is not None}
+                                       self.cost_critic, *self.scorers.values())
+                    if w is not None}
         for wrapper in wrappers.values():
             wrapper.group.shutdown()
         for pool in self.pools:
@@ -176,13 +179,14 @@ def start_groups(cfg, model_dir: str, checkpoints: dict[str, Any]) -> Groups:
                                     pool=pools[pool], layout=model.layout,
                                     engine=cfg.actor.engine, ref=cfg.ref, model_dir=model_dir)
                 built["reference"] = ReferenceGroup(group, pool, timeline)
-            else:  # the critic, or a reward or cost model (untrained)
-                trainable = model.name == "critic"
+            else:  # the critic or cost critic, or a reward or cost model (untrained)
+                trainable = model.name in ("critic", "cost_critic")
                 group = WorkerGroup(
                     CriticWorker, size, ray_config=cfg.ray, name=model.name, pool=pools[pool],
                     critic=cfg.critic, layout=model.layout,
                     model_dir=critic_dir if trainable else str(checkpoints[model.name]),
-                    trainable=trainable, model_key=model.name)
+                    trainable=trainable, model_key=model.name,
+                    role=model.name if trainable else "critic")
                 wrapper = CriticGroup if trainable else ScorerGroup
                 built[model.name] = wrapper(group, pool, timeline)
     except BaseException:
@@ -194,6 +198,7 @@ def start_groups(cfg, model_dir: str, checkpoints: dict[str, Any]) -> Groups:
     actor = built.pop("actor")
     groups = Groups(actor=actor, reference=built.pop("reference", actor), placement=placement,
                     timeline=timeline, critic=built.pop("critic", None),
+                    cost_critic=built.pop("cost_critic", None),
                     scorers={key: built[field] for key, field in SCORERS.items()
                              if field in built},
                     pools=list(pools.values()))

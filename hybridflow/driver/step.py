@@ -2,8 +2,10 @@
 scored, and the controllers it steers), in stages:
 
     collect (generate; with dynamic sampling, rewarded and drawn again)
-    -> prepare: reward and cost scores, old and reference log-probs, values, at once
-    -> advantages -> update: the critic's and the actor's, at once -> metrics -> KL and Lagrange
+    -> prepare: reward and cost scores, old and reference log-probs, values (and cost values),
+       at once
+    -> advantages (where a cost is read, the Lagrange multiplier moves first)
+    -> update: the critics' and the actor's, at once -> metrics -> KL update
 
 The calls of a stage run at the same time where their models live on different pools, one
 after another on a pool (``dataflow.at_once``); with every model on one pool (the default
@@ -49,11 +51,9 @@ class Controllers:
         return cls(kl, lagrange)
 
     def update(self, metrics: dict[str, float], samples: int) -> None:
-        """After a step: the adaptive KL towards its target, lambda on the step's mean cost
-        (logged as ``lagrange``)."""
+        """After a step: the adaptive KL towards its target. (Lambda moves before the step's
+        advantages: ``advantages``.)"""
         self.kl.update(metrics["kl"], samples)
-        if self.lagrange is not None:
-            metrics["lagrange"] = self.lagrange.update(metrics["cost/mean"])
 
     def state_dict(self) -> dict[str, Any]:
         return {"kl_coef": self.kl.value,
@@ -160,9 +160,9 @@ def reward(run: Run, batch: Batch) -> Batch:
 def prepare(run: Run, batch: Batch) -> Batch:
     """What the advantages read, at once where the models live apart: the scores (and costs)
     where ``collect`` left them out, old log-probs (unless an on-policy update makes them:
-    ``RLConfig.old_logprobs_from_update``), reference log-probs and values (where a critic is
-    trained). Each call's seconds go to ``timing/<what>_s`` (scores and costs both to
-    ``timing/reward_s``)."""
+    ``RLConfig.old_logprobs_from_update``), reference log-probs, values and cost values (where a
+    critic and a cost critic are trained). Each call's seconds go to ``timing/<what>_s`` (scores
+    and costs both to ``timing/reward_s``)."""
     cfg, groups = run.config, run.groups
     calls = reward_calls(run, batch) if "scores" not in batch else []
     if not cfg.old_logprobs_from_update:
@@ -173,10 +173,13 @@ def prepare(run: Run, batch: Batch) -> Batch:
     if groups.critic is not None:
         calls.append(Call("values", groups.critic.pool,
                           lambda: groups.critic.values(batch)))
+    if groups.cost_critic is not None:
+        calls.append(Call("cost_values", groups.cost_critic.pool,
+                          lambda: groups.cost_critic.values(batch)))
     results, timing = timed_at_once(calls)
     if "scores" in results:
         batch = add_rewards(run, batch, results)
-    for name in ("old_logprobs", "ref_logprobs", "values"):
+    for name in ("old_logprobs", "ref_logprobs", "values", "cost_values"):
         if name in results:
             batch = batch.update(results[name])
     batch.meta.update(timing)
@@ -209,23 +212,26 @@ def timed_at_once(calls: list[Call]) -> tuple[dict[str, Any], dict[str, float]]:
 
 
 def advantages(run: Run, batch: Batch) -> Batch:
-    """The advantages (and returns, for a critic) of a prepared batch (``prepare``)."""
+    """The advantages of a prepared batch (``prepare``), with the value models' targets. Where
+    the algorithm reads a cost, the batch's mean cost first moves the Lagrange multiplier that
+    its advantages then read, as Safe RLHF's reference trainer does."""
     a = run.config.algorithm
     timing: dict[str, float] = {}
     baseline = greedy_baseline(run, batch) if a.spec.greedy_baseline else None
     lagrange = run.controllers.lagrange
+    if lagrange is not None:
+        lagrange.update(batch["costs"].mean())
     with timer(timing, "timing/advantages_s"):
-        adv, returns = estimate_advantages(
+        adv, targets = estimate_advantages(
             a.name, scores=batch["scores"], mask=batch["response_mask"],
             logprobs=batch.tensors.get("old_logprobs"), ref_logprobs=batch["ref_logprobs"],
             kl_coef=run.controllers.kl.value if a.kl_in_reward else 0.0, kl_type=a.kl_type,
-            values=batch.tensors.get("values"), group_ids=batch["group"],
-            baseline_scores=baseline, costs=batch.tensors.get("costs"),
+            values=batch.tensors.get("values"), cost_values=batch.tensors.get("cost_values"),
+            group_ids=batch["group"], baseline_scores=baseline, costs=batch.tensors.get("costs"),
             lagrange=lagrange.value if lagrange is not None else None,
             gamma=a.gamma, lam=a.lam, norm_by_std=a.norm_by_std)
     batch.tensors["advantages"] = adv
-    if returns is not None:
-        batch.tensors["returns"] = returns
+    batch.tensors.update(targets)
     batch.meta.update(timing)
     return batch
 
@@ -249,19 +255,18 @@ def greedy_sampling(cfg):
 
 
 def update(run: Run, batch: Batch) -> dict[str, float]:
-    """The critic's update (where there is one) and the policy's, at once where they live
-    apart; their metrics. An on-policy update's old log-probs (its forward's) are added to
-    ``batch``."""
+    """The critics' updates (where there are) and the policy's, at once where they live apart;
+    their metrics. An on-policy update's old log-probs (its forward's) are added to ``batch``."""
     groups = run.groups
-    calls = []
-    if groups.critic is not None:
-        calls.append(Call("update_critic", groups.critic.pool,
-                          lambda: groups.critic.update(batch)))
+    calls = [Call(f"update_{name}", critic.pool, lambda critic=critic: critic.update(batch))
+             for name, critic in (("critic", groups.critic), ("cost_critic", groups.cost_critic))
+             if critic is not None]
     calls.append(Call("update_actor", groups.actor.pool,
                       lambda: groups.actor.update(batch)))
     results, metrics = timed_at_once(calls)
-    if "update_critic" in results:
-        metrics.update(results["update_critic"].meta)
+    for name in ("update_critic", "update_cost_critic"):
+        if name in results:
+            metrics.update(results[name].meta)
     out = results["update_actor"]
     metrics.update(out.meta)
     batch.tensors.update(out.tensors)
@@ -371,6 +376,8 @@ def step_metrics(run: Run, batch: Batch) -> dict[str, float]:
         out["cost/mean"] = batch["costs"].mean().item()
     if "overlong_penalty" in batch:
         out["reward/overlong_penalty_mean"] = batch["overlong_penalty"].mean().item()
+    if run.controllers.lagrange is not None:  # as the step's advantages read it
+        out["lagrange"] = run.controllers.lagrange.value
     mismatch = rollout_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], mask)
     s = run.config.sampling
     if not (s.temperature == 1 and s.top_k == 0 and s.top_p == 1):

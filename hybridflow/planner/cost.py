@@ -18,20 +18,22 @@ of that dtype, B the device copy bandwidth, G(n) the all-gather rate in a group 
   so far, ``2 L (kv_heads / tg) head_dim b`` per token;
 * ``back_to_train``: the grad buffers given back zeroed, 4 bytes per trained parameter of the
   rank written at B;
-* forward-only passes (old and reference log-probs, values, reward and cost scores): per
-  sequence ``2 N_stage s`` plus attention's ``4 L_stage h s^2`` on the busiest pipeline stage
-  (``L_stage``: its layers, ``L / p`` or as ``layout.last_stage_layers`` splits them;
-  ``N_stage``: its parameters in matmuls, the output layer's on the last; an LM head's output
-  layer, ``h V``, over r = min(s, response + 1) positions only, ``2 h V r``: the engine computes
-  it from the column before the first response token, ``TrainEngine``), over the data- and
-  tensor-parallel ranks at R, times the pipeline bubble ``1 + (p - 1) / m`` (m micro-batches per
-  data-parallel rank), plus the TP all-reduces of the activations, ``2 L`` of ``tokens h b`` per
-  pass and rank at G(t);
-* updates (actor, PPO's critic): three times the forward's FLOPs per epoch (the backward is
+* forward-only passes (old and reference log-probs, values and cost values, reward and cost
+  scores): per sequence ``2 N_stage s`` plus attention's ``4 L_stage h s^2`` on the busiest
+  pipeline stage (``L_stage``: its layers, ``L / p`` or as ``layout.last_stage_layers`` splits
+  them; ``N_stage``: its parameters in matmuls, the output layer's on the last; an LM head's
+  output layer, ``h V``, over r = min(s, response + 1) positions only, ``2 h V r``: the engine
+  computes it from the column before the first response token, ``TrainEngine``), over the data-
+  and tensor-parallel ranks at R, times the pipeline bubble ``1 + (p - 1) / m`` (m
+  micro-batches per data-parallel rank), plus the TP all-reduces of the activations, ``2 L`` of
+  ``tokens h b`` per pass and rank at G(t);
+* updates (actor, the critics): three times the forward's FLOPs per epoch (the backward is
   twice the forward) with the bubble of the training micro-batches, the TP all-reduces twice
   (forward and backward), the data-parallel gradient all-reduce (``2 (d-1)/d`` of the fp32 grads
   per optimizer step, at G(d) / 2, an all-reduce moving twice an all-gather's bytes) and Adam's
-  step (28 bytes read and written per trained parameter at B).
+  step (28 bytes read and written per trained parameter at B). Safe-RLHF's cost critic is the
+  critic's twin (its shape, layout and engine): its phases ``cost_values`` and
+  ``update_cost_critic`` cost what ``values`` and ``update_critic`` do.
 
 Micro-batches are of the configured sizes, or with ``engine.max_tokens_per_micro_batch`` = T of
 ``T // s`` sequences (``micro_batch_rows``): the model counts every sequence at its full length s,
@@ -465,6 +467,8 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
     critic_mb = micro_batch_rows(cfg.critic.engine, seq, True)
     if cfg.algorithm.spec.critic:
         terms["values"] = _forward(model, cfg.critic, samples, seq, calib, "value", critic_mb)
+    if cfg.algorithm.spec.cost_critic:  # the critic's twin: its shape, layout and engine
+        terms["cost_values"] = dict(terms["values"])
     for key in ("reward_model", "cost_model"):  # both inside the trainer's reward phase
         if key in shapes:
             scores = _forward(shapes[key], cfg.critic, samples, seq, calib, "value", critic_mb)
@@ -472,6 +476,8 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Pre
                                for k, v in scores.items()}
     if cfg.algorithm.spec.critic:
         terms["update_critic"] = _update(model, cfg.critic, samples, seq, calib, "value")
+    if cfg.algorithm.spec.cost_critic:
+        terms["update_cost_critic"] = dict(terms["update_critic"])
     terms["update_actor"] = _update(model, cfg.actor, samples, seq, calib, "lm", adapters,
                                     response)
     memory = estimate_memory(cfg, shapes)

@@ -13,10 +13,13 @@ total, not the sum of the phases:
   ``hybrid_engine.resident`` and stacked shards) and the KV cache; the actor's grads are released,
   its optimizer state stays unless ``hybrid_engine.offload_optimizer``, the reference's weights
   unless ``ref.offload``;
-* ``inference``: the forward-only passes (old and reference log-probs, values, reward and cost
-  scores), one model at a time; everything resident, plus the largest pass's transient;
-* ``actor update`` and, for PPO, ``critic update``: everything resident plus that model's stored
-  activations.
+* ``inference``: the forward-only passes (old and reference log-probs, values and cost values,
+  reward and cost scores), one model at a time; everything resident, plus the largest pass's
+  transient;
+* ``actor update`` and, where the algorithm trains them, ``critic update`` and ``cost_critic
+  update``: everything resident plus that model's stored activations. The critics (PPO's;
+  Safe-RLHF's critic and cost critic) are trained models of ``critic.model``'s shape (default the
+  actor's) with a value head, at their placement's layout and ``critic.engine``.
 
 What each role holds (P parameters; t, p, d its layout; b its engine's dtype bytes):
 
@@ -88,9 +91,9 @@ from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.training.lora import lora_param_counts
 
 GIB = 2**30
-TRAINED_CRITICS = ("critic", "cost_critic")
-"""Value-head groups that train (the others, reward and cost models, only score)."""
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
+TRAINED_CRITICS = ("critic", "cost_critic")
+"""The value-head worker groups that train (the others, reward and cost models, only score)."""
 
 
 @dataclass(frozen=True)
@@ -98,12 +101,13 @@ class PoolMemory:
     """One pool of GPUs: the worker groups on it and what one of its GPUs holds per phase."""
 
     groups: tuple[str, ...]
-    """Worker groups sharing these GPUs (actor, critic, reward_model, cost_model)."""
+    """Worker groups sharing these GPUs (actor, critic, cost_critic, reward_model,
+    cost_model)."""
     ranks: int
     """Ranks of each group (bundles of the pool)."""
     phases: dict[str, dict[str, dict[str, int]]]
-    """phase -> role (actor, rollout, ref, critic, reward_model, cost_model) -> part (weights,
-    grads, optimizer, activations, kv cache, ...) -> bytes on one GPU."""
+    """phase -> role (actor, rollout, ref, critic, cost_critic, reward_model, cost_model) -> part
+    (weights, grads, optimizer, activations, kv cache, ...) -> bytes on one GPU."""
 
     def role_bytes(self, phase: str, role: str) -> int:
         return sum(self.phases[phase][role].values())
@@ -401,8 +405,8 @@ def _critic_side(critic, group: str, shape: ModelConfig, seq: int, samples: int,
     n = param_count(shape, head="value")
     if group in TRAINED_CRITICS:
         resident[group] = _train_state(n, critic.layout, critic.engine, shape.num_layers)
-        updates[f"{group.replace('_', ' ')} update"] = (
-            group, _training_activations(shape, critic, seq, samples, None))
+        updates[f"{group} update"] = (group, _training_activations(shape, critic, seq, samples,
+                                                                   None))
     else:
         b = DTYPE_BYTES[critic.engine.dtype]
         resident[group] = {"weights": int(n * b / busiest_rank_split(shape.num_layers,

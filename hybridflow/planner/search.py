@@ -2,7 +2,7 @@
 memory estimate fits, ranked by the cost model's step time.
 
 A mapping is the actor's training layout (tp, pp, dp over the run's devices), its generation
-tensor parallelism ``rollout.tp`` and the training micro-batch size; PPO's critic and the reward
+tensor parallelism ``rollout.tp`` and the training micro-batch size; the critics and the reward
 and cost models take the actor's layout (HybridFlow's default placement: every model colocated on
 every device). The devices are ``cluster.nodes x cluster.gpus_per_node`` when the cluster is
 declared, else the actor's world size as configured (on CPU: its processes). A tensor-parallel
@@ -84,7 +84,7 @@ def _roles(cfg: Any) -> tuple[str, ...]:
 
 
 def _overrides(cfg: Any, tp: int, pp: int, dp: int, tg: int, mb: int | None) -> dict[str, Any]:
-    """The keys of one mapping; PPO's critic and the reward and cost models take the actor's.
+    """The keys of one mapping; the critics and the reward and cost models take the actor's.
     A role with a token budget (or ``mb`` None) gets no micro-batch key: its micro-batches stay
     as configured."""
     o: dict[str, Any] = {}

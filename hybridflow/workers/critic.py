@@ -1,5 +1,6 @@
-"""The value-head worker, one Ray actor per rank: ``CriticWorker`` holds the critic (values, clipped
-value loss) or, untrained, a reward or cost model scoring each sequence at its last token."""
+"""The value-head worker, one Ray actor per rank: ``CriticWorker`` holds a trained value model (the
+critic, or Safe RLHF's cost critic: values, clipped value loss) or, untrained, a reward or cost
+model scoring each sequence at its last token."""
 
 from __future__ import annotations
 
@@ -20,16 +21,25 @@ from hybridflow.workers.updates import (engine_batch, load_rank_state, ppo_updat
                                        save_rank_state, train_view)
 
 
+VALUE_KEYS = {"critic": ("values", "returns"), "cost_critic": ("cost_values", "cost_returns")}
+"""A trained value model's role -> the batch keys of its values and of its regression targets
+(the reward stream's and the cost stream's: ``ADVANTAGE_ESTIMATORS``)."""
+
+
 class CriticWorker(Worker):
-    """A value-head model on one rank: the critic (values, clipped value loss) or, with
-    ``trainable=False``, a reward/cost model scoring each sequence at its last token. ``critic``:
-    the critic's config (engine, update); ``layout``: this model's (default the critic's)."""
+    """A value-head model on one rank: a trained value model of ``role`` (``VALUE_KEYS``: values,
+    clipped value loss; its metrics prefixed ``<role>/``, its checkpoint under ``<role>/``) or,
+    with ``trainable=False``, a reward/cost model scoring each sequence at its last token.
+    ``critic``: the critic's config (engine, update); ``layout``: this model's (default the
+    critic's)."""
 
     def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, *, critic,
                  model_dir: str, trainable: bool = True, model_key: str = "model",
-                 layout=None):
+                 role: str = "critic", layout=None):
         super().__init__(rank, world_size, rendezvous)
-        self.critic_cfg, self.layout = critic, layout or critic.layout
+        self.critic_cfg, self.role = critic, role
+        self.layout = layout or critic.layout
+        self.values_key, self.returns_key = VALUE_KEYS[role]
         model_config = load_hf_config(model_dir)
         self.engine = TrainEngine(model_config, self.layout, critic.engine,
                                   build_optimizer=trainable, head="value")
@@ -59,14 +69,20 @@ class CriticWorker(Worker):
     def dispatch_info(self, view: str) -> tuple[int, bool]:
         return train_view(self.layout, self.rank)
 
+    def memory_name(self, method: str) -> str:
+        """The cost critic's calls are named as its phases (``compute_cost_values``,
+        ``update_cost_critic``), apart from the critic's."""
+        return method.replace("critic", self.role).replace("values", self.values_key)
+
     def save_state(self, ckpt_dir: str) -> None:
-        """The critic's weights, optimizer and RNG states (see ActorRolloutRefWorker's)."""
-        save_train_state(self.engine, Path(ckpt_dir) / "critic")
-        save_rank_state(Path(ckpt_dir) / f"critic-rank{self.rank:04d}.pt")
+        """The model's weights, optimizer and RNG states, under its role (see
+        ActorRolloutRefWorker's)."""
+        save_train_state(self.engine, Path(ckpt_dir) / self.role)
+        save_rank_state(Path(ckpt_dir) / f"{self.role}-rank{self.rank:04d}.pt")
 
     def load_state(self, ckpt_dir: str) -> None:
-        load_train_state(self.engine, Path(ckpt_dir) / "critic")
-        load_rank_state(Path(ckpt_dir) / f"critic-rank{self.rank:04d}.pt")
+        load_train_state(self.engine, Path(ckpt_dir) / self.role)
+        load_rank_state(Path(ckpt_dir) / f"{self.role}-rank{self.rank:04d}.pt")
 
     @staticmethod
     def _state_values(raw: torch.Tensor) -> torch.Tensor:
@@ -75,8 +91,10 @@ class CriticWorker(Worker):
         return shift_right(raw)
 
     def compute_values(self, batch: Batch) -> Batch:
+        """The value of the state before each token, as ``values`` (the critic) or
+        ``cost_values`` (the cost critic)."""
         raw = self.engine.compute_values(engine_batch(batch))
-        return Batch({"values": self._state_values(raw)})
+        return Batch({self.values_key: self._state_values(raw)})
 
     def compute_scores(self, batch: Batch) -> Batch:
         """Reward-model score per sequence: the head's output at the last real token."""
@@ -85,15 +103,17 @@ class CriticWorker(Worker):
         return Batch({"scores": raw[torch.arange(len(last)), last]})
 
     def update_critic(self, batch: Batch) -> Batch:
-        c = self.critic_cfg
+        """The value update on the batch's values and targets of this role; its metrics
+        (``<role>/vf_loss``, ...) in meta."""
+        c, values, returns = self.critic_cfg, self.values_key, self.returns_key
 
         def loss_for(denom):
             def loss_fn(raw, mb):
                 mask = mb["response_mask"]
-                loss, m = value_loss(self._state_values(raw), mb["values"], mb["returns"], mask,
+                loss, m = value_loss(self._state_values(raw), mb[values], mb[returns], mask,
                                      c.value_clip, "token-mean", denom)
-                return loss, {"critic/vf_loss": loss,
-                              "critic/vf_clip_frac": (m["vf_clip_frac"], mask.bool().sum())}
+                return loss, {f"{self.role}/vf_loss": loss,
+                              f"{self.role}/vf_clip_frac": (m["vf_clip_frac"], mask.bool().sum())}
             return loss_fn
-        return ppo_updates(self.engine, engine_batch(batch, "values", "returns", "response_mask"),
-                            c, "token-mean", self.dp_group, loss_for, "critic", loss_key=None)
+        return ppo_updates(self.engine, engine_batch(batch, values, returns, "response_mask"),
+                            c, "token-mean", self.dp_group, loss_for, self.role, loss_key=None)

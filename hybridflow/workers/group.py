@@ -160,6 +160,11 @@ class Worker:
         """(data group index, whether this rank returns the group's output) for ``view``."""
         raise NotImplementedError
 
+    def memory_name(self, method: str) -> str:
+        """The name of ``method``'s memory metrics (``memory/<name>_...``): the method's, unless
+        two groups of one run call the same method."""
+        return method
+
     def ping(self) -> int:
         """This rank's process id (the controller names it when the process dies)."""
         return os.getpid()
@@ -179,7 +184,8 @@ class Worker:
         before = torch.cuda.memory_stats()
         out = run(*args, **kwargs)
         if isinstance(out, Batch):
-            out.meta.update(memory_meta(method, torch.cuda.max_memory_allocated(),
+            out.meta.update(memory_meta(self.memory_name(method),
+                                        torch.cuda.max_memory_allocated(),
                                         torch.cuda.memory_allocated(), before,
                                         torch.cuda.memory_stats()))
         return out

@@ -1,5 +1,6 @@
-"""The RL loop end to end on Ray with tiny models: PPO (critic + GAE) and GRPO, the switch between
-every generation and update, the Python API in both hybrid-engine modes, and the step-wise API."""
+"""The RL loop end to end on Ray with tiny models: PPO (critic + GAE), Safe-RLHF (critic and cost
+critic, Lagrange multiplier) and GRPO, the switch between every generation and update, the Python
+API in both hybrid-engine modes, and the step-wise API."""
 
 import math
 
@@ -20,6 +21,11 @@ def length_reward(response: str) -> float:
     return len(response) / 10.0
 
 
+def length_cost(response: str) -> float:
+    """Above Safe-RLHF's default cost_limit of 0 whatever the response: lambda must rise."""
+    return 1.0 + len(response) / 20.0
+
+
 def config(tmp_path, *overrides):
     return load_config(RLConfig, None, [
         "model=tiny-llama", "actor.layout.tp=2", "rollout.sampling.max_tokens=8",
@@ -28,6 +34,11 @@ def config(tmp_path, *overrides):
 
 
 CRITIC = ("critic.layout.tp=2", "critic.engine.micro_batch_size=1")
+
+
+def untimed(row):
+    """A metrics row without what the machine decides (timings, device memory)."""
+    return {k: v for k, v in row.items() if not k.startswith(("timing/", "memory/"))}
 
 
 def run(cfg, reward_fn=length_reward):
@@ -92,6 +103,50 @@ def test_ppo_megatron_backend_reward_model_layout_auto(tmp_path, capsys):
         assert all(row[f"predicted/{p}_s"] > 0 for p in phases if p != "reshard")
         assert row["predicted/step_s"] == pytest.approx(sum(row[f"predicted/{p}_s"]
                                                             for p in phases))
+
+
+def test_safe_rlhf_trains_both_critics_and_moves_lambda_and_resumes(tmp_path):
+    # One sample per prompt (Dai et al.'s n = 1): GAE from a critic and a cost critic.
+    overrides = ("algorithm.name=safe_rlhf", "rollout.backend=megatron", "rollout.sampling.n=1",
+                 "train_batch_size=4", "algorithm.kl_in_reward=true", "algorithm.kl_coef=0.05",
+                 "actor.layout.tp=1", "critic.layout.tp=1", "critic.engine.micro_batch_size=1",
+                 "critic.engine.optim.lr=1e-3", "checkpoint.every=1",
+                 f"cost={__name__}:length_cost")
+    cfg = config(tmp_path, *overrides, "name=safe")
+    trainer = RLTrainer(cfg, reward_fn=length_reward, cost_fn=length_cost)
+    try:
+        before = trainer.actor_weights()
+        history = trainer.train(PROMPTS)
+        after = trainer.actor_weights()
+        # The cost critic trains: after one more update its values of the same samples move.
+        batch = trainer.generate(["hello there", "say yes"])
+        first = trainer.score(batch)
+        trainer.update_actor(first)
+        second = trainer.score(batch)
+    finally:
+        trainer.close()
+    check_run(history, before, after, ["critic/vf_loss", "critic/grad_norm", "cost_critic/vf_loss",
+                                       "cost_critic/grad_norm", "cost/mean", "lagrange",
+                                       "timing/cost_values_s", "timing/update_cost_critic_s"])
+    mask = first["response_mask"].bool()
+    assert not torch.equal(first["cost_values"][mask], second["cost_values"][mask])
+    assert not torch.equal(first["cost_values"][mask], first["values"][mask])  # two models
+    # lambda from 1 (lagrange_init), lr 0.1, limit 0, before each step's advantages:
+    # log lambda += 0.1 * (cost/mean - 0) * lambda, every cost above the limit: it rises.
+    lam1 = math.exp(0.1 * history[0]["cost/mean"])
+    lam2 = lam1 * math.exp(0.1 * history[1]["cost/mean"] * lam1)
+    assert history[0]["lagrange"] == pytest.approx(lam1) and lam1 > 1
+    assert history[1]["lagrange"] == pytest.approx(lam2) and lam2 > lam1
+    # The checkpoint holds the cost critic; a run resumed from step 1 logs step 2 exactly.
+    step1 = tmp_path / "safe" / "checkpoints" / "step_000001"
+    assert (step1 / "cost_critic").is_dir() and (step1 / "cost_critic-rank0000.pt").is_file()
+    resumed = RLTrainer(config(tmp_path, *overrides, "name=safe-resumed", f"resume={step1}"),
+                        reward_fn=length_reward, cost_fn=length_cost)
+    try:
+        (row,) = resumed.train(PROMPTS)
+    finally:
+        resumed.close()
+    assert untimed(row) == untimed(history[1])
 
 
 def test_grpo_lora_and_its_export(tmp_path):

@@ -19,14 +19,16 @@ from hybridflow.algorithms import (
     compute_reinforce_pp_advantage,
     compute_remax_advantage,
     compute_rloo_advantage,
+    compute_safe_rlhf_advantage,
     entropy_from_logits,
     entropy_loss,
+    estimate_advantages,
     kl_penalty,
     masked_mean,
     masked_var,
     masked_whiten,
     policy_loss,
-    safe_rlhf_combined_advantage,
+    safe_rlhf_token_rewards,
     value_loss,
 )
 from hybridflow.errors import ArgumentError
@@ -195,17 +197,26 @@ def test_reinforce_pp_discount():
 
 
 def test_registry_uniform_call():
-    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "remax", "rloo", "reinforce_plus_plus"}
+    assert set(ADVANTAGE_ESTIMATORS) == {"gae", "grpo", "remax", "rloo", "reinforce_plus_plus",
+                                         "safe_rlhf"}
     inputs = AdvantageInputs(mask=torch.ones(1, 3), token_rewards=T([GAE_REWARDS]), values=T([GAE_VALUES]),
                              gamma=0.9, lam=0.8)
-    adv, ret = ADVANTAGE_ESTIMATORS["gae"](inputs)
+    adv, targets = ADVANTAGE_ESTIMATORS["gae"](inputs)
     assert_close(adv, T([GAE_ADV]))
-    assert_close(ret, T([GAE_RET]))
+    assert_close(targets["returns"], T([GAE_RET]))
+    # safe_rlhf with the same stream for reward and cost and lambda 1: (A - A) / 2 = 0, and GAE's
+    # returns as each critic's target
+    inputs.token_costs, inputs.cost_values = inputs.token_rewards, inputs.values
+    inputs.lagrange = 1.0
+    adv, targets = ADVANTAGE_ESTIMATORS["safe_rlhf"](inputs)
+    assert_close(adv, torch.zeros(1, 3))
+    assert_close(targets["returns"], T([GAE_RET]))
+    assert_close(targets["cost_returns"], T([GAE_RET]))
 
     inputs = AdvantageInputs(mask=torch.ones(6, 1), scores=T(GROUP_SCORES), group_ids=GROUP_IDS,
                              baseline_scores=torch.ones(6), norm_by_std=False)
-    adv, ret = ADVANTAGE_ESTIMATORS["grpo"](inputs)
-    assert ret is None
+    adv, targets = ADVANTAGE_ESTIMATORS["grpo"](inputs)
+    assert targets == {}
     assert_close(adv[:, 0], T([0.0, 1.0, -1.0, 0.0, -1.0, 1.0]))  # Dr. GRPO numbers above
     adv, _ = ADVANTAGE_ESTIMATORS["rloo"](inputs)
     assert_close(adv[:, 0], T([0.0, 2.0, -1.5, 0.0, -2.0, 1.5]))  # RLOO numbers above
@@ -222,6 +233,10 @@ def test_registry_names_missing_input():
         ADVANTAGE_ESTIMATORS["gae"](AdvantageInputs(mask=torch.ones(1, 3), token_rewards=torch.zeros(1, 3)))
     with pytest.raises(ArgumentError, match="group_ids"):
         ADVANTAGE_ESTIMATORS["rloo"](AdvantageInputs(mask=torch.ones(2, 3), scores=torch.zeros(2)))
+    with pytest.raises(ArgumentError, match="cost_values"):
+        ADVANTAGE_ESTIMATORS["safe_rlhf"](AdvantageInputs(
+            mask=torch.ones(1, 3), token_rewards=torch.zeros(1, 3), token_costs=torch.zeros(1, 3),
+            values=torch.zeros(1, 3), lagrange=1.0))
     with pytest.raises(ArgumentError, match="gamma"):
         AdvantageInputs(mask=torch.ones(1, 1), gamma=2.0)
 
@@ -467,27 +482,87 @@ def test_adaptive_kl_controller_one_update():
 # ---------------------------------------------------------------------------------------------
 
 
-def test_safe_rlhf_combined_advantage():
-    a_r, a_c = T([[1.0, 2.0]]), T([[0.5, -1.0]])
-    # lambda 1: (1 - 0.5) / 2 = 0.25 ; (2 + 1) / 2 = 1.5
-    assert_close(safe_rlhf_combined_advantage(a_r, a_c, 1.0), T([[0.25, 1.5]]))
-    # lambda 3: (1 - 1.5) / 4 = -0.125 ; (2 + 3) / 4 = 1.25
-    assert_close(safe_rlhf_combined_advantage(a_r, a_c, 3.0), T([[-0.125, 1.25]]))
-    # lambda 0: the reward advantage alone
-    assert_close(safe_rlhf_combined_advantage(a_r, a_c, 0.0), a_r)
+# Two responses of 3 tokens, the second 2 long (its third position is padding holding junk).
+# KL (k1: log-probs minus the reference's, which are 0) and the two critics' values per token:
+SAFE_KL = [[1.0, -2.0, 0.5], [0.0, 1.0, 9.0]]
+SAFE_VALUES = [[0.5, 0.4, 0.3], [0.2, -0.5, 7.0]]
+SAFE_COST_VALUES = [[1.0, 1.0, 2.0], [0.0, 0.5, 7.0]]
+SAFE_MASK = [[1, 1, 1], [1, 1, 0]]
+SAFE_SCORES, SAFE_COSTS = [1.0, -1.0], [2.0, 0.5]
 
 
-def test_lagrange_multiplier_update_direction():
-    # log lambda starts at ln 1 = 0; lr 0.1, limit 0.5
-    #   cost 1.5 (violates): log lambda = 0.1 * (1.5 - 0.5) =  0.1  -> e^0.1  = 1.10517, raised
-    #   cost 0.0 (slack):    log lambda = 0.1 * (0 - 0.5)   = -0.05 -> e^-0.05 = 0.95123, lowered
-    up = LagrangeMultiplier(init_value=1.0, lr=0.1, cost_limit=0.5)
-    assert up.update(1.5) == pytest.approx(math.exp(0.1))
-    assert up.value > 1.0
-    down = LagrangeMultiplier(init_value=1.0, lr=0.1, cost_limit=0.5)
-    down.update(torch.tensor(0.0))
-    assert down.value == pytest.approx(math.exp(-0.05))
-    assert down.value < 1.0
+def test_safe_rlhf_token_rewards_split_the_kl_penalty():
+    # kl_coef 0.1: the reward stream -0.1 * kl, the cost stream +0.1 * kl; the score and the cost
+    # on the last valid token.
+    #   row 0: -0.1 * [1, -2, 0.5] = [-0.1, 0.2, -0.05] + score 1 at t=2 -> [-0.1, 0.2, 0.95]
+    #          +0.1 * [1, -2, 0.5] = [0.1, -0.2, 0.05]  + cost 2 at t=2  -> [0.1, -0.2, 2.05]
+    #   row 1: -0.1 * [0, 1] = [0, -0.1] + score -1 at t=1 -> [0, -1.1], padding 0
+    #          +0.1 * [0, 1] = [0, 0.1]  + cost 0.5 at t=1 -> [0, 0.6],  padding 0
+    rewards, costs = safe_rlhf_token_rewards(T(SAFE_SCORES), T(SAFE_COSTS), T(SAFE_KL),
+                                             torch.zeros(2, 3), T(SAFE_MASK), 0.1)
+    assert_close(rewards, T([[-0.1, 0.2, 0.95], [0.0, -1.1, 0.0]]))
+    assert_close(costs, T([[0.1, -0.2, 2.05], [0.0, 0.6, 0.0]]))
+
+
+def test_safe_rlhf_advantage_hand_computed():
+    # The streams above, GAE at gamma 1, lam 0.5 (delta_t = r_t + V_{t+1} - V_t,
+    # A_t = delta_t + 0.5 * A_{t+1}, V after the last valid token 0):
+    #   row 0 reward (V 0.5, 0.4, 0.3): delta 0.95 - 0.3 = 0.65; 0.2 + 0.3 - 0.4 = 0.1;
+    #          -0.1 + 0.4 - 0.5 = -0.2 -> A = -0.2 + 0.2125 = 0.0125, 0.1 + 0.325 = 0.425, 0.65
+    #          returns A + V = 0.5125, 0.825, 0.95
+    #   row 0 cost (V 1, 1, 2): delta 2.05 - 2 = 0.05; -0.2 + 2 - 1 = 0.8; 0.1 + 1 - 1 = 0.1
+    #          -> A = 0.1 + 0.4125 = 0.5125, 0.8 + 0.025 = 0.825, 0.05; returns 1.5125, 1.825, 2.05
+    #   row 1 reward (V 0.2, -0.5): delta -1.1 + 0.5 = -0.6; 0 - 0.5 - 0.2 = -0.7
+    #          -> A = -0.7 - 0.3 = -1.0, -0.6; returns -0.8, -1.1
+    #   row 1 cost (V 0, 0.5): delta 0.6 - 0.5 = 0.1; 0 + 0.5 - 0 = 0.5 -> A = 0.55, 0.1;
+    #          returns 0.55, 0.6
+    # lambda 3: (A_r - 3 A_c) / 4
+    #   row 0: (0.0125 - 1.5375) / 4 = -0.38125; (0.425 - 2.475) / 4 = -0.5125;
+    #          (0.65 - 0.15) / 4 = 0.125
+    #   row 1: (-1.0 - 1.65) / 4 = -0.6625; (-0.6 - 0.3) / 4 = -0.225; padding 0
+    adv, targets = estimate_advantages(
+        "safe_rlhf", scores=T(SAFE_SCORES), costs=T(SAFE_COSTS), mask=T(SAFE_MASK),
+        logprobs=T(SAFE_KL), ref_logprobs=torch.zeros(2, 3), kl_coef=0.1, kl_type="k1",
+        values=T(SAFE_VALUES), cost_values=T(SAFE_COST_VALUES), lagrange=3.0, gamma=1.0, lam=0.5)
+    assert_close(adv, T([[-0.38125, -0.5125, 0.125], [-0.6625, -0.225, 0.0]]))
+    assert set(targets) == {"returns", "cost_returns"}
+    assert_close(targets["returns"], T([[0.5125, 0.825, 0.95], [-0.8, -1.1, 0.0]]))
+    assert_close(targets["cost_returns"], T([[1.5125, 1.825, 2.05], [0.55, 0.6, 0.0]]))
+    # lambda 0: the reward stream's advantage alone
+    adv0, _ = estimate_advantages(
+        "safe_rlhf", scores=T(SAFE_SCORES), costs=T(SAFE_COSTS), mask=T(SAFE_MASK),
+        logprobs=T(SAFE_KL), ref_logprobs=torch.zeros(2, 3), kl_coef=0.1,
+        values=T(SAFE_VALUES), cost_values=T(SAFE_COST_VALUES), lagrange=0.0, gamma=1.0, lam=0.5)
+    assert_close(adv0, T([[0.0125, 0.425, 0.65], [-1.0, -0.6, 0.0]]))
+
+
+def test_safe_rlhf_advantage_pays_the_kl_penalty_once_whatever_lambda():
+    # No score, no cost, zero values: only the KL penalty moves the advantage. Its reward part
+    # -0.1 * kl = [-0.1, 0.2, -0.05] at gamma 1, lam 0.5 gives A = -0.05; 0.2 - 0.025 = 0.175;
+    # -0.1 + 0.0875 = -0.0125, the cost part its negative, and (A - lambda (-A)) / (1 + lambda)
+    # = A for every lambda.
+    for lagrange in (0.0, 1.0, 5.0):
+        adv, _, _ = compute_safe_rlhf_advantage(
+            T([[-0.1, 0.2, -0.05]]), T([[0.1, -0.2, 0.05]]), torch.zeros(1, 3), torch.zeros(1, 3),
+            torch.ones(1, 3), gamma=1.0, lam=0.5, lagrange=lagrange)
+        assert_close(adv, T([[-0.0125, 0.175, -0.05]]))
+    with pytest.raises(ArgumentError, match="lagrange"):
+        compute_safe_rlhf_advantage(*(torch.zeros(1, 2),) * 4, torch.ones(1, 2), 1.0, 1.0, -1.0)
+
+
+def test_lagrange_multiplier_update_hand_computed():
+    # lambda = exp(log lambda) from 2, lr 0.1, limit 0.5; log lambda += 0.1 * (cost - 0.5) * lambda
+    #   cost 1.5 (violates): ln 2 + 0.1 * 1.0 * 2 = ln 2 + 0.2 -> 2 e^0.2 = 2.44281, raised
+    #   cost 0.0 (slack):    ln 2 + 0.1 * (-0.5) * 2 = ln 2 - 0.1 -> 2 e^-0.1 = 1.80967, lowered
+    #   cost 0.5 (at the limit): unchanged
+    up = LagrangeMultiplier(init_value=2.0, lr=0.1, cost_limit=0.5)
+    assert up.update(1.5) == pytest.approx(2 * math.exp(0.2))
+    # a second step from 2.44281: + 0.1 * 1.0 * 2.44281 -> 2.44281 e^0.244281 = 3.11881
+    assert up.update(torch.tensor(1.5)) == pytest.approx(2 * math.exp(0.2 + 0.2 * math.exp(0.2)))
+    down = LagrangeMultiplier(init_value=2.0, lr=0.1, cost_limit=0.5)
+    assert down.update(torch.tensor(0.0)) == pytest.approx(2 * math.exp(-0.1))
+    still = LagrangeMultiplier(init_value=2.0, lr=0.1, cost_limit=0.5)
+    assert still.update(0.5) == pytest.approx(2.0)
     with pytest.raises(ArgumentError, match="init_value"):
         LagrangeMultiplier(init_value=0.0)
 

@@ -142,6 +142,8 @@ PROBES = [  # (overrides, the key the error must name, a piece of its message)
      "multiple"),
     (["algorithm.name=grpo", "rollout.sampling.n=1"], "rollout.sampling.n", "n >= 2"),
     (["algorithm.name=safe_rlhf"], "cost", "cost function"),
+    (["algorithm.name=safe_rlhf", "cost=math", "algorithm.norm_by_std=false"],
+     "algorithm.norm_by_std", "remove it or algorithm.name=grpo"),  # GAE: no groups
     (["cost=math"], "cost", "only safe_rlhf"),
     (["algorithm.lam=0.9"], "algorithm.lam", "no effect"),
     (["algorithm.kl_coef=0.1"], "algorithm.kl_coef", "kl_in_reward=true"),

@@ -176,7 +176,7 @@ def test_paper_config_is_the_papers_workload(path):
     assert cfg.train_batch_size == 1024  # prompts per step
     assert cfg.data.source == "synthetic" and cfg.data.max_prompt_tokens == 1024
     assert cfg.rollout.sampling.max_tokens == 1024 and cfg.rollout.sampling.ignore_eos
-    trained = [cfg.actor] + ([cfg.critic] if algorithm == "ppo" else [])
+    trained = [cfg.actor] + ([cfg.critic] if cfg.algorithm.spec.critic else [])
     assert all((p.ppo_epochs, p.mini_batches) == (1, 8) for p in trained)
     gpus = cfg.cluster.nodes * cfg.cluster.gpus_per_node
     assert 16 <= gpus <= 128 and cfg.cluster.gpu_memory_gb == 80

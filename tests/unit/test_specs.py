@@ -9,7 +9,7 @@ from hybridflow.algorithms import ADVANTAGE_ESTIMATORS, estimate_advantages
 from hybridflow.algorithms.specs import ALGORITHMS, OPTIONAL_OPTIONS, AlgorithmSpec, readers
 from hybridflow.checkpoint import run_identity
 from hybridflow.config import RLConfig, make_config
-from hybridflow.errors import ConfigError
+from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.models.presets import shape_preset
 from hybridflow.planner.memory import estimate_memory
 from hybridflow.rollout.base import ROLLOUT_BACKENDS
@@ -36,15 +36,15 @@ def test_an_algorithm_is_one_entry(monkeypatch):
     monkeypatch.setitem(ALGORITHMS, "group_mean", AlgorithmSpec(estimator="rloo", groups=True))
     cfg = config(**{"algorithm.name": "group_mean"})
     assert cfg.algorithm.spec is ALGORITHMS["group_mean"]
-    with pytest.raises(ConfigError, match="algorithm.norm_by_std.*grpo or safe_rlhf"):
+    with pytest.raises(ConfigError, match="algorithm.norm_by_std.*algorithm.name=grpo$"):
         config(**{"algorithm.name": "group_mean", "algorithm.norm_by_std": False})
     with pytest.raises(ConfigError, match="rollout.sampling.n"):  # groups: n >= 2
         config(**{"algorithm.name": "group_mean", "rollout.sampling.n": 1})
     scores, mask = torch.tensor([1.0, 0.0, 3.0, 1.0]), torch.ones(4, 2)
-    adv, returns = estimate_advantages("group_mean", scores=scores, mask=mask, logprobs=None,
+    adv, targets = estimate_advantages("group_mean", scores=scores, mask=mask, logprobs=None,
                                        ref_logprobs=None, group_ids=[0, 0, 1, 1])
     # rloo: each sample's score minus the mean of the others in its group
-    assert adv[:, 0].tolist() == [1.0, -1.0, 2.0, -2.0] and returns is None
+    assert adv[:, 0].tolist() == [1.0, -1.0, 2.0, -2.0] and targets == {}
 
 
 def test_facts_act_where_they_are_read(monkeypatch):
@@ -56,8 +56,31 @@ def test_facts_act_where_they_are_read(monkeypatch):
     shape = shape_preset("llama2-7b")
     assert run_identity(cfg, shape)["roles"] == ["actor", "critic"]
     assert "critic" in estimate_memory(cfg, {"model": shape}).pools[0].groups
-    with pytest.raises(ConfigError, match="critic.value_clip.*ppo or ppo_like"):
+    with pytest.raises(ConfigError, match="critic.value_clip.*ppo or safe_rlhf or ppo_like"):
         config(**{"critic.value_clip": 0.3})  # grpo trains no critic
+
+
+def test_a_cost_critic_is_a_fact(monkeypatch):
+    # A variant with the cost critic: its group starts beside the critic's (the critic's world
+    # size), the checkpoint holds it, the memory estimate counts its state and its update.
+    from hybridflow.config.placement import resolve_placement
+    monkeypatch.setitem(ALGORITHMS, "lagrangian", AlgorithmSpec(
+        estimator="safe_rlhf", critic=True, cost=True, cost_critic=True, token_level=True))
+    cfg = config(**{"algorithm.name": "lagrangian", "cost": "math", "rollout.sampling.n": 1,
+                    "critic.layout.tp": 2, "actor.layout.tp": 2})
+    assert [(m.name, m.layout.world_size) for m in resolve_placement(cfg).groups()] == \
+        [("actor", 2), ("critic", 2), ("cost_critic", 2)]
+    shape = shape_preset("llama2-7b")
+    assert run_identity(cfg, shape)["roles"] == ["actor", "critic", "cost_critic"]
+    (pool,) = estimate_memory(cfg, {"model": shape}).pools
+    assert pool.groups == ("actor", "critic", "cost_critic")
+    critic = pool.phases["critic update"]["critic"]
+    assert pool.phases["cost_critic update"]["cost_critic"] == critic  # the critic's twin
+    # beside the critic's update the cost critic holds its weights, grads and optimizer state
+    assert pool.phases["critic update"]["cost_critic"] == \
+        {k: v for k, v in critic.items() if k != "activations"}
+    with pytest.raises(ArgumentError, match="cost_critic"):
+        AlgorithmSpec(estimator="gae", critic=True, cost_critic=True)  # no cost stream
 
 
 class StackedBackend(HFRollout):

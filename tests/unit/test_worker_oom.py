@@ -1,5 +1,6 @@
 """A worker killed by Ray's memory monitor ends the run with one RunError that names the group and
-the node's memory, not Ray's traceback (seen when PPO on SmolLM2 outgrew a 24 GiB machine)."""
+the node's memory, not Ray's traceback (seen when PPO on SmolLM2 outgrew a 24 GiB machine); the
+memory metrics of two groups running the same worker class keep apart."""
 
 import pytest
 import ray
@@ -40,3 +41,16 @@ def test_a_gpu_memory_cap_without_a_gpu_is_refused_naming_the_key():
     with pytest.raises(ConfigError, match="no GPU") as e:
         cap_gpu_memory(24)
     assert e.value.field == "ray.gpu_memory_gib"
+
+
+def test_the_cost_critic_names_its_memory_metrics_apart_from_the_critic():
+    # Both run CriticWorker's methods: on a GPU each call's memory/<name>_* metrics would
+    # otherwise overwrite the other's in the step's row.
+    from hybridflow.workers.critic import VALUE_KEYS, CriticWorker
+    names = {}
+    for role in VALUE_KEYS:
+        worker = object.__new__(CriticWorker)  # no process: only the naming is under test
+        worker.role, (worker.values_key, worker.returns_key) = role, VALUE_KEYS[role]
+        names[role] = [worker.memory_name(m) for m in ("compute_values", "update_critic")]
+    assert names == {"critic": ["compute_values", "update_critic"],
+                     "cost_critic": ["compute_cost_values", "update_cost_critic"]}
