@@ -95,16 +95,6 @@ PATCHES: tuple[SourcePatch, ...] = (
            "with tied embeddings under PP, the last stage's copy is moved with .cuda() before the "
            "all-reduce that makes it equal to the first stage's.",
            ("weight.data = weight.data.cuda()", "weight.data = weight.data")),
-    _patch("transformer.torch_norm:WrappedTorchNorm.__new__",
-           "the local (non-TE) norm refuses sequence parallelism; with it, each TP rank sees part "
-           "of the sequence, so its weight grads must be marked for the TP all-reduce that "
-           "finalize_model_grads does for params flagged sequence_parallel (as TE's norm does).",
-           ("assert not config.sequence_parallel,", "assert True,"),
-           ("return norm_cls(normalized_shape=hidden_size, eps=eps)",
-            "norm = norm_cls(normalized_shape=hidden_size, eps=eps)\n"
-            "    for param in norm.parameters():\n"
-            "        param.sequence_parallel = config.sequence_parallel\n"
-            "    return norm")),
     _patch("dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.preload_tensors",
            "a checkpoint save waits for the device-to-host copies with torch.cuda.synchronize(); "
            "on CPU, tensor.to('cpu') has nothing to wait for.",
