@@ -5,6 +5,9 @@ Target: megatron-core 0.16.1. Applied only when CUDA is absent; each patch is a 
 replacement inside one function (see _source.py), so a patch that stops matching the installed
 source raises instead of silently doing nothing, and tests/unit/test_megatron_patches.py checks that
 every patch still applies (and therefore is still needed: the CUDA-only text is still there).
+Since a GPU runs none of them, a patch of a model module's method may only move tensors off the
+CUDA device; tests/distributed/test_module_origin.py checks that the built models run no other
+(our own modules take the place of Megatron's where more must change: hybridflow/training/norm.py).
 """
 
 from __future__ import annotations

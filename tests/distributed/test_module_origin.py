@@ -24,7 +24,9 @@ MODEL = dict(vocab_size=128, hidden_size=64, ffn_hidden_size=128, num_layers=2, 
 
 
 def only_moves_tensors(patch) -> bool:
-    """Every replacement swaps a CUDA device, type or call for its CPU form, and nothing else."""
+    """Every replacement turns text that names CUDA (a device, a tensor type, a ``.cuda()`` or
+    synchronize call) into text that does not: what the GPU runs instead differs in where
+    tensors live. (A heuristic: it reads the replaced text, not what the code means.)"""
     return all("cuda" in old and "cuda" not in new for old, new in patch.replacements)
 
 
