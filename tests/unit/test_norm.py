@@ -8,7 +8,6 @@ parallelism. tests/distributed/test_module_origin.py checks the built engine and
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import TrainLayout
