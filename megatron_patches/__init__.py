@@ -5,6 +5,9 @@ Target: megatron-core 0.16.1. Applied only when CUDA is absent; each patch is a 
 replacement inside one function (see _source.py), so a patch that stops matching the installed
 source raises instead of silently doing nothing, and tests/unit/test_megatron_patches.py checks that
 every patch still applies (and therefore is still needed: the CUDA-only text is still there).
+Since a GPU runs none of them, a patch of a model module's method may only move tensors off the
+CUDA device; tests/distributed/test_module_origin.py checks that the built models run no other
+(our own modules take the place of Megatron's where more must change: hybridflow/training/norm.py).
 """
 
 from __future__ import annotations
@@ -95,16 +98,6 @@ PATCHES: tuple[SourcePatch, ...] = (
            "with tied embeddings under PP, the last stage's copy is moved with .cuda() before the "
            "all-reduce that makes it equal to the first stage's.",
            ("weight.data = weight.data.cuda()", "weight.data = weight.data")),
-    _patch("transformer.torch_norm:WrappedTorchNorm.__new__",
-           "the local (non-TE) norm refuses sequence parallelism; with it, each TP rank sees part "
-           "of the sequence, so its weight grads must be marked for the TP all-reduce that "
-           "finalize_model_grads does for params flagged sequence_parallel (as TE's norm does).",
-           ("assert not config.sequence_parallel,", "assert True,"),
-           ("return norm_cls(normalized_shape=hidden_size, eps=eps)",
-            "norm = norm_cls(normalized_shape=hidden_size, eps=eps)\n"
-            "    for param in norm.parameters():\n"
-            "        param.sequence_parallel = config.sequence_parallel\n"
-            "    return norm")),
     _patch("dist_checkpointing.strategies.filesystem_async:FileSystemWriterAsync.preload_tensors",
            "a checkpoint save waits for the device-to-host copies with torch.cuda.synchronize(); "
            "on CPU, tensor.to('cpu') has nothing to wait for.",

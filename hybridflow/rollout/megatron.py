@@ -55,7 +55,8 @@ from hybridflow.rollout.base import eos_token_ids as checkpoint_eos_ids
 from hybridflow.rollout.fast_decode import FastDecoder, sample_triton
 from hybridflow.training.config import EngineConfig
 from hybridflow.training.model import (batch_attention_mask, batch_position_ids,
-                                       check_model_fits_layout, transformer_config)
+                                       block_spec, check_model_fits_layout,
+                                       transformer_config)
 
 log = logging.getLogger(__name__)
 
@@ -273,7 +274,6 @@ class MegatronRollout(RolloutBackend):
         megatron_patches.apply()
         # deferred: Megatron
         from megatron.core.models.gpt import GPTModel
-        from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
         layout = TrainLayout(tp=self.tp)
         engine = EngineConfig(dtype="bf16" if self.dtype == torch.bfloat16 else "fp32")
@@ -286,7 +286,9 @@ class MegatronRollout(RolloutBackend):
         tf_config.use_cpu_initialization = True
         model = GPTModel(
             config=tf_config,
-            transformer_layer_spec=get_gpt_layer_local_spec(normalization="RMSNorm"),
+            # Megatron's core attention: its decode steps attend from the last position, and
+            # SDPAttention lets query i see key i (training's whole sequences).
+            transformer_layer_spec=block_spec(tf_config, vp_stage=None, pp_rank=0, sdpa=False),
             vocab_size=self.model_config.vocab_size, max_sequence_length=self.max_model_len,
             pre_process=True, post_process=True,
             share_embeddings_and_output_weights=self.model_config.tie_embeddings,

@@ -109,24 +109,45 @@ def _wgrad_fusion() -> bool:
     return wgrad.apply()
 
 
+def block_spec(tf_config, vp_stage: int | None, pp_rank: int, sdpa: bool):
+    """The decoder block GPTModel builds on pipeline rank ``pp_rank`` (virtual stage
+    ``vp_stage``): Megatron-Core's local layer spec with our RMSNorm (``norm.py``) in every norm
+    slot, each layer's two and the final one, and with ``sdpa`` our SDPA core attention
+    (``attention.py``; training's full sequences). Megatron's own local norm refuses sequence
+    parallelism, and no GPU path may depend on a CPU-only patch of it."""
+    # deferred: Megatron
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import (TransformerBlockSubmodules,
+                                                             get_num_layers_to_build)
+
+    from hybridflow.training import attention
+    from hybridflow.training.norm import RMSNorm
+
+    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
+    layer = spec.submodules
+    layer.input_layernorm = layer.pre_mlp_layernorm = RMSNorm
+    if sdpa:
+        layer.self_attention.submodules.core_attention = attention.SDPAttention
+    layers = get_num_layers_to_build(tf_config, vp_stage=vp_stage, pp_rank=pp_rank)
+    return TransformerBlockSubmodules(layer_specs=[spec] * layers, layer_norm=RMSNorm)
+
+
 def _build_chunks(model: ModelConfig, layout: TrainLayout, tf_config, pg_collection):
     # deferred: Megatron
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
     from megatron.core.pipeline_parallel.utils import (is_pp_first_stage, is_pp_last_stage,
                                                        is_vp_first_stage, is_vp_last_stage)
 
     from hybridflow.training import attention
 
-    spec = get_gpt_layer_local_spec(normalization="RMSNorm")
-    if attention.ENABLED:  # SDPA in place of the local spec's unfused attention (its docstring)
-        spec.submodules.self_attention.submodules.core_attention = attention.SDPAttention
     chunks = []
     for vp in range(layout.vpp or 1):
         vp_stage = vp if layout.vpp else None
         chunk = GPTModel(
             config=tf_config,
-            transformer_layer_spec=spec,
+            # SDPA in place of the local spec's unfused attention (attention.py's docstring)
+            transformer_layer_spec=block_spec(tf_config, vp_stage, pg_collection.pp.rank(),
+                                              sdpa=attention.ENABLED),
             vocab_size=model.vocab_size,
             max_sequence_length=model.max_position_embeddings,
             pre_process=(is_pp_first_stage(pg_collection.pp)
@@ -139,8 +160,8 @@ def _build_chunks(model: ModelConfig, layout: TrainLayout, tf_config, pg_collect
             pg_collection=pg_collection,
             vp_stage=vp_stage,
         )
-        # Megatron's local norms are built in fp32 whatever params_dtype says (Megatron-LM casts
-        # the whole model with Float16Module); one dtype keeps the reshard a single flat buffer.
+        # One dtype on one device keeps the reshard a single flat buffer, whatever device and
+        # dtype a module of Megatron's builds its tensors in.
         chunk = chunk.to(device="cuda" if torch.cuda.is_available() else "cpu",
                          dtype=tf_config.params_dtype)
         chunks.append(chunk)
