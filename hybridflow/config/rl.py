@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import MISSING, dataclass, field
+from typing import Any, Mapping
 
 from hybridflow.algorithms.kl import KL_KINDS
 from hybridflow.algorithms.losses import AGG_MODES, LEVELS
@@ -18,7 +19,7 @@ from hybridflow.algorithms.specs import (ALGORITHMS, OPTIONAL_OPTIONS, Algorithm
                                          algorithm_spec, having, readers)
 from hybridflow.checkpoint import CheckpointConfig
 from hybridflow.config.cluster import ClusterConfig, check_cluster
-from hybridflow.data.prompts import PromptDataConfig
+from hybridflow.data.prompts import PromptDataConfig, source_readers, unread_options
 from hybridflow.errors import ConfigError, check_choice, check_float, check_int
 from hybridflow.hybrid_engine.switch import LORA_MERGES, MODES
 from hybridflow.parallel.layout import GenLayout, TrainLayout
@@ -339,6 +340,16 @@ class RLConfig:
     AUTO_KEYS = ("actor.layout.tp", "actor.layout.pp", "actor.layout.dp", "rollout.tp",
                  "actor.engine.micro_batch_size")
 
+    @staticmethod
+    def left_unread(file: Mapping[str, Any], key: str, value: Any) -> list[str]:
+        """The dotted keys the config file ``file`` sets that an override ``key=value`` leaves
+        unread, which the loader drops with a note: ``data.source=my.jsonl`` leaves the file's
+        reasoning-gym options unread (``PromptDataConfig.left_unread``)."""
+        section, _, rest = key.partition(".")
+        if section != "data" or not isinstance(file.get("data"), Mapping):
+            return []
+        return [f"data.{k}" for k in PromptDataConfig.left_unread(file["data"], rest, value)]
+
     @property
     def planned_keys(self) -> tuple[str, ...]:
         """The keys the planner chooses at start-up (none for a manual layout)."""
@@ -474,12 +485,7 @@ class RLConfig:
              "rollout.backend=megatron with "
              "rollout.tp=1 on GPUs (ray.gpus_per_worker > 0): only its fast decoder has a cache "
              "and graphs to keep"),
-            *((f"data.{k}", self.data.source != "reasoning_gym", "data.source=reasoning_gym")
-              for k in ("tasks", "task_kwargs")),
-            ("data.size", self.data.source not in ("reasoning_gym", "synthetic"),
-             "data.source=reasoning_gym or synthetic"),
-            *((f"data.{k}", self.data.source in ("reasoning_gym", "synthetic"),
-               "a .jsonl or .parquet data.source") for k in ("prompt_key", "answer_key")),
+            *((f"data.{k}", True, source_readers(k)) for k in unread_options(self.data.source)),
             ("ray.num_cpus", self.ray.address != "local", "ray.address=local (a cluster "
                                                           "has its own CPUs)"),
             ("tracking.wandb_project", not self.tracking.wandb, "set tracking.wandb=true"),
