@@ -111,12 +111,12 @@ def _auto_overrides(cls: type, overrides, auto: list[str]) -> tuple[list[str], l
     keys, rest, auto = getattr(cls, "AUTO_KEYS", ()), [], list(auto)
     for item in overrides:
         key, _, value = item.partition("=") if isinstance(item, str) else ("", "", "")
-        key = key.strip().removeprefix(DELETE).strip()
+        key = key.strip()
         if key in keys and value.strip() == AUTO:
             auto.append(key)
             continue
-        if key in auto:
-            auto.remove(key)
+        if key.removeprefix(DELETE).strip() in auto:
+            auto.remove(key.removeprefix(DELETE).strip())
         rest.append(item)
     return rest, auto
 
@@ -178,7 +178,10 @@ def _delete(cls: type, node, item: str):
         raise ConfigError(OVERRIDES, f"{item!r}: ~ deletes a key and takes no value; write "
                                      f"~{name}")
     parent_key, _, last = key.rpartition(".")
-    parent = OmegaConf.select(node, parent_key) if parent_key else node
+    try:
+        parent = OmegaConf.select(node, parent_key) if parent_key else node
+    except OmegaConfBaseException:  # no dotted key: "~data..x"
+        parent = None
     in_schema = isinstance(parent, DictConfig) and \
         dataclasses.is_dataclass(OmegaConf.get_type(parent))
     if not isinstance(parent, DictConfig) or (in_schema and last not in parent):
