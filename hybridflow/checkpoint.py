@@ -13,8 +13,9 @@ controllers, the step and the W&B run id. On disk::
 It is written into a hidden temporary directory beside it and renamed when complete: a
 ``step_*`` directory is always whole, and a half-written one is never loaded (nor kept: the next
 start deletes it). A write the file system refuses (a full disk, a quota, EIO, a read-only mount),
-in a worker or in the driver, stops the run with one line naming the file and the OS's reason. Nothing is unpickled: JSON, torch tensors loaded with ``weights_only=True``,
-and dist checkpoints whose metadata goes through a restricted unpickler.
+in a worker or in the driver, stops the run with one line naming the file and the OS's reason.
+Nothing is unpickled: JSON, torch tensors loaded with ``weights_only=True``, and dist checkpoints
+whose metadata goes through a restricted unpickler.
 """
 
 from __future__ import annotations

@@ -162,7 +162,8 @@ def test_config_checks():
     with pytest.raises(ConfigError, match="^task_kwargs.*~data.task_kwargs.gsm_symbolic"):
         PromptDataConfig(tasks=["basic_arithmetic"], task_kwargs={"gsm_symbolic": {}})
     # Options for a task that is not listed: a misspelt listed task is named first.
-    with pytest.raises(ConfigError, match=r"^tasks: unknown reasoning-gym datasets \['chian_sum'\]"):
+    with pytest.raises(ConfigError, match=r"^tasks: unknown reasoning-gym datasets "
+                                          r"\['chian_sum'\]"):
         PromptDataConfig(tasks=["chian_sum"], task_kwargs={"chain_sum": {}})
     with pytest.raises(ConfigError, match="^max_prompt_tokens"):
         PromptDataConfig(max_prompt_tokens=0)
