@@ -23,6 +23,7 @@ from hybridflow.data.prompts import PromptDataConfig, source_readers, unread_opt
 from hybridflow.errors import ConfigError, check_choice, check_float, check_int
 from hybridflow.hybrid_engine.switch import LORA_MERGES, MODES
 from hybridflow.parallel.layout import GenLayout, TrainLayout
+from hybridflow.rewards import check_trust, installed_module
 from hybridflow.rollout.base import (ROLLOUT_BACKENDS, RolloutBackend, SamplingConfig,
                                      rollout_backend)
 from hybridflow.tracking import TrackingConfig
@@ -290,7 +291,8 @@ class RLConfig:
     data: PromptDataConfig = field(default_factory=PromptDataConfig)
     """Prompts."""
     reward: str = "reasoning_gym"
-    """Reward function: math, reasoning_gym, module:function or path.py:function."""
+    """Reward function: math, reasoning_gym, path.py:function (a def of that file) or
+    module:function (a def of a module that reward_trust lists, or of hybridflow.rewards)."""
     reward_model: str | None = None
     """A reward model (HF checkpoint; a scalar head ``score.weight`` if it has one) scoring at
     the last token, in place of ``reward``; it runs at critic.layout in its own worker group."""
@@ -298,6 +300,10 @@ class RLConfig:
     """Safe-RLHF cost function (same forms as reward)."""
     cost_model: str | None = None
     """Safe-RLHF cost model, in place of ``cost`` (like reward_model)."""
+    reward_trust: list[str] = field(default_factory=list)
+    """Installed modules whose functions reward and cost may name as module:function (a listed
+    module and those below it; hybridflow.rewards is trusted without it), e.g. [mypkg.rewards]:
+    the function runs on the model's text."""
     train_batch_size: int = 8
     """Prompts per step (each sampled rollout.sampling.n times)."""
     steps: int = 10
@@ -382,6 +388,7 @@ class RLConfig:
         for key in ("model", "reward"):
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 raise ConfigError(key, "must not be empty")
+        check_trust(self.reward_trust)
         self._check_auto()
         check_int("train_batch_size", self.train_batch_size)
         check_int("steps", self.steps)
@@ -479,6 +486,8 @@ class RLConfig:
               for role in ("actor", "critic")
               for k in ("micro_batch_size", "forward_micro_batch_size")),
             ("reward", self.reward_model is not None, "remove reward_model"),
+            ("reward_trust", not any(installed_module(s) for s in (self.reward, self.cost) if s),
+             "name a module:function as reward or cost"),
             ("rollout.kv_cache_mb", "kv_cache_mb" not in backend.reads, "rollout.backend=vllm"),
             ("rollout.keep_cache", not backend.keeps_cache(bool(self.ray.gpus_per_worker),
                                                           self.rollout.tp),
