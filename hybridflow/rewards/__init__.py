@@ -268,7 +268,7 @@ def resolve_function(spec: str, key: str = "reward", trust: Sequence[str] = ()
     it was found. Anything else is a ConfigError on ``key``; a module name that is not trusted
     is refused before it is imported."""
     target, _, attr = spec.rpartition(":")
-    user_file = target.endswith(".py")
+    user_file = installed_module(spec) is None
     if not user_file and not _trusted(target, trust):
         raise ConfigError(key, f"{spec!r}: {target} is not a module reward_trust lists; a "
                                "function from it would run on the model's text (yaml:unsafe_load "
