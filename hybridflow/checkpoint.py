@@ -13,12 +13,15 @@ controllers, the step and the W&B run id. On disk::
 
 It is written into a hidden temporary directory beside it and renamed when complete: a
 ``step_*`` directory is always whole, and a half-written one is never loaded (nor kept: the next
-start deletes it). Nothing is unpickled: JSON, torch tensors loaded with ``weights_only=True``,
-and dist checkpoints whose metadata goes through a restricted unpickler.
+start deletes it). A write the file system refuses (a full disk, a quota, EIO, a read-only mount),
+in a worker or in the driver, stops the run with one line naming the file and the OS's reason.
+Nothing is unpickled: JSON, torch tensors loaded with ``weights_only=True``, and dist checkpoints
+whose metadata goes through a restricted unpickler.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
@@ -27,7 +30,7 @@ import shutil
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import yaml
 
@@ -281,17 +284,19 @@ def save_checkpoint(run_dir: str | os.PathLike, step: int, state: dict[str, Any]
             shutil.rmtree(dest)
         os.rename(tmp, dest)
         _fsync_dir(root)
-    except OSError as e:
+    except BaseException as e:
         if tmp is not None:
             shutil.rmtree(tmp, ignore_errors=True)
+        if isinstance(e, CheckpointWriteError):  # a worker's: its file, inside tmp
+            reason = f"{_relative(e.path, tmp)}: {e.reason}"
+        else:
+            reason = os_failure(e)
+        if reason is None:
+            raise
         last = previous[-1][1] if previous else None
-        raise RunError(f"writing checkpoint {dest} failed: {_os_reason(e)}; the last complete "
+        raise RunError(f"writing checkpoint {dest} failed: {reason}; the last complete "
                        f"checkpoint ({last or 'none yet'}) is intact: free space or choose a "
                        "writable tracking.out_dir, then run the same command to resume") from None
-    except BaseException:
-        if tmp is not None:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
     for _, old in checkpoints(run_dir)[:-keep]:
         shutil.rmtree(old, ignore_errors=True)
     return dest
@@ -305,14 +310,87 @@ def remove_partial_checkpoints(run_dir: str | os.PathLike) -> None:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _os_reason(e: OSError) -> str:
-    """An OSError as one line: its strerror and file, without a (remote) traceback."""
-    cause = e
-    while cause.__cause__ is not None and isinstance(cause.__cause__, OSError):
-        cause = cause.__cause__
-    if cause.strerror:
-        return f"{cause.strerror}" + (f" ({cause.filename})" if cause.filename else "")
-    return str(cause).strip().splitlines()[-1] if str(cause).strip() else type(cause).__name__
+class CheckpointWriteError(RunError):
+    """A checkpoint file (or folder) ``path`` the file system would not write, and its
+    ``reason`` (``No space left on device``): raised in a worker, it reaches the driver as
+    itself, which says which checkpoint failed and that the last complete one is intact."""
+
+    def __init__(self, path: str, reason: str):
+        self.path, self.reason = path, reason
+        super().__init__(f"{path}: {reason}")
+
+    def __reduce__(self):  # pickled across processes (a Ray worker raised it)
+        return type(self), (self.path, self.reason)
+
+
+@contextlib.contextmanager
+def writing(path: str | os.PathLike) -> Iterator[None]:
+    """Checkpoint files written into ``path`` inside: a failure the file system caused becomes
+    a CheckpointWriteError naming ``path`` (see ``os_failure``); any other error propagates as
+    it is. A failure that carries no errno at all (torch.save's C++ writer, which Megatron
+    uses for common.pt, reports a full disk as "unexpected pos 768 vs 662") is put down to the
+    file system where a small write into ``path``'s folder fails now too."""
+    try:
+        yield
+    except CheckpointWriteError:
+        raise
+    except BaseException as e:
+        reason = os_failure(e, named=str(path))
+        if reason is None and not isinstance(e, (KeyboardInterrupt, SystemExit)):
+            reason = _probe(Path(path))
+        if reason is None:
+            raise
+        raise CheckpointWriteError(str(path), reason) from None
+
+
+_ERRNO_TEXT = re.compile(r"\[Errno (\d+)\]")
+
+
+def os_failure(e: BaseException, named: str | None = None) -> str | None:
+    """The OS's reason for ``e`` as one line (``No space left on device (/path)``, the file left
+    out where it is ``named`` already) where the file system caused it: ``e`` is an OSError or
+    has one among its causes, or says ``[Errno N]`` in its message (how Megatron's writer
+    processes report one, gathered per rank into torch's CheckpointException); else None."""
+    chain, cause = [], e
+    while cause is not None and cause not in chain:
+        chain.append(cause)
+        cause = cause.__cause__ or cause.__context__
+    for cause in chain:
+        if isinstance(cause, OSError) and cause.errno:
+            shown = cause.filename and str(cause.filename) != named
+            return os.strerror(cause.errno) + (f" ({cause.filename})" if shown else "")
+    for cause in chain:
+        found = _ERRNO_TEXT.search(str(cause))
+        if found:
+            return os.strerror(int(found.group(1)))
+    return None
+
+
+_PROBE_BYTES = 1 << 20
+
+
+def _probe(path: Path) -> str | None:
+    """The OS's reason a write of a MiB into ``path`` (or its nearest existing folder) fails
+    now, or None where it succeeds."""
+    folder = path if path.is_dir() else next((p for p in path.parents if p.is_dir()), None)
+    if folder is None:
+        return None
+    try:
+        with tempfile.TemporaryFile(dir=folder) as f:
+            f.write(bytes(_PROBE_BYTES))
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as e:
+        return os.strerror(e.errno) if e.errno else str(e)
+    return None
+
+
+def _relative(path: str, folder: Path | None) -> str:
+    """``path`` relative to ``folder`` where it is inside it."""
+    try:
+        return str(Path(path).relative_to(folder)) if folder is not None else path
+    except ValueError:
+        return path
 
 
 def _write_json(path: Path, data: Any) -> None:

@@ -208,7 +208,7 @@ def _reward_functions(cfg: RLConfig, given: dict[str, Callable | None]
             out[field] = None
             continue
         try:
-            out[field] = as_reward_fn(spec, key=field)
+            out[field] = as_reward_fn(spec, key=field, trust=cfg.reward_trust)
         except ConfigError as e:  # a user module's error may span lines: the CLI prints one
             raise ConfigError(field, " ".join(e.message.split())) from None
     return out

@@ -10,6 +10,11 @@ to the one that names them. They are merged in order (each may have defaults of 
 file's own keys, then the command line's overrides: a later value replaces an earlier one, a
 mapping is merged key by key, a list is replaced whole. ``defaults`` is the loader's, not a key of
 the run: the resolved config (``to_yaml``, runs/<name>/config.yaml) has none.
+
+An override ``~key`` deletes a key (Hydra's spelling): a key of the schema takes its default again,
+an entry of a mapping (``~data.task_kwargs.chain_sum``) is removed. An override that switches what
+the file configured drops the file's keys it leaves unread, with a printed note (the config class's
+``left_unread``: ``data.source=my.jsonl`` drops the file's reasoning-gym ``data.tasks``).
 """
 
 from __future__ import annotations
@@ -41,15 +46,13 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None,
     merged = _structured(cls)
     auto: list[str] = []
     if path is not None:
-        composed = load_composed(path)
-        auto_keys = getattr(cls, "AUTO_KEYS", ())
-        if auto_keys:  # "auto" is no value of these int fields: taken out before the schema
-            data = OmegaConf.to_container(composed)
-            auto = _take_auto(data, auto_keys)
-            composed = _create(data)
-        merged = _merge(merged, composed)
+        data = OmegaConf.to_container(load_composed(path))
+        # "auto" is no value of these int fields: taken out before the schema
+        auto = _take_auto(data, getattr(cls, "AUTO_KEYS", ()))
+        _drop_left_unread(cls, data, overrides, path)
+        merged = _merge(merged, _create(data))
     overrides, auto = _auto_overrides(cls, overrides, auto)
-    data = _apply_overrides(merged, overrides)
+    data = _apply_overrides(cls, merged, overrides)
     if auto:
         data[AUTO] = sorted(set(data.get(AUTO) or []) | set(auto))
     return build_config(cls, data)
@@ -74,9 +77,37 @@ def _take_auto(data: dict, keys: tuple[str, ...]) -> list[str]:
     return found
 
 
+def _drop_left_unread(cls: type, data: dict, overrides, path) -> None:
+    """Delete from the config file's ``data`` the keys an override leaves unread
+    (``cls.left_unread``: ``data.source=my.jsonl`` leaves the file's reasoning-gym tasks
+    unread), printing a note naming them: an override switches what the file configured."""
+    left_unread = getattr(cls, "left_unread", None)
+    for item in overrides if left_unread is not None else ():
+        key, sep, _ = item.partition("=") if isinstance(item, str) else ("", "", "")
+        key = key.strip()
+        if not sep or not key or key.startswith(DELETE):
+            continue
+        try:
+            value = OmegaConf.select(OmegaConf.from_dotlist([item]), key)
+        except Exception:  # noqa: BLE001 - a broken value is reported with the overrides
+            continue
+        if OmegaConf.is_config(value):
+            value = OmegaConf.to_container(value)
+        dropped = left_unread(data, key, value)
+        for dotted in dropped:
+            *parents, last = dotted.split(".")
+            where = data
+            for part in parents:
+                where = where[part]
+            del where[last]
+        if dropped:
+            print(f"note: {item}: dropped {', '.join(dropped)} of {os.fspath(path)}, which it "
+                  "leaves unread", flush=True)
+
+
 def _auto_overrides(cls: type, overrides, auto: list[str]) -> tuple[list[str], list[str]]:
     """(the overrides without ``key=auto`` of ``cls.AUTO_KEYS``, ``auto`` with those keys added
-    and the keys an override sets to a value removed)."""
+    and the keys an override sets to a value or deletes removed)."""
     keys, rest, auto = getattr(cls, "AUTO_KEYS", ()), [], list(auto)
     for item in overrides:
         key, _, value = item.partition("=") if isinstance(item, str) else ("", "", "")
@@ -84,8 +115,8 @@ def _auto_overrides(cls: type, overrides, auto: list[str]) -> tuple[list[str], l
         if key in keys and value.strip() == AUTO:
             auto.append(key)
             continue
-        if key in auto:
-            auto.remove(key)
+        if key.removeprefix(DELETE).strip() in auto:
+            auto.remove(key.removeprefix(DELETE).strip())
         rest.append(item)
     return rest, auto
 
@@ -112,10 +143,17 @@ def make_config(cls: type[T], config: Any = None, values: Mapping[str, Any] | No
     return build_config(cls, OmegaConf.to_container(node, resolve=True))
 
 
-def _apply_overrides(node, overrides: list[str] | tuple[str, ...]) -> dict:
-    """The structured OmegaConf ``node`` with ``key=value`` overrides applied, as a plain dict;
-    keys and types are checked against the schema."""
+DELETE = "~"
+"""``~key`` on the command line deletes a key (Hydra's spelling): see ``_delete``."""
+
+
+def _apply_overrides(cls: type, node, overrides: list[str] | tuple[str, ...]) -> dict:
+    """The structured OmegaConf ``node`` of ``cls`` with ``key=value`` and ``~key`` overrides
+    applied, as a plain dict; keys and types are checked against the schema."""
     for item in overrides:
+        if isinstance(item, str) and item.strip().startswith(DELETE):
+            node = _delete(cls, node, item.strip())
+            continue
         if not isinstance(item, str) or "=" not in item:
             raise ConfigError(OVERRIDES, f"{item!r}: an override must look like key=value, e.g. "
                                          "steps=10")
@@ -128,6 +166,35 @@ def _apply_overrides(node, overrides: list[str] | tuple[str, ...]) -> dict:
             raise ConfigError(key, f"cannot parse {item!r}: {str(e).splitlines()[0]}") from None
         node = _merge(node, parsed)
     return OmegaConf.to_container(node, resolve=True)
+
+
+def _delete(cls: type, node, item: str):
+    """``node`` with the override ``item`` (``~key``) applied: a key of the schema takes its
+    default again, an entry of a mapping-valued key (``~data.task_kwargs.chain_sum``) is
+    removed where it is set."""
+    key = item.removeprefix(DELETE).strip()
+    if not key or "=" in key:
+        name = key.partition("=")[0].strip() or "KEY"
+        raise ConfigError(OVERRIDES, f"{item!r}: ~ deletes a key and takes no value; write "
+                                     f"~{name}")
+    parent_key, _, last = key.rpartition(".")
+    try:
+        parent = OmegaConf.select(node, parent_key) if parent_key else node
+    except OmegaConfBaseException:  # no dotted key: "~data..x"
+        parent = None
+    in_schema = isinstance(parent, DictConfig) and \
+        dataclasses.is_dataclass(OmegaConf.get_type(parent))
+    if not isinstance(parent, DictConfig) or (in_schema and last not in parent):
+        raise ConfigError(key, "not a key of the config; `hybridflow defaults train` prints "
+                               "every key with its default")
+    try:
+        if in_schema:
+            parent[last] = OmegaConf.select(_structured(cls), key)
+        elif last in parent:  # an entry not there (or dropped already) is what ~ asks for
+            del parent[last]
+    except OmegaConfBaseException as e:
+        raise _from_omegaconf(e) from None
+    return node
 
 
 def build_config(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import MISSING, dataclass, field
+from typing import Any, Mapping
 
 from hybridflow.algorithms.kl import KL_KINDS
 from hybridflow.algorithms.losses import AGG_MODES, LEVELS
@@ -19,10 +20,11 @@ from hybridflow.algorithms.specs import (ALGORITHMS, OPTIONAL_OPTIONS, Algorithm
 from hybridflow.checkpoint import CheckpointConfig
 from hybridflow.config.cluster import ClusterConfig, check_cluster
 from hybridflow.config.placement import PlacementConfig, resolve_placement
-from hybridflow.data.prompts import PromptDataConfig
+from hybridflow.data.prompts import PromptDataConfig, source_readers, unread_options
 from hybridflow.errors import ConfigError, check_choice, check_float, check_int
 from hybridflow.hybrid_engine.switch import LORA_MERGES, MODES
 from hybridflow.parallel.layout import GenLayout, TrainLayout
+from hybridflow.rewards import check_trust, installed_module
 from hybridflow.rollout.base import (ROLLOUT_BACKENDS, RolloutBackend, SamplingConfig,
                                      rollout_backend)
 from hybridflow.tracking import TrackingConfig
@@ -301,7 +303,8 @@ class RLConfig:
     data: PromptDataConfig = field(default_factory=PromptDataConfig)
     """Prompts."""
     reward: str = "reasoning_gym"
-    """Reward function: math, reasoning_gym, module:function or path.py:function."""
+    """Reward function: math, reasoning_gym, path.py:function (a def of that file) or
+    module:function (a def of a module that reward_trust lists, or of hybridflow.rewards)."""
     reward_model: str | None = None
     """A reward model (HF checkpoint; a scalar head ``score.weight`` if it has one) scoring at
     the last token, in place of ``reward``; it runs at critic.layout in its own worker group."""
@@ -309,6 +312,10 @@ class RLConfig:
     """Safe-RLHF cost function (same forms as reward)."""
     cost_model: str | None = None
     """Safe-RLHF cost model, in place of ``cost`` (like reward_model)."""
+    reward_trust: list[str] = field(default_factory=list)
+    """Installed modules whose functions reward and cost may name as module:function (a listed
+    module and those below it; hybridflow.rewards is trusted without it), e.g. [mypkg.rewards]:
+    the function runs on the model's text."""
     train_batch_size: int = 8
     """Prompts per step (each sampled rollout.sampling.n times)."""
     steps: int = 10
@@ -354,6 +361,16 @@ class RLConfig:
     AUTO_KEYS = ("actor.layout.tp", "actor.layout.pp", "actor.layout.dp", "rollout.tp",
                  "actor.engine.micro_batch_size")
 
+    @staticmethod
+    def left_unread(file: Mapping[str, Any], key: str, value: Any) -> list[str]:
+        """The dotted keys the config file ``file`` sets that an override ``key=value`` leaves
+        unread, which the loader drops with a note: ``data.source=my.jsonl`` leaves the file's
+        reasoning-gym options unread (``PromptDataConfig.left_unread``)."""
+        section, _, rest = key.partition(".")
+        if section != "data" or not isinstance(file.get("data"), Mapping):
+            return []
+        return [f"data.{k}" for k in PromptDataConfig.left_unread(file["data"], rest, value)]
+
     @property
     def planned_keys(self) -> tuple[str, ...]:
         """The keys the planner chooses at start-up (none for a manual layout)."""
@@ -391,6 +408,7 @@ class RLConfig:
         for key in ("model", "reward"):
             if not isinstance(getattr(self, key), str) or not getattr(self, key):
                 raise ConfigError(key, "must not be empty")
+        check_trust(self.reward_trust)
         self._check_auto()
         check_int("train_batch_size", self.train_batch_size)
         check_int("steps", self.steps)
@@ -489,18 +507,15 @@ class RLConfig:
               for role in ("actor", "critic")
               for k in ("micro_batch_size", "forward_micro_batch_size")),
             ("reward", self.reward_model is not None, "remove reward_model"),
+            ("reward_trust", not any(installed_module(s) for s in (self.reward, self.cost) if s),
+             "name a module:function as reward or cost"),
             ("rollout.kv_cache_mb", "kv_cache_mb" not in backend.reads, "rollout.backend=vllm"),
             ("rollout.keep_cache", not backend.keeps_cache(bool(self.ray.gpus_per_worker),
                                                           self.rollout.tp),
              "rollout.backend=megatron with "
              "rollout.tp=1 on GPUs (ray.gpus_per_worker > 0): only its fast decoder has a cache "
              "and graphs to keep"),
-            *((f"data.{k}", self.data.source != "reasoning_gym", "data.source=reasoning_gym")
-              for k in ("tasks", "task_kwargs")),
-            ("data.size", self.data.source not in ("reasoning_gym", "synthetic"),
-             "data.source=reasoning_gym or synthetic"),
-            *((f"data.{k}", self.data.source in ("reasoning_gym", "synthetic"),
-               "a .jsonl or .parquet data.source") for k in ("prompt_key", "answer_key")),
+            *((f"data.{k}", True, source_readers(k)) for k in unread_options(self.data.source)),
             ("ray.num_cpus", self.ray.address != "local", "ray.address=local (a cluster "
                                                           "has its own CPUs)"),
             ("tracking.wandb_project", not self.tracking.wandb, "set tracking.wandb=true"),

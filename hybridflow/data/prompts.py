@@ -24,6 +24,10 @@ import pyarrow.parquet as pq
 from hybridflow.errors import ConfigError
 
 FILE_SUFFIXES = (".jsonl", ".parquet")
+SOURCE_OPTIONS = {"reasoning_gym": ("tasks", "task_kwargs", "size"), "synthetic": ("size",),
+                  "file": ("prompt_key", "answer_key")}
+"""The kinds of ``data.source`` (``file``: a .jsonl or .parquet path) -> the options that only
+some kinds read; the others leave them unread."""
 SYNTHETIC_FIRST_ID = 3
 """Synthetic prompts draw token ids from [SYNTHETIC_FIRST_ID, vocab_size): ids 0-2 are the special
 tokens of Llama-family vocabularies (unk/pad, bos, eos); specials elsewhere (Qwen2's, at the end
@@ -119,11 +123,50 @@ class PromptDataConfig:
         # config's defaults and run from a prompt file.
         stray = sorted(set(self.task_kwargs) - set(self.tasks))
         if stray:
+            try:  # a misspelt task is what is wrong then, not its options
+                _check_task_names(self.tasks, "tasks")
+            except ImportError:
+                pass
             raise ConfigError("task_kwargs", f"has options for {stray}, which are not in "
-                                                  f"data.tasks {self.tasks}")
+                                             f"data.tasks {self.tasks}; add the tasks there or "
+                                             f"remove their options (~data.task_kwargs.{stray[0]} "
+                                             "on the command line)")
         if not isinstance(self.size, int) or self.size < len(self.tasks):
             raise ConfigError("size", f"must be an integer >= the number of tasks "
                                            f"({len(self.tasks)}), got {self.size!r}")
+
+    @staticmethod
+    def left_unread(section: Mapping[str, Any], key: str, value: Any) -> list[str]:
+        """The options a config file's data ``section`` sets that an override ``key=value``
+        (of this config's keys) leaves unread, which the loader drops: a new ``source`` leaves
+        the options only other kinds of source read (a file, the reasoning-gym tasks, size and
+        task_kwargs), new ``tasks`` the task_kwargs of the tasks they no longer list."""
+        if key == "source":
+            return [o for o in unread_options(value) if o in section]
+        kwargs = section.get("task_kwargs")
+        if key == "tasks" and isinstance(value, list) and isinstance(kwargs, Mapping):
+            return [f"task_kwargs.{t}" for t in kwargs if t not in value]
+        return []
+
+
+def source_kind(source: Any) -> str:
+    """The kind of ``source`` among SOURCE_OPTIONS': ``file`` for a .jsonl or .parquet path."""
+    return "file" if isinstance(source, str) and source.endswith(FILE_SUFFIXES) else source
+
+
+def unread_options(source: Any) -> list[str]:
+    """The options of SOURCE_OPTIONS that ``source`` does not read."""
+    read = SOURCE_OPTIONS.get(source_kind(source), ())
+    return list(dict.fromkeys(o for options in SOURCE_OPTIONS.values() for o in options
+                              if o not in read))
+
+
+def source_readers(option: str) -> str:
+    """The values of data.source that read ``option``, as a fix to name:
+    ``data.source=reasoning_gym or synthetic``."""
+    kinds = [k for k, options in SOURCE_OPTIONS.items() if option in options]
+    return "data.source=" + " or ".join("a .jsonl or .parquet file" if k == "file" else k
+                                        for k in kinds)
 
 
 def load_prompts(cfg: PromptDataConfig, vocab_size: int | None = None) -> list[PromptItem]:
@@ -159,15 +202,11 @@ def reasoning_gym_prompts(tasks: list[str], *, size: int, seed: int,
     try:
         # deferred: reasoning_gym
         import reasoning_gym
-        from reasoning_gym.factory import DATASETS
     except ImportError:
         raise ConfigError("data.source", "reasoning_gym needs the package reasoning-gym "
                                          "(pip install reasoning-gym==0.1.25), or give a .jsonl "
                                          "or .parquet prompt file") from None
-    unknown = [t for t in tasks if t not in DATASETS]
-    if unknown:
-        raise ConfigError("data.tasks", f"unknown reasoning-gym datasets {unknown}; known: "
-                                        f"{sorted(DATASETS)}")
+    _check_task_names(tasks, "data.tasks")
     task_kwargs = task_kwargs or {}
     items = []
     for i, task in enumerate(tasks):
@@ -184,6 +223,17 @@ def reasoning_gym_prompts(tasks: list[str], *, size: int, seed: int,
                                                           system_prompt),
                                     reference=str(entry["answer"]), extra=entry))
     return items
+
+
+def _check_task_names(tasks: list[str], key: str) -> None:
+    """A ConfigError under ``key`` naming the names of ``tasks`` that are no reasoning-gym
+    dataset; ImportError where reasoning-gym is not installed."""
+    from reasoning_gym.factory import DATASETS  # deferred: reasoning_gym
+
+    unknown = [t for t in tasks if t not in DATASETS]
+    if unknown:
+        raise ConfigError(key, f"unknown reasoning-gym datasets {unknown}; known: "
+                               f"{sorted(DATASETS)}")
 
 
 def prompts_from_file(path: str | os.PathLike, *, prompt_key: str | None = None,

@@ -7,9 +7,12 @@ Every reward function has one form, ``fn(prompt_item, response) -> float``: ``pr
 ``(response)`` or ``(prompt_item, response)`` into that form; ``score_samples`` runs it over a
 batch and checks every value it returns.
 
-A config that names ``module:function`` runs that code: a config is trusted like a script.
-Standard-library and builtin callables (``os:system``, ``builtins:eval``) are refused, since they
-would pass the model's text to a shell or an interpreter.
+A config that names a function runs it on the model's text, so a name resolves only to a plain
+Python function (a ``def``, never a builtin, a callable object, a partial or any other wrapper,
+which can hide ``os.system``) defined in the user's reward file (``file.py:function``), in
+``hybridflow.rewards``, or in an installed module the config trusts by listing it (or a package
+above it) in ``reward_trust``: ``yaml:unsafe_load`` and ``sympy:sympify`` run code embedded in
+the text they are given. A Python callable handed to the Python API is the caller's own code.
 """
 
 from __future__ import annotations
@@ -18,7 +21,9 @@ import importlib
 import importlib.util
 import inspect
 import os
+import re
 import sys
+import types
 from math import isfinite  # not `import math`: the package's submodule rewards.math shadows it
 from typing import Any, Callable, Sequence
 
@@ -72,14 +77,16 @@ def get_reward_fn(name: str, key: str = "reward") -> RewardFn:
     return REWARD_FUNCTIONS[name]
 
 
-def as_reward_fn(fn: str | Callable[..., Any], key: str = "reward") -> RewardFn:
-    """``fn`` as ``fn(prompt_item, response) -> float``: a registered name, an importable
-    ``"module:function"`` or ``"file.py:function"``, or a callable of ``(response)`` or
-    ``(prompt_item, response)`` (told apart by how many positional arguments it requires).
-    ``key`` is the config key that named it ("reward", "cost"), for errors. The result raises
-    RunError when ``fn`` returns anything but a finite real number (see ``score_samples``)."""
+def as_reward_fn(fn: str | Callable[..., Any], key: str = "reward",
+                 trust: Sequence[str] = ()) -> RewardFn:
+    """``fn`` as ``fn(prompt_item, response) -> float``: a registered name, a
+    ``"file.py:function"`` or ``"module:function"`` (see ``resolve_function``; ``trust``: the
+    config's reward_trust), or a Python callable of ``(response)`` or ``(prompt_item,
+    response)`` (told apart by how many positional arguments it requires). ``key`` is the
+    config key that named it ("reward", "cost"), for errors. The result raises RunError when
+    ``fn`` returns anything but a finite real number (see ``score_samples``)."""
     if isinstance(fn, str):
-        fn = _import_callable(fn, key) if ":" in fn else get_reward_fn(fn, key)
+        fn = resolve_function(fn, key, trust) if ":" in fn else get_reward_fn(fn, key)
         if fn in REWARD_FUNCTIONS.values():
             return fn
     if not callable(fn):
@@ -227,10 +234,95 @@ def _arity(fn: Callable[..., Any], name: str, key: str = "reward") -> int:
                            f"signature is {inspect.signature(fn)}")
 
 
-def _import_callable(spec: str, key: str = "reward") -> Callable[..., Any]:
-    """``"pkg.module:attr"`` or ``"path/to/file.py:attr"`` -> that attribute, unless the
-    standard library or builtins define it."""
+def installed_module(spec: str) -> str | None:
+    """The module a ``"module:function"`` spec names; None for a registered name or a
+    ``"file.py:function"``."""
+    target, colon, _ = spec.rpartition(":")
+    return target if colon and not target.endswith(".py") else None
+
+
+def check_trust(trust: Any, key: str = "reward_trust") -> None:
+    """``trust`` (the config's reward_trust) is a list of dotted module names, none of the
+    standard library's (whose functions include os.system and eval)."""
+    if not isinstance(trust, (list, tuple)) or not all(
+            isinstance(m, str) and re.fullmatch(r"[A-Za-z_]\w*(\.[A-Za-z_]\w*)*", m)
+            for m in trust):
+        raise ConfigError(key, f"must be a list of module names, e.g. [mypkg.rewards]; got "
+                               f"{trust!r}")
+    stdlib = [m for m in trust if m.split(".")[0] in (*sys.stdlib_module_names, "builtins")]
+    if stdlib:
+        raise ConfigError(key, f"{stdlib[0]} is the standard library's, which runs text as code "
+                               "(os.system, eval); list the module of your reward functions")
+
+
+OWN = "hybridflow.rewards"
+"""Our rewards' package: trusted without being listed."""
+
+
+def resolve_function(spec: str, key: str = "reward", trust: Sequence[str] = ()
+                     ) -> types.FunctionType:
+    """``"path/to/file.py:function"`` or ``"package.module:function"`` -> that function, only
+    where it is a plain Python function (``def`` or lambda: ``types.FunctionType``) defined in
+    that file, or in ``hybridflow.rewards`` or a module of ``trust`` (a listed module or one
+    below it), judged by where the function was defined (its module and code file), not where
+    it was found. Anything else is a ConfigError on ``key``; a module name that is not trusted
+    is refused before it is imported."""
     target, _, attr = spec.rpartition(":")
+    user_file = installed_module(spec) is None
+    if not user_file and not _trusted(target, trust):
+        raise ConfigError(key, f"{spec!r}: {target} is not a module reward_trust lists; a "
+                               "function from it would run on the model's text (yaml:unsafe_load "
+                               "and sympy:sympify run code written in it). Name a def of your "
+                               "reward file (my_rewards.py:score), or list the module if you "
+                               f"trust it: reward_trust: [{target}]")
+    module = _import_module(target, spec, key)
+    if not hasattr(module, attr):
+        raise ConfigError(key, f"{target!r} has no {attr!r} (from {spec!r})")
+    fn = getattr(module, attr)
+    if not isinstance(fn, types.FunctionType):
+        raise ConfigError(key, f"{spec!r} is {_kind(fn)}, not a function defined with def: "
+                               "builtins and wrappers (callable objects, partials, "
+                               "numpy.vectorize) are refused, since they can hide what runs on "
+                               "the model's text. Name a def of your reward file, e.g. "
+                               "my_rewards.py:score")
+    origin, source = fn.__module__ or "", fn.__code__.co_filename
+    defined_here = user_file and origin == module.__name__ and _same_file(source, target)
+    if not defined_here and not _trusted(origin, trust):
+        raise ConfigError(key, f"{spec!r} is {fn.__qualname__} of {source}, which {target} does "
+                               "not define and reward_trust does not list; name a def of your "
+                               f"reward file, or list its module if you trust it: reward_trust: "
+                               f"[{origin}]")
+    return fn
+
+
+def _trusted(module: str, trust: Sequence[str]) -> bool:
+    """Whether ``module`` is ``hybridflow.rewards``, a module of ``trust``, or one below
+    either."""
+    return any(module == t or module.startswith(f"{t}.") for t in (OWN, *trust))
+
+
+def _same_file(a: str, b: str) -> bool:
+    try:
+        return os.path.samefile(a, b)
+    except OSError:
+        return False
+
+
+def _kind(obj: Any) -> str:
+    """What ``obj`` is, in words: ``the builtin posix.system``, ``a numpy.vectorize object``."""
+    if inspect.isbuiltin(obj):
+        owner = getattr(obj, "__self__", None)
+        where = owner.__name__ if inspect.ismodule(owner) else getattr(obj, "__module__", None)
+        return f"the builtin {where}.{obj.__name__}" if where else f"the builtin {obj.__name__}"
+    if inspect.isclass(obj):
+        return f"the class {obj.__module__}.{obj.__qualname__}"
+    cls = type(obj)
+    return f"a {cls.__module__}.{cls.__qualname__} object"
+
+
+def _import_module(target: str, spec: str, key: str = "reward") -> types.ModuleType:
+    """The module ``target`` names: a user's ``path/to/file.py`` (executed) or an importable
+    module; any way that fails is a ConfigError on ``key`` naming ``spec``."""
     try:
         if target.endswith(".py"):
             if not os.path.isfile(target):
@@ -239,8 +331,8 @@ def _import_callable(spec: str, key: str = "reward") -> Callable[..., Any]:
                 f"{_USER_MODULE}{abs(hash(os.path.abspath(target)))}", target)
             module = importlib.util.module_from_spec(module_spec)
             module_spec.loader.exec_module(module)
-        else:
-            module = importlib.import_module(target)
+            return module
+        return importlib.import_module(target)
     except ConfigError:
         raise
     # User code: a syntax error, anything it raises on import, or a sys.exit (SystemExit is no
@@ -248,51 +340,22 @@ def _import_callable(spec: str, key: str = "reward") -> Callable[..., Any]:
     except (Exception, SystemExit) as e:
         raise ConfigError(key, f"cannot import {target!r} from {spec!r}: "
                                f"{type(e).__name__}: {e}") from None
-    if not hasattr(module, attr):
-        raise ConfigError(key, f"{target!r} has no {attr!r} (from {spec!r})")
-    fn = getattr(module, attr)
-    stdlib = _stdlib_module(fn)
-    if stdlib is not None:
-        raise ConfigError(key, f"{spec!r} is {stdlib}.{getattr(fn, '__name__', attr)}, a "
-                               "standard-library or builtin callable; it would be called on the "
-                               "model's text. Name a function of your own, e.g. "
-                               "my_rewards.py:score")
-    return fn
-
-
-_STDLIB = frozenset(sys.stdlib_module_names) | {"builtins"}
-
-
-def _stdlib_module(fn: Any) -> str | None:
-    """The standard-library (or builtins) module that defines ``fn``, else None. Looks at the
-    object, not at where the name was found: ``system = os.system`` in a user module is
-    ``posix.system``."""
-    target = fn.__func__ if inspect.ismethod(fn) else fn
-    modules = [getattr(target, "__module__", None)]
-    if not (inspect.isroutine(target) or inspect.isclass(target)):
-        modules.append(type(target).__module__)  # functools.partial(os.system, ...)
-    owner = getattr(target, "__self__", None)  # os.system.__call__, a method of a builtin
-    if inspect.ismodule(owner):
-        modules.append(owner.__name__)
-    elif inspect.isroutine(owner) or inspect.isclass(owner):
-        modules.append(getattr(owner, "__module__", None))
-    for module in modules:
-        if isinstance(module, str) and module.split(".")[0] in _STDLIB:
-            return module
-    return None
 
 
 __all__ = [
     "REWARD_FUNCTIONS",
     "RewardFn",
     "as_reward_fn",
+    "check_trust",
     "describe_reward_fn",
     "extract_final_answer",
     "extract_gym_answer",
     "get_reward_fn",
     "gym_reward",
+    "installed_module",
     "math_reward",
     "math_reward_fn",
     "reasoning_gym_reward_fn",
+    "resolve_function",
     "score_samples",
 ]

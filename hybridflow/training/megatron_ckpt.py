@@ -390,17 +390,19 @@ def _train_state_dict(engine, loading: bool) -> dict:
 def save_train_state(engine, ckpt_dir: str | os.PathLike) -> None:
     """Weights and optimizer state of ``engine`` as a distributed checkpoint in ``ckpt_dir`` (made
     here; the caller makes the whole checkpoint appear atomically), with our ModelConfig beside
-    them, so that ``tools/convert_checkpoint.py megatron-to-hf`` exports it. Collective."""
+    them, so that ``tools/convert_checkpoint.py megatron-to-hf`` exports it. Collective. A write
+    the file system refuses is a ``checkpoint.CheckpointWriteError`` naming ``ckpt_dir``."""
     from megatron.core import dist_checkpointing  # deferred: Megatron
 
     dest = Path(ckpt_dir)
-    if dist.get_rank() == 0:
-        dest.mkdir(parents=True, exist_ok=False)
-    dist.barrier()
-    dist_checkpointing.save(_train_state_dict(engine, loading=False), str(dest),
-                            sharded_strategy=_save_strategy())
-    if dist.get_rank() == 0:
-        _write_model_file(engine, dest)
+    with checkpoint.writing(dest):
+        if dist.get_rank() == 0:
+            dest.mkdir(parents=True, exist_ok=False)
+        dist.barrier()
+        dist_checkpointing.save(_train_state_dict(engine, loading=False), str(dest),
+                                sharded_strategy=_save_strategy())
+        if dist.get_rank() == 0:
+            _write_model_file(engine, dest)
     dist.barrier()
 
 

@@ -3,12 +3,14 @@ Batch an engine call takes, and each rank's RNG state in a checkpoint."""
 
 from __future__ import annotations
 
+import io
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 from hybridflow.batch import Batch
+from hybridflow.checkpoint import writing
 from hybridflow.errors import ConfigError
 
 # Fields each engine call needs from a Batch; everything else stays on the controller.
@@ -74,7 +76,8 @@ def ppo_updates(engine, data: dict[str, torch.Tensor], schedule, agg: str, dp_gr
 
 def save_rank_state(path: Path, rollout=None) -> None:
     """This process's RNG states (and its rollout engine's call count): what, beside the
-    weights, decides what it draws next. Tensors and ints, so loading needs no pickle."""
+    weights, decides what it draws next. Tensors and ints, so loading needs no pickle. A write
+    the file system refuses is a ``CheckpointWriteError`` naming ``path``."""
     from megatron.core import tensor_parallel  # deferred: Megatron
     state = {"torch": torch.get_rng_state(),
              "tracker": tensor_parallel.get_cuda_rng_tracker().get_states()}
@@ -82,7 +85,10 @@ def save_rank_state(path: Path, rollout=None) -> None:
         state["cuda"] = torch.cuda.get_rng_state()
     if rollout is not None:
         state["rollout"] = rollout.state_dict()
-    torch.save(state, path)
+    buffer = io.BytesIO()  # written by Python, whose OSError keeps the errno torch.save's drops
+    torch.save(state, buffer)
+    with writing(path):
+        path.write_bytes(buffer.getvalue())
 
 
 def load_rank_state(path: Path, rollout=None) -> None:

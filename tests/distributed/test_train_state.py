@@ -99,3 +99,32 @@ def test_resumed_steps_equal_uninterrupted_ones_at_any_layout(tmp_path, saved_at
             # A NaN loss: the step is reported and not applied.
             torch.testing.assert_close(after_nan[name], before_nan[name], rtol=0, atol=0)
         assert out["nonfinite"] == 1.0
+
+
+def _save_into(rank, world, folders):
+    from hybridflow.checkpoint import CheckpointWriteError
+    from hybridflow.training.megatron_ckpt import save_train_state
+    layout = dict(tp=1, pp=1, dp=1)
+    engine = _engine(layout)
+    engine.train_step(_batch(0, layout), _loss)
+    messages = []
+    for folder in folders:
+        try:
+            save_train_state(engine, f"{folder}/actor")
+            messages.append(None)
+        except CheckpointWriteError as e:
+            messages.append(str(e))
+    return messages
+
+
+def test_a_refused_write_is_one_line_naming_the_checkpoint(small_fs):
+    """Issue 45, item 10: however the file system refuses a save (real tmpfs mounts), the
+    worker's error is one line naming the folder and the OS's reason. The disk full before
+    common.pt (torch.save's C++ writer reports no errno: a probe write finds it), during the
+    tensor data (Megatron's writer process, the errno only in its message), during .metadata
+    (an OSError; the tiny model's data takes ~711 KiB of the 730), and a read-only mount."""
+    folders = [small_fs("1m", full=True), small_fs("300k"), small_fs("730k"),
+               small_fs("1m", read_only=True)]
+    messages = spawn(_save_into, 1, [str(f) for f in folders])[0]
+    reasons = ["No space left on device"] * 3 + ["Read-only file system"]
+    assert messages == [f"{f}/actor: {r}" for f, r in zip(folders, reasons)], messages

@@ -72,18 +72,20 @@ def setup(tmp_path_factory):
 
 
 class Attempt:
-    """``hybridflow train run.yaml name=NAME`` in a process of its own."""
+    """``hybridflow train run.yaml name=NAME [overrides]`` in a process of its own."""
 
-    def __init__(self, setup, name: str, **env):
+    def __init__(self, setup, name: str, *overrides: str, out_dir=None, **env):
         tmp, base_env = setup
-        self.run_dir = tmp / "runs" / name
+        out_dir = out_dir or tmp / "runs"
+        overrides = (*overrides, f"tracking.out_dir={out_dir}")
+        self.run_dir = out_dir / name
         self.log = tmp / f"{name}-{time.monotonic_ns()}.log"
         metrics = self.run_dir / "metrics.jsonl"
         self._inode = metrics.stat().st_ino if metrics.exists() else None
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "hybridflow.cli", "train", str(tmp / "run.yaml"),
-                 f"name={name}"], stdout=out, stderr=subprocess.STDOUT,
+                 f"name={name}", *overrides], stdout=out, stderr=subprocess.STDOUT,
                 env={**base_env, **env})
 
     def rows(self) -> int:
@@ -172,3 +174,28 @@ def test_a_nan_reward_stops_the_run_naming_the_sample(setup):
     assert "Traceback" not in out
     # No step was logged and nothing was trained on the NaN.
     assert attempt.rows() == 0
+
+
+def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_last_one_resumes(setup, small_fs):
+    """Issue 45, item 10: the disk (a 12 MiB tmpfs: the run's files and one checkpoint of
+    ~8.5 MiB) fills while step 2's checkpoint is written by the workers: exit 1 with one line
+    naming the checkpoint, the file and the error, no traceback; with space freed (the tmpfs
+    grown), the same command resumes from step 1's checkpoint and finishes."""
+    out_dir = small_fs("12m")
+    args = ("steps=2", "checkpoint.every=1")
+    full = Attempt(setup, "full", *args, out_dir=out_dir)
+    assert full.finish() == 1, full.output()
+    out = full.output()
+    last = out.strip().splitlines()[-1]
+    step_dir = full.run_dir / "checkpoints"
+    assert last == (f"hybridflow: run stopped: writing checkpoint {step_dir}/step_000002 failed: "
+                    f"actor: No space left on device; the last complete checkpoint "
+                    f"({step_dir}/step_000001) is intact: free space or choose a writable "
+                    "tracking.out_dir, then run the same command to resume"), out
+    assert "Traceback" not in out, out
+    assert sorted(p.name for p in step_dir.iterdir()) == ["step_000001"]
+    subprocess.run(["mount", "-o", "remount,size=64m", str(out_dir)], check=True)
+    again = Attempt(setup, "full", *args, out_dir=out_dir)
+    assert again.finish() == 0, again.output()
+    assert f"resuming from {step_dir}/step_000001 (step 1)" in again.output()
+    assert [r["step"] for r in metrics(again.run_dir)] == [1, 2]

@@ -9,6 +9,7 @@ the trainer: files that are missing, empty, of the wrong kind, or of another sha
 past the checks would start the workers: here that fails the row instead (``no_workers``)."""
 
 import dataclasses
+import importlib.util
 import json
 import shutil
 import struct
@@ -410,7 +411,34 @@ ROWS = [
      ["nope.py", "not found"]),
     ("reward attribute missing", lambda f: [f.base, f.reward("x = 1")], "reward",
      ["r.py", "'fn'"]),
-    ("reward not callable", lambda f: [f.base, f.reward("fn = 1")], "reward", ["callable"]),
+    ("reward not callable", lambda f: [f.base, f.reward("fn = 1")], "reward",
+     ["builtins.int object", "not a function defined with def"]),
+    ("trusted reward module missing", lambda f: [f.base, "reward=no_such_module:fn",
+                                                 "reward_trust=[no_such_module]"], "reward",
+     ["cannot import 'no_such_module'"]),
+    # Issue 45, item 13: each of these passed and ran a shell command written in the response.
+    ("reward yaml:unsafe_load", lambda f: [f.base, "reward=yaml:unsafe_load"], "reward",
+     ["yaml is not a module reward_trust lists", "reward_trust: [yaml]"]),
+    ("reward sympy:sympify", lambda f: [f.base, "reward=sympy:sympify"], "reward",
+     ["sympy is not a module reward_trust lists"],
+     pytest.mark.skipif(importlib.util.find_spec("sympy") is None, reason="needs sympy")),
+    ("cost yaml:unsafe_load", lambda f: [f.base, "algorithm.name=safe_rlhf",
+                                         "cost=yaml:unsafe_load"], "cost",
+     ["yaml is not a module reward_trust lists"]),
+    ("reward numpy.vectorize(os.system)", lambda f: [f.base, f.reward(
+        "import numpy, os\nfn = numpy.vectorize(os.system)")], "reward",
+     ["r.py:fn", "a numpy.vectorize object"]),
+    ("reward object calling os.system", lambda f: [f.base, f.reward(
+        "import os\nclass Shell:\n    __call__ = os.system\nfn = Shell()")], "reward",
+     ["r.py:fn", "Shell object"]),
+    ("reward partial subclass of os.system", lambda f: [f.base, f.reward(
+        "import functools, os\nclass Call(functools.partial):\n    pass\nfn = Call(os.system)")],
+     "reward", ["r.py:fn", "Call object"]),
+    ("reward builtin", lambda f: [f.base, f.reward("import os\nfn = os.system")], "reward",
+     ["r.py:fn", "the builtin posix.system"]),
+    ("reward_trust of the standard library", lambda f: [f.base, "reward=os:system",
+                                                        "reward_trust=[os]"], "reward_trust",
+     ["os is the standard library's"]),
     ("reward of three arguments", lambda f: [f.base, f.reward("def fn(a, b, c): return 0")],
      "reward", ["fn", "(response)"]),
     ("reward file raises on import", lambda f: [f.base, f.reward(
@@ -513,6 +541,22 @@ def test_bad_input_is_one_line_naming_the_key(tmp_path, capsys, make, key, piece
     assert main(["check", *args, f"tracking.out_dir={runs}"]) == 2
     assert capsys.readouterr().err == err
     assert _contents(runs) == before
+
+
+def test_a_trusted_package_reward_passes_check(tmp_path, capsys, monkeypatch):
+    """The accepted forms of issue 45, item 13 through `hybridflow check`: a def of an installed
+    module that reward_trust lists, a def of a reward file, our own rewards."""
+    f = Files(tmp_path)
+    (tmp_path / "trusted_rewards_pkg").mkdir()
+    (tmp_path / "trusted_rewards_pkg" / "__init__.py").write_text(
+        "def score(response):\n    return 1.0\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    for args in (["reward=trusted_rewards_pkg:score", "reward_trust=[trusted_rewards_pkg]"],
+                 [f.reward("def fn(response):\n    return 1.0")],
+                 ["reward=hybridflow.rewards:math_reward_fn"]):
+        assert main(["check", f.base, *args, f"tracking.out_dir={tmp_path}/runs"]) == 0, \
+            capsys.readouterr().err
+        assert "config OK" in capsys.readouterr().out
 
 
 def test_an_out_dir_that_takes_no_folder_is_refused_before_start(tmp_path, capsys):

@@ -39,6 +39,62 @@ def test_a_full_disk_leaves_the_last_checkpoint_loadable(tmp_path):
     read_checkpoint(checkpoints(tmp_path)[-1][1])
 
 
+def test_a_full_disk_under_the_driver_is_one_line(small_fs):
+    """The driver's own writes on a real full file system (a 1 MiB tmpfs): one line, the last
+    complete checkpoint loadable, nothing partial left."""
+    run = small_fs("1m")
+    save_checkpoint(run, 2, IDENTITY, parts, keep=2)
+
+    def big(tmp):
+        (tmp / "actor").mkdir()
+        (tmp / "actor" / "weights.bin").write_bytes(bytes(2 << 20))
+    with pytest.raises(RunError) as e:
+        save_checkpoint(run, 4, IDENTITY, big, keep=2)
+    message = str(e.value)
+    assert message.startswith(f"writing checkpoint {run}/checkpoints/step_000004 failed: No space "
+                              "left on device") and "\n" not in message, message
+    assert f"the last complete checkpoint ({run}/checkpoints/step_000002) is intact" in message
+    assert [s for s, _ in checkpoints(run)] == [2]
+    assert not list((run / "checkpoints").glob(".step_*"))
+    read_checkpoint(checkpoints(run)[-1][1])
+
+
+def test_a_workers_write_error_names_its_file_in_the_checkpoint(tmp_path):
+    """A worker's CheckpointWriteError (pickled across Ray) names its file relative to the
+    checkpoint being written; an error that is not the file system's stays as it is."""
+    import pickle
+
+    from hybridflow.checkpoint import CheckpointWriteError
+    save_checkpoint(tmp_path, 2, IDENTITY, parts, keep=2)
+
+    def worker_full(tmp):
+        error = CheckpointWriteError(str(tmp / "actor-rank0001.pt"), "Disk quota exceeded")
+        raise pickle.loads(pickle.dumps(error))
+    with pytest.raises(RunError, match=r"step_000004 failed: actor-rank0001.pt: Disk quota "
+                                       r"exceeded; the last complete checkpoint .*step_000002"):
+        save_checkpoint(tmp_path, 4, IDENTITY, worker_full, keep=2)
+
+    def bug(tmp):
+        raise KeyError("optimizer")
+    with pytest.raises(KeyError):
+        save_checkpoint(tmp_path, 4, IDENTITY, bug, keep=2)
+    assert [s for s, _ in checkpoints(tmp_path)] == [2]
+
+
+@pytest.mark.parametrize("how", ["full", "read-only"])
+def test_a_rank_state_on_a_full_disk_is_one_line(small_fs, how):
+    """save_rank_state (each worker's RNG file) on a full or read-only file system raises a
+    CheckpointWriteError naming the file and the OS's reason."""
+    from hybridflow.checkpoint import CheckpointWriteError
+    from hybridflow.workers.updates import save_rank_state
+    folder = small_fs("64k", full=True) if how == "full" else small_fs("64k", read_only=True)
+    path = folder / "actor-rank0000.pt"
+    with pytest.raises(CheckpointWriteError) as e:
+        save_rank_state(path)
+    reason = "No space left on device" if how == "full" else "Read-only file system"
+    assert str(e.value) == f"{path}: {reason}"
+
+
 def test_a_killed_write_is_never_loaded(tmp_path):
     save_checkpoint(tmp_path, 2, IDENTITY, parts, keep=2)
     # What a SIGKILL during the write of step 4 leaves: a hidden folder without trainer.json.

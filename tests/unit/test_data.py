@@ -159,8 +159,12 @@ def test_config_checks():
     # A task's name is checked where the prompts are made (a config needs no reasoning-gym).
     with pytest.raises(ConfigError, match="^data.tasks.*basic_arithmetc"):
         load_prompts(PromptDataConfig(tasks=["basic_arithmetc"]))
-    with pytest.raises(ConfigError, match="^task_kwargs"):
+    with pytest.raises(ConfigError, match="^task_kwargs.*~data.task_kwargs.gsm_symbolic"):
         PromptDataConfig(tasks=["basic_arithmetic"], task_kwargs={"gsm_symbolic": {}})
+    # Options for a task that is not listed: a misspelt listed task is named first.
+    with pytest.raises(ConfigError, match=r"^tasks: unknown reasoning-gym datasets "
+                                          r"\['chian_sum'\]"):
+        PromptDataConfig(tasks=["chian_sum"], task_kwargs={"chain_sum": {}})
     with pytest.raises(ConfigError, match="^max_prompt_tokens"):
         PromptDataConfig(max_prompt_tokens=0)
     with pytest.raises(ConfigError, match="^size"):

@@ -81,6 +81,81 @@ def test_a_key_of_a_default_is_checked_like_any_other(tmp_path):
     assert e.value.field == "actor.ppo_epoch"
 
 
+QUICKSTART = EXPERIMENTS / "quickstart_grpo.yaml"
+
+
+def test_tilde_deletes_a_key(tmp_path):
+    """``~key`` puts a key of the schema back to its default and removes an entry of a mapping;
+    a key it names that is not there is one error naming it."""
+    cfg = load_config(RLConfig, QUICKSTART, ["~data.task_kwargs", "~data.size", "~actor.layout",
+                                             "data.tasks=[basic_arithmetic]"])
+    default = RLConfig()
+    assert cfg.data.task_kwargs == {} and cfg.data.size == default.data.size
+    assert cfg.actor.layout == default.actor.layout and cfg.steps == 10
+    cfg = load_config(RLConfig, QUICKSTART, ["~data.task_kwargs.chain_sum",
+                                             "data.tasks=[basic_arithmetic]"])
+    assert cfg.data.task_kwargs == {} and cfg.data.tasks == ["basic_arithmetic"]
+    cfg = load_config(RLConfig, QUICKSTART, ["~data.task_kwargs.gsm_symbolic"])  # not set
+    assert list(cfg.data.task_kwargs) == ["chain_sum"]
+    # A key the file set to auto is no longer chosen by the planner (which needs rates).
+    run = write(tmp_path / "auto.yaml", f"defaults: [{QUICKSTART}]\nrollout: {{tp: auto}}\n")
+    with pytest.raises(ConfigError, match="^cluster.calibration"):
+        load_config(RLConfig, run)
+    assert load_config(RLConfig, run, ["~rollout.tp"]).auto == []
+    for item, key, message in [("~data.no_such_key", "data.no_such_key", "not a key"),
+                               ("~data.tasks.x", "data.tasks.x", "not a key"),
+                               ("~steps=3", "overrides", "write ~steps")]:
+        with pytest.raises(ConfigError) as e:
+            load_config(RLConfig, QUICKSTART, [item])
+        assert e.value.field == key and message in e.value.message, e.value
+
+
+def test_an_override_drops_the_file_keys_it_leaves_unread(tmp_path, capsys):
+    """``data.source=FILE`` on a reasoning-gym config drops the file's tasks, their options and
+    size, with one note; ``data.tasks`` drops the options of the tasks it no longer lists; what
+    the command line itself sets unread is still refused."""
+    prompts = write(tmp_path / "p.jsonl", '{"prompt": "1+1?", "answer": "2"}\n')
+    cfg = load_config(RLConfig, QUICKSTART, [f"data.source={prompts}"])
+    default = PromptDataConfig()
+    assert (cfg.data.source, cfg.data.tasks, cfg.data.task_kwargs, cfg.data.size) == \
+        (str(prompts), default.tasks, {}, default.size)
+    assert cfg.data.system_prompt == "Reply with only the final number."  # read by files too
+    assert capsys.readouterr().out == (
+        f"note: data.source={prompts}: dropped data.tasks, data.task_kwargs, data.size of "
+        f"{QUICKSTART}, which it leaves unread\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(RLConfig, QUICKSTART, [f"data.source={prompts}", "data.tasks=[chain_sum]"])
+    assert e.value.field == "data.tasks" and "no effect" in e.value.message
+    cfg = load_config(RLConfig, QUICKSTART, ["data.tasks=[basic_arithmetic]"])
+    assert cfg.data.task_kwargs == {}
+    assert "dropped data.task_kwargs.chain_sum" in capsys.readouterr().out
+    cfg = load_config(RLConfig, QUICKSTART, ["data.tasks=[chain_sum, basic_arithmetic]"])
+    assert list(cfg.data.task_kwargs) == ["chain_sum"] and capsys.readouterr().out == ""
+    # The other way: a file config switched to reasoning-gym drops its columns.
+    run = write(tmp_path / "file.yaml", f"reward: math\ndata: {{source: {prompts}, "
+                                        "prompt_key: q}\n")
+    cfg = load_config(RLConfig, run, ["data.source=reasoning_gym"])
+    assert cfg.data.prompt_key is None and "dropped data.prompt_key" in capsys.readouterr().out
+
+
+def test_one_command_switches_the_quickstart_to_a_file(tmp_path, capsys):
+    """Issue 45, item 6: ``hybridflow check experiments/quickstart_grpo.yaml data.source=FILE``
+    passes for a file of reasoning-gym entries; an unknown task is named under data.tasks."""
+    from hybridflow.data.prompts import reasoning_gym_prompts
+    import json
+    items = reasoning_gym_prompts(["chain_sum"], size=40, seed=0)
+    rows = [{"prompt": i.messages[-1]["content"], "answer": i.reference,
+             "metadata": i.extra["metadata"]} for i in items]
+    data = write(tmp_path / "chain_sum.jsonl", "".join(json.dumps(r) + "\n" for r in rows))
+    assert main(["check", str(QUICKSTART), f"data.source={data}",
+                 f"tracking.out_dir={tmp_path}"]) == 0, capsys.readouterr().err
+    assert "config OK" in capsys.readouterr().out
+    assert main(["check", str(QUICKSTART), "data.tasks=[no_such_task]"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("hybridflow: error: data.tasks: unknown reasoning-gym datasets "
+                          "['no_such_task']") and len(err.splitlines()) == 1, err
+
+
 # The two SmolLM2 recipes as flat files, before experiments/ was composed: the composed ones must
 # resolve to exactly these.
 FLAT_SMOLLM2 = """

@@ -24,29 +24,67 @@ from hybridflow.tracking import Tracker, TrackingConfig, read_metrics
 # code named by a config
 
 
-@pytest.mark.parametrize("spec", ["os:system", "builtins:eval", "builtins:exec",
-                                  "subprocess:getoutput", "posix:system"])
-def test_config_cannot_name_standard_library_callables(spec):
-    with pytest.raises(ConfigError, match="standard-library or builtin") as e:
-        as_reward_fn(spec)
-    assert e.value.field == "reward"
-    with pytest.raises(ConfigError) as e:
-        as_reward_fn(spec, key="cost")
-    assert e.value.field == "cost"
+@pytest.mark.parametrize("spec", ["os:system", "builtins:eval", "subprocess:getoutput",
+                                  "posix:system", "yaml:unsafe_load", "sympy:sympify"])
+def test_a_module_the_config_does_not_trust_is_refused(spec):
+    """Issue 45, item 13: yaml:unsafe_load and sympy:sympify passed `check`, and ran a shell
+    command written in the response: an installed module's function is taken only where the
+    config trusts the module (reward_trust)."""
+    for key in ("reward", "cost"):
+        with pytest.raises(ConfigError, match="is not a module reward_trust lists") as e:
+            as_reward_fn(spec, key=key)
+        assert e.value.field == key and spec.split(":")[0] in e.value.message
 
 
-def test_an_alias_in_a_user_module_is_refused_by_what_it_is(tmp_path):
+WRAPPERS = {  # a reward file's `fn`: none of them is a def of that file
+    "numpy.vectorize": ("import numpy, os\nfn = numpy.vectorize(os.system)\n",
+                        "a numpy.vectorize object"),
+    "callable object": ("import os\nclass Shell:\n    __call__ = os.system\nfn = Shell()\n",
+                        "Shell object"),
+    "partial subclass": ("import functools, os\nclass Call(functools.partial):\n    pass\n"
+                         "fn = Call(os.system)\n", "Call object"),
+    "builtin": ("import os\nfn = os.system\n", "the builtin posix.system"),
+    "builtin's method": ("import os\nfn = os.system.__call__\n", "method-wrapper object"),
+    "imported def": ("from yaml import unsafe_load as fn\n", "unsafe_load of "),
+    "def rebuilt from another's code": (
+        "import types, yaml\nfn = types.FunctionType(yaml.unsafe_load.__code__, globals())\n",
+        "unsafe_load of "),
+}
+
+
+@pytest.mark.parametrize("code, what", WRAPPERS.values(), ids=WRAPPERS)
+def test_a_reward_file_gives_only_its_own_defs(tmp_path, code, what):
+    """Wrappers hid os.system from the standard-library check: only a def of the file itself
+    (types.FunctionType, its module and code file the reward file's) is taken."""
     path = tmp_path / "sneaky.py"
-    path.write_text("import functools, os, subprocess\n"
-                    "system = os.system\n"
-                    "run = functools.partial(subprocess.getoutput)\n"
-                    "call = os.system.__call__\n"
-                    "def score(response):\n    return 1.0\n")
-    for attr, module in (("system", "posix"), ("run", "functools"), ("call", "posix")):
-        with pytest.raises(ConfigError, match=f"is {module}\\.") as e:
-            as_reward_fn(f"{path}:{attr}")
-        assert e.value.field == "reward"
+    path.write_text(code + "def score(response):\n    return 1.0\n")
+    with pytest.raises(ConfigError, match="reward file") as e:
+        as_reward_fn(f"{path}:fn")
+    assert e.value.field == "reward" and what in e.value.message, e.value
     assert as_reward_fn(f"{path}:score")({}, "x") == 1.0
+
+
+def test_our_rewards_and_a_trusted_package_resolve(tmp_path, monkeypatch):
+    """hybridflow.rewards needs no trust; an installed package's def resolves where
+    reward_trust lists its module or a package above it, judged by where it is defined."""
+    pkg = tmp_path / "trusted_pkg"
+    pkg.mkdir()
+    (pkg / "__init__.py").write_text("")
+    (pkg / "rewards.py").write_text("def score(response):\n    return 2.0\n")
+    (pkg / "reexport.py").write_text("from yaml import unsafe_load as score\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    assert as_reward_fn("hybridflow.rewards:math_reward_fn")({"reference": "5"}, "#### 5") == 1.0
+    from hybridflow.rewards import extract_final_answer, resolve_function
+    assert resolve_function("hybridflow.rewards.math:extract_final_answer") is \
+        extract_final_answer  # a module below hybridflow.rewards
+    for trust in (["trusted_pkg.rewards"], ["trusted_pkg"]):
+        assert as_reward_fn("trusted_pkg.rewards:score", trust=trust)({}, "x") == 2.0
+    for spec, trust, message in [
+            ("trusted_pkg.rewards:score", [], "not a module reward_trust lists"),
+            ("trusted_pkg.rewards:score", ["trusted_pkg.rew"], "not a module"),
+            ("trusted_pkg.reexport:score", ["trusted_pkg"], "unsafe_load of ")]:
+        with pytest.raises(ConfigError, match=message):
+            as_reward_fn(spec, trust=trust)
 
 
 def test_describe_names_the_function_and_its_file(tmp_path):
