@@ -89,14 +89,16 @@ def test_placement_mistakes_name_the_key(overrides, key, message):
     assert e.value.field == key and message in e.value.message, e.value
 
 
-def test_the_papers_figure_13_placement_can_be_written_down(tmp_path, capsys):
+def test_a_70b_actor_apart_from_a_7b_critic_can_be_written_down(tmp_path, capsys):
     """A 70B actor with a 7B critic and reward model, each side on devices of its own (the
-    paper's Figure 13): hybridflow check accepts it and prints the table and each pool's
-    memory."""
-    config = tmp_path / "fig13.yaml"
+    paper's Figure 13 is the other way round: experiments/paper/placement/): hybridflow check
+    accepts it and prints the table and each pool's memory."""
+    config = tmp_path / "apart.yaml"
     config.write_text(f"""
 defaults: [{EXPERIMENTS / 'paper/ppo/llama2_70b.yaml'}]
 reward_model: llama2-7b
+actor:
+  layout: {{tp: 8, pp: 4, dp: 4}}
 critic:
   model: llama2-7b
   layout: {{tp: 2, pp: 1, dp: 8}}
