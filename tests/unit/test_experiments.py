@@ -28,9 +28,7 @@ BLOCKS = [p for p in ALL_YAML if "name" not in (yaml.safe_load(p.read_text()) or
 RUNNABLE = [p for p in ALL_YAML if p not in BLOCKS]
 PAPER = sorted((EXPERIMENTS / "paper").glob("*/llama2_*.yaml"))
 PLACEMENT = sorted((EXPERIMENTS / "paper" / "placement").glob("*.yaml"))
-# Safe-RLHF's files are being rewritten with its critics (issue 39, item 4); the sweep and the
-# header tests take them in when they land.
-SWEPT = [p for p in PAPER if p.parent.name != "safe_rlhf"]
+PAPER = PAPER
 HARDWARE = ("Hardware as the paper states it (section 8.1): nodes of 8 NVIDIA A100-80GB GPUs, "
             "NVLink at 600 GB/s within a node, 200 Gb/s between nodes")
 
@@ -296,12 +294,12 @@ def test_no_paper_config_offloads():
     assert not any(found.values()), found
 
 
-@pytest.mark.parametrize("path", SWEPT + PLACEMENT + [EXPERIMENTS / "paper" / "base.yaml"],
+@pytest.mark.parametrize("path", PAPER + PLACEMENT + [EXPERIMENTS / "paper" / "base.yaml"],
                          ids=lambda p: str(p.relative_to(EXPERIMENTS)))
 def test_paper_config_names_its_hardware(path):
     text = header(path)
     assert HARDWARE in text, text
-    if path in SWEPT + PLACEMENT:
+    if path in PAPER + PLACEMENT:
         cfg = load_config(RLConfig, path)
         nodes = cfg.cluster.nodes
         assert f"on {nodes * 8} NVIDIA A100-80GB GPUs ({nodes} node" in text, text
@@ -311,7 +309,7 @@ def test_paper_config_names_its_hardware(path):
 # the GPU-count sweep (tools/paper_sweep.py)
 
 
-@pytest.mark.parametrize("path", SWEPT, ids=[str(p.relative_to(EXPERIMENTS)) for p in SWEPT])
+@pytest.mark.parametrize("path", PAPER, ids=[str(p.relative_to(EXPERIMENTS)) for p in PAPER])
 def test_paper_config_runs_the_fewest_gpus_that_fit(path):
     """As the paper's section 8.2 starts each size: "from the smallest number of GPUs to run RLHF
     without OOM"; experiments/README.md lists the counts that fit, each with its dp."""
