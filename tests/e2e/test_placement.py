@@ -17,8 +17,10 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("cache")]
 
 
 def ppo(tmp_path, name, *overrides):
+    prompts = tmp_path / "prompts.jsonl"  # a file: the GPU machine has no reasoning-gym
+    prompts.write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     return load_config(RLConfig, None, [
-        "model=tiny-llama", "algorithm.name=ppo", "reward_model=tiny-qwen2",
+        f"data.source={prompts}", "model=tiny-llama", "algorithm.name=ppo", "reward_model=tiny-qwen2",
         "rollout.backend=hf", "rollout.sampling.max_tokens=8", "rollout.sampling.n=2",
         "train_batch_size=2", "steps=2", "actor.engine.micro_batch_size=1",
         "critic.engine.micro_batch_size=1", "actor.engine.optim.lr=1e-3",
