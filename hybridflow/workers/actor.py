@@ -24,7 +24,7 @@ from hybridflow.training.megatron_ckpt import load_train_state, save_train_state
 from hybridflow.training.micro_batches import to_batch_order
 from hybridflow.workers.group import Rendezvous, Worker
 from hybridflow.workers.updates import (engine_batch, load_rank_state, logprob_batch, ppo_updates,
-                                       save_rank_state, train_view)
+                                       reference_log_probs, save_rank_state, train_view)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -148,12 +148,7 @@ class ActorRolloutRefWorker(Worker):
         if self.ref is None:
             with self.actor.adapters.disabled():
                 return Batch({"ref_logprobs": self.actor.compute_logprobs(logprob_batch(batch))})
-        if self.ref_cfg.offload:
-            self.ref.reload_weights()
-        logprobs = self.ref.compute_logprobs(logprob_batch(batch))
-        if self.ref_cfg.offload:
-            self.ref.offload_weights()
-        return Batch({"ref_logprobs": logprobs})
+        return reference_log_probs(self.ref, batch, self.ref_cfg.offload)
 
     # ----------------------------------------------------------------------------- update
     def update_actor(self, batch: Batch) -> Batch:

@@ -11,7 +11,7 @@ from hybridflow.models.hf import load_hf_config
 from hybridflow.training.engine import TrainEngine
 from hybridflow.training.loading import load_hf_into_engine
 from hybridflow.workers.group import Rendezvous, Worker
-from hybridflow.workers.updates import logprob_batch, train_view
+from hybridflow.workers.updates import reference_log_probs, train_view
 
 
 class ReferenceWorker(Worker):
@@ -33,9 +33,4 @@ class ReferenceWorker(Worker):
         return train_view(self.layout, self.rank)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        if self.ref_cfg.offload:
-            self.engine.reload_weights()
-        logprobs = self.engine.compute_logprobs(logprob_batch(batch))
-        if self.ref_cfg.offload:
-            self.engine.offload_weights()
-        return Batch({"ref_logprobs": logprobs})
+        return reference_log_probs(self.engine, batch, self.ref_cfg.offload)

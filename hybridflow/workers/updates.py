@@ -1,5 +1,5 @@
-"""What the actor and critic workers share: the PPO update loop over mini-batches, the views of a
-Batch an engine call takes, and each rank's RNG state in a checkpoint."""
+"""What the workers share: the PPO update loop over mini-batches, the views of a Batch an engine
+call takes, the reference's pass, and each rank's RNG state in a checkpoint."""
 
 from __future__ import annotations
 
@@ -31,6 +31,17 @@ def logprob_batch(batch: Batch) -> dict[str, torch.Tensor]:
     one) the engine computes its output layer over the response only (``TrainEngine``'s
     module docstring), and the prompt positions, which nothing reads, come back 0."""
     return engine_batch(batch, *(["response_mask"] if "response_mask" in batch else []))
+
+
+def reference_log_probs(engine, batch: Batch, offload: bool) -> Batch:
+    """``ref_logprobs`` of the frozen reference ``engine``; with ``offload`` its weights come back
+    from host memory for the pass and go back after it."""
+    if offload:
+        engine.reload_weights()
+    logprobs = engine.compute_logprobs(logprob_batch(batch))
+    if offload:
+        engine.offload_weights()
+    return Batch({"ref_logprobs": logprobs})
 
 
 def global_count(x: torch.Tensor, group) -> float:
