@@ -38,7 +38,7 @@ CRITIC = ("critic.layout.tp=2", "critic.engine.micro_batch_size=1")
 
 def untimed(row):
     """A metrics row without what the machine decides (timings, device memory)."""
-    return {k: v for k, v in row.items() if not k.startswith(("timing/", "memory/"))}
+    return {k: v for k, v in row.items() if not k.startswith((*CLOCK_KEYS, "memory/"))}
 
 
 def run(cfg, reward_fn=length_reward):
