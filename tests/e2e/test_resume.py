@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -36,6 +37,29 @@ def length(response):
     if os.environ.get("NAN_REWARD"):
         return float("nan")
     return len(response) / 10.0
+'''
+
+# Started before anything else in every Python process of an attempt given HF_KILL_ON_SAVE_FORK
+# (a folder on its PYTHONPATH): the first process forked from a Ray worker inside its save_state
+# call (megatron-core's checkpoint writer) SIGKILLs the driver, whose pid is in the file that
+# variable names, and then sleeps in place of its work: a writer stuck after its parent died (the
+# issue's were asleep in a futex wait, for good).
+KILL_ON_SAVE_FORK = '''
+import os, signal, time
+
+def _kill_driver():
+    with open("/proc/self/cmdline", "rb") as f:  # Ray's process title: ray::Class.method
+        if b"save_state" not in f.read():
+            return
+    with open(os.environ["HF_KILL_ON_SAVE_FORK"]) as f:
+        try:
+            os.kill(int(f.read()), signal.SIGKILL)
+        except OSError:  # the other rank's fork was first
+            pass
+    time.sleep(120)
+
+if os.environ.get("HF_KILL_ON_SAVE_FORK"):
+    os.register_at_fork(after_in_child=_kill_driver)
 '''
 
 CONFIG = """\
@@ -158,6 +182,45 @@ def test_killed_and_preempted_run_equals_an_uninterrupted_one(setup):
     again = Attempt(setup, "interrupted")
     assert again.finish() == 0 and "is complete" in again.output()
     assert metrics(last.run_dir) == expected
+
+
+def processes_of(tag: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every process whose environment holds HF_TEST_TAG=tag: whatever
+    an attempt started with that tag, forks of forks included."""
+    entry = f"HF_TEST_TAG={tag}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and entry in (proc / "environ").read_bytes().split(b"\0"):
+                found.append((int(proc.name), (proc / "cmdline").read_bytes().decode(
+                    errors="replace").replace("\0", " ").strip()))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def test_a_driver_killed_while_saving_leaves_no_process(setup):
+    """SIGKILL of the driver while the workers write a checkpoint (at the moment megatron-core's
+    writer forks from them): within 30 s nothing the run started is left, the forks included."""
+    tmp, _ = setup
+    hook = tmp / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_ON_SAVE_FORK)
+    tag = uuid.uuid4().hex
+    attempt = Attempt(setup, "killed_while_saving", HF_TEST_TAG=tag,
+                      HF_KILL_ON_SAVE_FORK=str(tmp / "driver.pid"),
+                      PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    (tmp / "driver.pid").write_text(str(attempt.proc.pid))
+    try:
+        assert attempt.finish() == -signal.SIGKILL, attempt.output()
+        assert attempt.writing_checkpoint()  # killed during the save
+        deadline = time.monotonic() + 30
+        while (left := processes_of(tag)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert left == []
+    finally:  # a failure leaves nothing behind either
+        for pid, _ in processes_of(tag):
+            os.kill(pid, signal.SIGKILL)
 
 
 def test_a_nan_reward_stops_the_run_naming_the_sample(setup):
