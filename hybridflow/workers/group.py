@@ -17,6 +17,7 @@ import os
 import re
 import shutil
 import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -45,7 +46,9 @@ class RayConfig:
     """"local" always starts a Ray of its own on this machine, ignoring RAY_ADDRESS and any
     cluster Ray recorded in /tmp/ray; its servers, agents and workers listen on 127.0.0.1 only,
     behind Ray's token authentication (``init_ray``), and our gloo rendezvous and connections
-    stay on loopback. "auto" or host:port joins a cluster (what launch/slurm does)."""
+    stay on loopback. "auto" or host:port joins a cluster (what launch/slurm does); where no
+    Ray answers there within 5 s, the run (and ``hybridflow check``) stops naming it
+    (``check_ray_address``)."""
     num_cpus: int | None = None
     """CPUs Ray may schedule locally (None: all)."""
     gpus_per_worker: float = 0.0
@@ -118,7 +121,82 @@ def init_ray(cfg: RayConfig) -> None:
                 ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
                          runtime_env=env, logging_level="WARNING", log_to_driver=True)
         else:
-            ray.init(address=cfg.address, runtime_env=env, logging_level="WARNING")
+            check_ray_address(cfg.address)
+            try:
+                ray.init(address=cfg.address, runtime_env=env, logging_level="WARNING")
+            except ConnectionError as e:  # a gRPC server, but not a Ray that lets us in
+                reason = str(e.__cause__ or e).strip().splitlines()[-1]
+                raise ConfigError("ray.address", f"{cfg.address}: Ray could not join the "
+                                  f"cluster there ({reason}); check the address, and that "
+                                  "the driver has the cluster's token (RAY_AUTH_MODE, "
+                                  "RAY_AUTH_TOKEN)") from None
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """A ConfigError naming ``address`` (``ray.address``, a cluster's) unless a gRPC server
+    answers there within ``timeout_s``: ray.init retries an address where nothing listens, or
+    where a server of another kind does, for minutes, deaf to SIGTERM. The address is the one
+    ray.init would reach: ``auto`` the one Ray finds (RAY_ADDRESS, else the cluster recorded in
+    /tmp/ray, else a GCS running on this machine), 127.0.0.1 or localhost this machine's address;
+    ``ray://`` (Ray Client) its host:port as given."""
+    from ray._private.services import (canonicalize_bootstrap_address,  # deferred: Ray
+                                       canonicalize_bootstrap_address_or_die)
+    try:
+        if address.startswith("ray://"):
+            target = address.removeprefix("ray://")
+        elif address == "auto":
+            target = canonicalize_bootstrap_address_or_die("auto")
+        else:
+            target = canonicalize_bootstrap_address(address)
+    except ConnectionError as e:  # auto: Ray found no cluster to join
+        raise ConfigError("ray.address", f"auto: {e} Start the cluster first, or use "
+                                         "ray.address=local") from None
+    except ValueError:
+        target = ""
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("ray.address", f"{address!r} is none of local, auto, host:port or "
+                                         "ray://host:port")
+    why_not = _grpc_answer(host.strip("[]"), int(port), timeout_s)
+    if why_not is not None:
+        if address == "auto":
+            found = (f"the address Ray took from RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
+                     if os.environ.get("RAY_ADDRESS") else "the cluster Ray found here")
+            where = f"auto: {target}, {found}"
+        else:
+            where = target if target == address.removeprefix("ray://") else \
+                f"{target} ({address}, as Ray reaches it)"
+        raise ConfigError("ray.address", f"{where}: {why_not}; start the cluster's head there "
+                                         "(ray start --head --port=PORT), correct the address, "
+                                         "or use ray.address=local")
+
+
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+"""An HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS,
+its client server) answers with a SETTINGS frame of its own."""
+
+
+def _grpc_answer(host: str, port: int, timeout_s: float) -> str | None:
+    """None if an HTTP/2 (gRPC) server answers at ``host``:``port`` within ``timeout_s``, else
+    why not, in a few words."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            conn.sendall(_HTTP2_HELLO)
+            header = b""
+            while len(header) < 9:  # a frame header: length (3 bytes), type (1), ...
+                conn.settimeout(max(deadline - time.monotonic(), 0.01))
+                chunk = conn.recv(9 - len(header))
+                if not chunk:
+                    break
+                header += chunk
+    except TimeoutError:
+        return f"nothing answers within {timeout_s:g}s"
+    except OSError as e:
+        return f"nothing answers ({(e.strerror or str(e)).lower()})"
+    if len(header) < 9 or header[3] != 4:
+        return "what listens there is no Ray (it does not speak gRPC)"
+    return None
 
 
 @contextlib.contextmanager
