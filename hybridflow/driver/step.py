@@ -109,7 +109,8 @@ def scores(run: Run, batch: Batch, key: str) -> torch.Tensor:
         return run.groups.scorers[key].scores(batch)
     fn = run.reward_fn if key == "scores" else run.cost_fn
     return score_samples(fn, batch["item"], batch["response_text"],
-                         key="reward" if key == "scores" else "cost")
+                         key="reward" if key == "scores" else "cost",
+                         timeout_s=run.config.reward_timeout_s)
 
 
 def reward(run: Run, batch: Batch) -> Batch:

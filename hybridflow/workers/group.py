@@ -65,6 +65,10 @@ class RayConfig:
     call_timeout_s: float = 3600.0
     """Seconds one call on a worker group (a generation, an update) may take before the run
     stops; 0 waits forever."""
+    stop_timeout_s: float = 240.0
+    """Seconds a SIGTERM leaves the current step and its checkpoint; past them the run stops
+    where it is, its last checkpoint kept (exit code 143). 0: as long as the step takes. Slurm's
+    notice (launch/slurm/train.sbatch) is 300 s."""
     collective_timeout_s: float = 600.0
     """Seconds a torch.distributed collective inside a worker waits for the other ranks before
     it fails (a rank died or went astray); the run then stops naming the rank."""
@@ -82,6 +86,7 @@ class RayConfig:
         check_float("cpus_per_worker", self.cpus_per_worker, low=0)
         check_float("start_timeout_s", self.start_timeout_s, low=0)
         check_float("call_timeout_s", self.call_timeout_s, low=0)
+        check_float("stop_timeout_s", self.stop_timeout_s, low=0)
         check_float("collective_timeout_s", self.collective_timeout_s, low=0, low_open=True)
         check_float("gpu_memory_gib", self.gpu_memory_gib, low=0, low_open=True, none_ok=True)
 

@@ -22,11 +22,12 @@ pytestmark = [pytest.mark.slow]
 PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)}
            for a, b in ((1, 1), (2, 3), (4, 4), (7, 1), (3, 3), (5, 2))]
 
-# A reward with two test hooks, driven by the environment of the attempt: KILL_AT_CALL=n kills
+# A reward with three test hooks, driven by the environment of the attempt: KILL_AT_CALL=n kills
 # this process 50 ms after the n-th reward call (the phases after scoring: log-probs and the
-# update), NAN_REWARD=1 returns NaN.
+# update), NAN_REWARD=1 returns NaN, HANG_AT_CALL=n never returns from the n-th call, once it has
+# written "hanging" to the file HANG_FILE names.
 REWARD = '''
-import os, signal, threading
+import os, signal, threading, time
 calls = 0
 
 def length(response):
@@ -34,6 +35,10 @@ def length(response):
     calls += 1
     if calls == int(os.environ.get("KILL_AT_CALL", "0")):
         threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    if calls == int(os.environ.get("HANG_AT_CALL", "0")):
+        with open(os.environ["HANG_FILE"], "w") as f:
+            f.write("hanging")
+        time.sleep(10 ** 6)
     if os.environ.get("NAN_REWARD"):
         return float("nan")
     return len(response) / 10.0
@@ -94,9 +99,9 @@ def setup(tmp_path_factory):
 
 
 class Attempt:
-    """``hybridflow train run.yaml name=NAME`` in a process of its own."""
+    """``hybridflow train run.yaml name=NAME [OVERRIDES]`` in a process of its own."""
 
-    def __init__(self, setup, name: str, **env):
+    def __init__(self, setup, name: str, *overrides: str, **env):
         tmp, base_env = setup
         self.run_dir = tmp / "runs" / name
         self.log = tmp / f"{name}-{time.monotonic_ns()}.log"
@@ -105,7 +110,7 @@ class Attempt:
         with open(self.log, "w") as out:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "hybridflow.cli", "train", str(tmp / "run.yaml"),
-                 f"name={name}"], stdout=out, stderr=subprocess.STDOUT,
+                 f"name={name}", *overrides], stdout=out, stderr=subprocess.STDOUT,
                 env={**base_env, **env})
 
     def rows(self) -> int:
@@ -233,3 +238,47 @@ def test_a_nan_reward_stops_the_run_naming_the_sample(setup):
     assert "Traceback" not in out
     # No step was logged and nothing was trained on the NaN.
     assert attempt.rows() == 0
+
+
+# Steps take 4 reward calls (2 prompts x 2 samples): the 9th is step 3's first, after the
+# checkpoint of step 2.
+def test_a_reward_that_never_returns_stops_the_run_at_its_timeout(setup):
+    tmp, _ = setup
+    attempt = Attempt(setup, "hang", "reward_timeout_s=3", HANG_AT_CALL="9",
+                      HANG_FILE=str(tmp / "hang"))
+    assert attempt.finish() == 1, attempt.output()
+    out = attempt.output()
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("hybridflow: run stopped: reward function rewards.py:length ("), out
+    assert "did not return within 3s (reward_timeout_s, for a batch of 4 samples) on " \
+           "sample 0 (response " in last, last
+    assert "Traceback" not in out
+    assert [r["step"] for r in metrics(attempt.run_dir)] == [1, 2]
+    assert (attempt.run_dir / "checkpoints" / "step_000002").is_dir()
+
+
+def test_a_sigterm_stops_a_step_that_never_ends_within_the_grace(setup):
+    """SIGTERM during a reward that never returns (and no reward timeout): the run does not wait
+    for the step past ray.stop_timeout_s; it stops where it is, keeps its checkpoint and rows,
+    exit code 143 (launch/slurm requeues it), and leaves no process behind."""
+    tmp, _ = setup
+    tag = uuid.uuid4().hex
+    attempt = Attempt(setup, "hang_term", "reward_timeout_s=0", "ray.stop_timeout_s=2",
+                      HANG_AT_CALL="9", HANG_FILE=str(tmp / "hang_term"), HF_TEST_TAG=tag)
+    attempt.wait_until((tmp / "hang_term").exists)
+    attempt.proc.send_signal(signal.SIGTERM)
+    assert attempt.finish() == 128 + signal.SIGTERM, attempt.output()
+    out = attempt.output()
+    assert "SIGTERM: stopping after this step with a checkpoint within " \
+           "ray.stop_timeout_s=2s" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("hybridflow: run stopped: SIGTERM: stopped during step 3, which did "
+                           "not end within ray.stop_timeout_s=2s of the SIGTERM; "), out
+    assert "Traceback" not in out
+    assert [r["step"] for r in metrics(attempt.run_dir)] == [1, 2]
+    assert sorted(p.name for p in (attempt.run_dir / "checkpoints").iterdir()) == \
+        ["step_000002"]
+    deadline = time.monotonic() + 30
+    while (left := processes_of(tag)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == []
