@@ -42,9 +42,11 @@ CHECKPOINTS = "checkpoints"
 """The folder of a run's checkpoints, inside the run directory."""
 STATE_FILE = "trainer.json"
 """The driver's state in a checkpoint; written last, so its presence marks a complete write."""
-RESUMABLE_KEYS = ("steps", "resume", "checkpoint", "ray", "on_nonfinite", "cluster.calibration")
+RESUMABLE_KEYS = ("steps", "resume", "checkpoint", "ray", "on_nonfinite", "cluster.calibration",
+                  "reward_timeout_s")
 """Config keys (or sections) a resumed run may change: they decide how long and where it runs,
-or what it predicts, not what it computes. Any other difference means another run."""
+how long it waits, or what it predicts, not what it computes. Any other difference means another
+run."""
 _STEP_DIR = re.compile(r"^step_(\d{6,})$")
 
 

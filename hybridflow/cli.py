@@ -1,7 +1,9 @@
 """``hybridflow`` command line: ``hybridflow COMMAND [CONFIG] [key=value ...]``.
 
 A user mistake (a config key, a value, a layout that cannot exist, a bad file) ends with one line
-naming the key and the fix, and exit code 2; nothing is written before the config is valid.
+naming the key and the fix, and exit code 2; nothing is written before the config is valid. A run
+that stops on a fault is one line and exit code 1; one that a signal stopped where it was, 128 +
+the signal's number (143 for SIGTERM, 130 for SIGINT).
 """
 
 from __future__ import annotations
@@ -10,7 +12,7 @@ import argparse
 import sys
 from pathlib import Path
 
-from hybridflow.errors import ConfigError, RunError
+from hybridflow.errors import ConfigError, Interrupted, RunError
 from hybridflow.planner.calibrate import calibrate
 from hybridflow.planner.profile import profile_passes
 
@@ -136,7 +138,10 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     except RunError as e:
         print(f"hybridflow: run stopped: {e}", file=sys.stderr)
-        return 1
+        return 128 + e.signum if isinstance(e, Interrupted) else 1
+    except KeyboardInterrupt:  # Ctrl-C before a run handles it (loading, checking)
+        print("hybridflow: interrupted (SIGINT)", file=sys.stderr)
+        return 130
 
 
 if __name__ == "__main__":

@@ -73,6 +73,16 @@ class RunError(RuntimeError):
     exits 1 (2 is for bad input: ``ConfigError``)."""
 
 
+class Interrupted(RunError):
+    """A signal stopped the run where it was (SIGINT, or a SIGTERM that could not wait for the
+    end of the step): its last checkpoint is kept. The CLI prints the message as one line and
+    exits 128 + ``signum``, as a shell reports a process that signal ended."""
+
+    def __init__(self, signum: int, message: str):
+        super().__init__(message)
+        self.signum = signum
+
+
 class ArgumentError(ValueError):
     """A wrong argument of a library function (a shape, a value out of range): a programming
     error, never a user's config mistake (those are ConfigErrors, checked before anything runs).

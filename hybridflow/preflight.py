@@ -42,6 +42,7 @@ from hybridflow.planner.memory import (DTYPE_BYTES, MemoryEstimate, check_memory
 from hybridflow.rewards import as_reward_fn, math_reward_fn, reasoning_gym_reward_fn
 from hybridflow.training.model import check_model_fits_layout
 from hybridflow.validation import check_validation
+from hybridflow.workers.group import check_ray_address
 
 
 @dataclass
@@ -171,6 +172,8 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
     notes = _check_prompts(cfg, prompts, checkpoints["model"], functions["reward"], positions)
     _check_out_dir(cfg)
     _check_local_cpus(cfg)
+    if cfg.ray.address != "local":  # before anything starts: ray.init would retry it for minutes
+        check_ray_address(cfg.ray.address)
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
     recv, naive = _reshard_bytes(model, gen, cfg)
     memory = None

@@ -139,7 +139,9 @@ class RLTrainer:
         """Run the iterations from where the run stands (step 0, or its newest checkpoint: see
         ``resume``) to ``config.steps`` over ``prompts`` (default: ``config.data``); writes
         metrics.jsonl, config.yaml, checkpoints and reward_curve.png under the run folder.
-        Returns this call's metric rows. A SIGTERM ends it cleanly at the next step's end."""
+        Returns this call's metric rows. A SIGTERM ends it at the end of the step, after a
+        checkpoint, or where it is past ray.stop_timeout_s; a SIGINT where it is
+        (``loop.StopOnSignals``)."""
         # Planned again (check_run did at __init__): an earlier fit may have moved the run on.
         cfg, plan = self.config, resume_plan(self.config, self.checked.model)
         if plan.step >= cfg.steps:
@@ -152,7 +154,9 @@ class RLTrainer:
             return []
         items = self.prompt_items(prompts if prompts is not None else self.checked.prompts)
         check_validation(cfg, len(items))  # before any process starts
-        history, self.step = loop.fit(self.start(), items, plan, self.checkpoint_identity())
+        with loop.StopOnSignals(cfg.ray.stop_timeout_s) as stop:
+            history, self.step = loop.fit(self.start(), items, plan, self.checkpoint_identity(),
+                                          stop)
         return history
 
     def train(self, dataset=None) -> list[dict[str, float]]:

@@ -316,6 +316,10 @@ class RLConfig:
     """Installed modules whose functions reward and cost may name as module:function (a listed
     module and those below it; hybridflow.rewards is trusted without it), e.g. [mypkg.rewards]:
     the function runs on the model's text."""
+    reward_timeout_s: float = 600.0
+    """Seconds the reward (and cost) function may take over one batch of samples; past them it
+    is stopped where it is and the run stops, naming it and the sample it was on. 0: no
+    limit."""
     train_batch_size: int = 8
     """Prompts per step (each sampled rollout.sampling.n times)."""
     steps: int = 10
@@ -414,6 +418,7 @@ class RLConfig:
         check_int("steps", self.steps)
         check_int("seed", self.seed, low=0)
         check_int("pad_token_id", self.pad_token_id, low=0)
+        check_float("reward_timeout_s", self.reward_timeout_s, low=0)
         if not isinstance(self.resume, str) or not self.resume:
             raise ConfigError("resume", "must be auto, never or a checkpoint directory")
         check_choice("on_nonfinite", self.on_nonfinite, ("stop", "skip"))
@@ -509,6 +514,8 @@ class RLConfig:
             ("reward", self.reward_model is not None, "remove reward_model"),
             ("reward_trust", not any(installed_module(s) for s in (self.reward, self.cost) if s),
              "name a module:function as reward or cost"),
+            ("reward_timeout_s", self.reward_model is not None and self.cost is None,
+             "remove reward_model (it bounds the reward and cost functions)"),
             ("rollout.kv_cache_mb", "kv_cache_mb" not in backend.reads, "rollout.backend=vllm"),
             ("rollout.keep_cache", not backend.keeps_cache(bool(self.ray.gpus_per_worker),
                                                           self.rollout.tp),

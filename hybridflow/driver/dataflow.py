@@ -3,7 +3,7 @@
 ``at_once(calls)`` runs a stage of independent calls (PPO after generation: old and reference
 log-probs, values, scores): the calls of one pool one after another, in the order given (models
 on one pool share its devices and take turns), the pools' lanes at the same time. With one lane
-it runs in the caller's thread, exactly as a plain sequence of calls.
+it is exactly a plain sequence of calls in the caller's thread.
 
 ``Timeline`` records the start and end of every call per pool: each step's ``timing/overlap_s``
 (the time two or more pools were busy at once) and ``timing/idle_<pool>_s`` (the step's time a
@@ -36,26 +36,28 @@ class Call:
 
 def at_once(calls: list[Call]) -> dict[str, Any]:
     """The results of ``calls`` by name: a lane per pool, each running its calls in order, the
-    lanes at the same time. The first error of any lane is raised once every lane is done."""
+    lanes at the same time. One lane runs in the caller's thread, the driver's where there is
+    one (SIGTERM, SIGINT and a reward function's time limit reach the main thread only); an
+    error in it, or in a lane it then waits for, is raised at once, leaving the other lanes'
+    calls to end with their groups (``Groups.close``)."""
     lanes: dict[str, list[Call]] = {}
     for call in calls:
         lanes.setdefault(call.pool, []).append(call)
-    if len(lanes) <= 1:
-        return {call.name: call.fn() for call in calls}
+    here, *others = sorted(lanes, key=lambda pool: pool != DRIVER) or [None]
 
-    def lane(calls: list[Call]) -> dict[str, Any]:
-        return {call.name: call.fn() for call in calls}
-    with ThreadPoolExecutor(max_workers=len(lanes), thread_name_prefix="pool") as pool:
-        futures = [pool.submit(lane, calls) for calls in lanes.values()]
-        results, error = {}, None
+    def lane(pool: str) -> dict[str, Any]:
+        return {call.name: call.fn() for call in lanes[pool]}
+    if not others:
+        return lane(here) if here is not None else {}
+    threads = ThreadPoolExecutor(max_workers=len(others), thread_name_prefix="pool")
+    try:
+        futures = [threads.submit(lane, pool) for pool in others]
+        results = lane(here)
         for future in futures:
-            try:
-                results.update(future.result())
-            except BaseException as e:  # noqa: BLE001 - raised below, after every lane ended
-                error = error or e
-    if error is not None:
-        raise error
-    return results
+            results.update(future.result())
+        return results
+    finally:  # the other lanes are done, or abandoned to end with their groups
+        threads.shutdown(wait=False, cancel_futures=True)
 
 
 class Timeline:

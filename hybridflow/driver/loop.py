@@ -2,8 +2,9 @@
 
 ``fit`` holds out the validation prompts, restores a checkpoint, then runs the iterations
 (``step.iteration``) with validation and checkpoints at their cadence, a SIGTERM ending it after a
-checkpoint, and non-finite gradients stopping it (or skipped); metrics go to the run's tracker
-and, at the end, a summary and the reward curve.
+checkpoint (``StopOnSignals``: or where it is, past ray.stop_timeout_s), and non-finite gradients
+stopping it (or skipped); metrics go to the run's tracker and, at the end, a summary and the
+reward curve.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from hybridflow.data.loader import PromptSampler
 from hybridflow.data.prompts import PromptItem
 from hybridflow.driver import step as steps
 from hybridflow.driver.step import Run
-from hybridflow.errors import ConfigError, RunError
+from hybridflow.errors import ConfigError, Interrupted, RunError
 from hybridflow.rewards import describe_reward_fn
 from hybridflow.tracking import Tracker, plot_metric, read_metrics
 from hybridflow.validation import split_held_out
@@ -31,60 +32,64 @@ TIMELINE = "timeline.json"
 """The run folder's Chrome trace of every call (``dataflow.Timeline``)."""
 
 
-def fit(run: Run, items: list[PromptItem], plan: ResumePlan, identity: dict[str, Any]
-        ) -> tuple[list[dict[str, float]], int]:
+def fit(run: Run, items: list[PromptItem], plan: ResumePlan, identity: dict[str, Any],
+        stop: StopOnSignals) -> tuple[list[dict[str, float]], int]:
     """Run the iterations from ``plan``'s step to ``config.steps`` over ``items`` (tokenized
     prompts, enough for the validation split: ``check_validation``); ``identity``: what a
-    checkpoint of this run records it must match. Writes
-    metrics.jsonl, config.yaml, checkpoints and reward_curve.png under the run folder. Returns
-    the metric rows of this call and the step the run reached."""
+    checkpoint of this run records it must match; ``stop``: the signals' handling, entered by the
+    caller (before the workers' start). Writes metrics.jsonl, config.yaml, checkpoints and
+    reward_curve.png under the run folder. Returns the metric rows of this call and the step the
+    run reached."""
     cfg = run.config
     items, held_out = split_held_out(items, cfg.validation.size, cfg.data.seed)
     sampler = PromptSampler(len(items), cfg.train_batch_size, seed=cfg.data.seed,
                             shuffle=cfg.data.shuffle)
-    # After Ray's start (the groups are up): its core installs a SIGTERM handler of its own.
-    with StopOnSigterm() as stop:
-        for fn, key in ((run.reward_fn, "reward"), (run.cost_fn, "cost")):
-            if fn is not None:
-                print(describe_reward_fn(fn, key), flush=True)
-        first = plan.step
-        if plan.checkpoint is not None:
-            first = load_checkpoint(run, plan.checkpoint, plan.state, sampler)
-        if plan.checkpoint is not None or plan.continues:
-            print(plan.describe(), flush=True)
-        # Only now, with the workers up and the state loaded, is anything of the run written.
-        remove_partial_checkpoints(plan.run_dir)
-        # A run that continues from step 0 drops its step-0 row (validation before step 1),
-        # which it writes again.
-        kept = plan.step if plan.step else -1
-        tracker = Tracker(plan.run_dir, to_yaml(cfg), cfg.tracking, cfg.name,
-                          resume_step=kept if plan.checkpoint or plan.continues else None,
-                          wandb_id=plan.state.get("wandb_id"))
-        reached = first
-        try:
-            history = []
-            for reached, metrics in _iterations(run, items, held_out, sampler, tracker, first,
-                                                stop, identity):
-                history.append(metrics)
-        finally:
-            tracker.close()
+    for fn, key in ((run.reward_fn, "reward"), (run.cost_fn, "cost")):
+        if fn is not None:
+            print(describe_reward_fn(fn, key), flush=True)
+    first = plan.step
+    if plan.checkpoint is not None:
+        stop.where = f"the load of {plan.checkpoint}"
+        first = load_checkpoint(run, plan.checkpoint, plan.state, sampler)
+    if plan.checkpoint is not None or plan.continues:
+        print(plan.describe(), flush=True)
+    # Only now, with the workers up and the state loaded, is anything of the run written.
+    remove_partial_checkpoints(plan.run_dir)
+    # A run that continues from step 0 drops its step-0 row (validation before step 1), which it
+    # writes again.
+    kept = plan.step if plan.step else -1
+    tracker = Tracker(plan.run_dir, to_yaml(cfg), cfg.tracking, cfg.name,
+                      resume_step=kept if plan.checkpoint or plan.continues else None,
+                      wandb_id=plan.state.get("wandb_id"))
+    reached = first
+    try:
+        history = []
+        for reached, metrics in _iterations(run, items, held_out, sampler, tracker, first,
+                                            stop, identity):
+            history.append(metrics)
+    finally:
+        tracker.close()
     if reached == cfg.steps:
         summarize(cfg, tracker.metrics_path, plan.run_dir)
     return history, reached
 
 
-def _iterations(run: Run, items, held_out, sampler, tracker: Tracker, first: int, stop,
-                identity: dict[str, Any]):
+def _iterations(run: Run, items, held_out, sampler, tracker: Tracker, first: int,
+                stop: StopOnSignals, identity: dict[str, Any]):
     """Yields (step, metrics) after each iteration, logged and checkpointed at their cadence."""
     cfg = run.config
     bar = tqdm(total=cfg.steps, initial=first, desc=f"{cfg.algorithm.name} {cfg.name}",
                unit="step")
+    stop.steps_running = True
     try:
         if first == 0 and cfg.validation.due(0, cfg.steps):
+            stop.where = "the validation before step 1"
             tracker.log(0, _validate(run, held_out, bar, 0))
         for step in range(first + 1, cfg.steps + 1):
             if stop.requested:  # before any step of this process: nothing new to save
+                bar.write(f"SIGTERM: stopped before step {step}; run the same command to resume")
                 break
+            stop.where = f"step {step}"
             metrics = steps.iteration(run, lambda: [items[i] for i in next(sampler)])
             if cfg.validation.due(step, cfg.steps):
                 metrics.update(_validate(run, held_out, bar, step))
@@ -96,6 +101,7 @@ def _iterations(run: Run, items, held_out, sampler, tracker: Tracker, first: int
             halt = bool(nonfinite) and cfg.on_nonfinite == "stop"
             every = cfg.checkpoint.every
             if halt or stop.requested or every and (step % every == 0 or step == cfg.steps):
+                stop.where = f"the checkpoint of step {step}"
                 saved = save(run, step, sampler, tracker, identity)
                 bar.write(f"step {step}: checkpoint {saved}")
             if halt:
@@ -183,26 +189,70 @@ def _mean(rows: list[dict[str, float]], key: str) -> float:
     return sum(r[key] for r in rows) / len(rows)
 
 
-class StopOnSigterm:
-    """SIGTERM (Slurm's preemption notice) asks the loop to stop at the end of the current step,
-    after a checkpoint; a second SIGTERM ends the process at once. Only the main thread can
-    handle signals: elsewhere this does nothing."""
+class StopOnSignals:
+    """How a run answers SIGTERM (Slurm's preemption notice) and SIGINT (Ctrl-C), in the main
+    thread (elsewhere it does nothing); ``with`` it around the whole run, the workers' start
+    included.
 
-    def __init__(self):
+    Once the steps run (``steps_running``), a first SIGTERM asks the loop to stop at the end of
+    the current step, after a checkpoint (``requested``), and gives it ``grace_s`` seconds (0:
+    as long as the step takes). Past them, at a second SIGTERM, at a SIGTERM before the steps,
+    and at SIGINT, the run stops where it is (``where``): KeyboardInterrupt is raised in the main
+    thread, into whatever it waits for (Ray's waits, a reward function, a sleep), and leaving the
+    block turns it into ``Interrupted``. From then on both signals have their default action: a
+    further one ends the process at once."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.where = "the workers' start"
+        """What the run is doing, for the message of a stop there."""
+        self.steps_running = False
         self.requested = False
-        self._previous = None
+        self._stopped_by: int | None = None  # the signal that stopped the run where it was
+        self._expired = False
+        self._timer: threading.Timer | None = None
+        self._previous: dict[int, Any] = {}
 
     def _handle(self, signum, frame) -> None:
-        self.requested = True
-        signal.signal(signal.SIGTERM, signal.SIG_DFL)
-        print("SIGTERM: stopping after this step with a checkpoint (send it again to stop now)",
-              flush=True)
+        if signum == signal.SIGTERM and self.steps_running and not self.requested:
+            self.requested = True
+            within = f" within ray.stop_timeout_s={self.grace_s:g}s" if self.grace_s else ""
+            print(f"SIGTERM: stopping after this step with a checkpoint{within} (send it again "
+                  "to stop now)", flush=True)
+            if self.grace_s:
+                self._timer = threading.Timer(self.grace_s, self._expire)
+                self._timer.daemon = True
+                self._timer.start()
+            return
+        self._stopped_by = signum
+        for sig in self._previous:
+            signal.signal(sig, signal.SIG_DFL)
+        raise KeyboardInterrupt
 
-    def __enter__(self):
+    def _expire(self) -> None:
+        """The grace is over: a SIGTERM of our own stops the run where it is."""
+        if self._stopped_by is None:
+            self._expired = True
+            signal.pthread_kill(threading.main_thread().ident, signal.SIGTERM)
+
+    def _message(self) -> str:
+        name = signal.Signals(self._stopped_by).name
+        why = (f", which did not end within ray.stop_timeout_s={self.grace_s:g}s of the SIGTERM"
+               if self._expired else " at a second SIGTERM" if self.requested else "")
+        return (f"{name}: stopped during {self.where}{why}; what it had not saved is lost, the "
+                "last checkpoint (if any) is intact: run the same command to resume")
+
+    def __enter__(self) -> "StopOnSignals":
         if threading.current_thread() is threading.main_thread():
-            self._previous = signal.signal(signal.SIGTERM, self._handle)
+            self._previous = {sig: signal.signal(sig, self._handle)
+                              for sig in (signal.SIGTERM, signal.SIGINT)}
         return self
 
-    def __exit__(self, *exc) -> None:
-        if self._previous is not None:
-            signal.signal(signal.SIGTERM, self._previous)
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+        for sig, handler in self._previous.items():
+            signal.signal(sig, handler)
+        if self._stopped_by is not None and exc_type is not None and \
+                issubclass(exc_type, KeyboardInterrupt):
+            raise Interrupted(self._stopped_by, self._message()) from None

@@ -115,7 +115,8 @@ def scores(run: Run, batch: Batch, key: str) -> torch.Tensor:
     fn = run.reward_fn if key == "scores" else run.cost_fn
     kind = "reward" if key == "scores" else "cost"
     return run.groups.timeline.timed(DRIVER, f"{kind} function", lambda: score_samples(
-        fn, batch["item"], batch["response_text"], key=kind))
+        fn, batch["item"], batch["response_text"], key=kind,
+        timeout_s=run.config.reward_timeout_s))
 
 
 def scorer_pool(run: Run, key: str) -> str:

@@ -5,7 +5,7 @@ Every reward function has one form, ``fn(prompt_item, response) -> float``: ``pr
 ``extra``), ``response`` the decoded response text. ``as_reward_fn`` turns a registered name, a
 ``"module:function"`` / ``"path/file.py:function"`` string, or a Python callable taking
 ``(response)`` or ``(prompt_item, response)`` into that form; ``score_samples`` runs it over a
-batch and checks every value it returns.
+batch within a time limit and checks every value it returns.
 
 A config that names a function runs it on the model's text, so a name resolves only to a plain
 Python function (a ``def``, never a builtin, a callable object, a partial or any other wrapper,
@@ -22,7 +22,9 @@ import importlib.util
 import inspect
 import os
 import re
+import signal
 import sys
+import threading
 import types
 from math import isfinite  # not `import math`: the package's submodule rewards.math shadows it
 from typing import Any, Callable, Sequence
@@ -145,15 +147,33 @@ def _as_score(value: Any) -> float | None:
 
 
 def score_samples(fn: Callable[[Any, str], Any], items: Sequence[Any], texts: Sequence[str],
-                  key: str = "reward") -> torch.Tensor:
+                  key: str = "reward", timeout_s: float = 0.0) -> torch.Tensor:
     """``fn(item, text)`` for each sample, as a float32 tensor [len(items)]. ``fn`` is a reward
     function as ``as_reward_fn`` returns it (``key`` is the config key that named it). An
     exception raised by ``fn``, or a value that is not a finite real number (NaN, inf, a bool,
     "1.0", None, a list, a tensor of several elements), is a RunError naming the sample, the
-    function, its file and what it raised or returned."""
+    function, its file and what it raised or returned. So is a batch that takes longer than
+    ``timeout_s`` (0: no limit; the run's ``reward_timeout_s``): the function is stopped where it
+    is (``_within``)."""
     if len(items) != len(texts):
         raise ValueError(f"{len(items)} items but {len(texts)} texts")
-    scores = []
+    scores: list[float] = []
+    try:
+        _within(timeout_s, lambda: _score_each(fn, items, texts, key, scores))
+    except _Overtime:
+        i = len(scores)  # the sample it was on
+        if i == len(items):  # the alarm struck as the last one returned
+            return torch.tensor(scores, dtype=torch.float32)
+        raise RunError(f"{key} function {_named(fn)} did not return within {timeout_s:g}s "
+                       f"(reward_timeout_s, for a batch of {len(items)} samples) on sample {i} "
+                       f"(response {_clip(texts[i])}); make it return sooner, or raise "
+                       "reward_timeout_s") from None
+    return torch.tensor(scores, dtype=torch.float32)
+
+
+def _score_each(fn: Callable[[Any, str], Any], items: Sequence[Any], texts: Sequence[str],
+                key: str, scores: list[float]) -> None:
+    """Append ``fn(item, text)`` of each sample to ``scores``; see ``score_samples``."""
     for i, (item, text) in enumerate(zip(items, texts)):
         try:
             value = fn(item, text)
@@ -170,7 +190,52 @@ def score_samples(fn: Callable[[Any, str], Any], items: Sequence[Any], texts: Se
             raise RunError(f"{key} function {_named(fn)} returned {_clip_repr(value)} on sample "
                            f"{i} (response {_clip(text)}); {_MUST_RETURN}")
         scores.append(score)
-    return torch.tensor(scores, dtype=torch.float32)
+
+
+class _Overtime(BaseException):
+    """Raised into a reward function whose batch ran out of time. Not an Exception: a function's
+    own ``except Exception`` must not swallow it."""
+
+
+def _within(seconds: float, work: Callable[[], None]) -> None:
+    """``work()``, stopped with ``_Overtime`` once it has run ``seconds`` (0: no limit).
+
+    In the main thread (the driver's) SIGALRM raises it into the work wherever it is: a loop, a
+    sleep, a blocking read, a regular expression (CPython's checks for signals), and again every
+    second should the work catch it. Elsewhere (signals reach the main thread only) the work
+    runs in a thread of its own, left behind if its time runs out."""
+    if not seconds:
+        work()
+        return
+    if threading.current_thread() is threading.main_thread():
+        running = [True]
+
+        def strike(signum, frame) -> None:
+            if running[0]:  # not once the work is done: the alarm is being put away
+                raise _Overtime
+        previous = signal.signal(signal.SIGALRM, strike)
+        try:
+            signal.setitimer(signal.ITIMER_REAL, seconds, 1.0)
+            work()
+            running[0] = False
+        finally:  # the next strike is a second away
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            signal.signal(signal.SIGALRM, previous)
+        return
+    failed: list[BaseException] = []
+    done = threading.Event()
+
+    def run() -> None:
+        try:
+            work()
+        except BaseException as e:  # noqa: BLE001 - handed to the caller's thread
+            failed.append(e)
+        done.set()
+    threading.Thread(target=run, name="reward", daemon=True).start()
+    if not done.wait(seconds):
+        raise _Overtime
+    if failed:
+        raise failed[0]
 
 
 def describe_reward_fn(fn: Callable[..., Any], key: str = "reward") -> str:

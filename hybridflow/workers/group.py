@@ -9,15 +9,19 @@ send results back.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import logging
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from dataclasses import dataclass
@@ -31,6 +35,7 @@ from hybridflow.errors import ConfigError, RunError, check_float, check_int
 from hybridflow.parallel.host import cpu_rank_settings
 from hybridflow.parallel.spawn import free_port
 from hybridflow.profiling import profile_step
+from hybridflow.workers.reaper import RUN_MARK
 
 
 @dataclass(kw_only=True)
@@ -39,9 +44,11 @@ class RayConfig:
 
     address: str = "local"
     """"local" always starts a Ray of its own on this machine, ignoring RAY_ADDRESS and any
-    cluster Ray recorded in /tmp/ray (Ray 2.60's own servers listen on every interface: it has
-    no setting to confine them to loopback; our gloo rendezvous and connections stay on
-    loopback); "auto" or host:port joins a cluster (what launch/slurm does)."""
+    cluster Ray recorded in /tmp/ray; its servers, agents and workers listen on 127.0.0.1 only,
+    behind Ray's token authentication (``init_ray``), and our gloo rendezvous and connections
+    stay on loopback. "auto" or host:port joins a cluster (what launch/slurm does); where no
+    Ray answers there within 5 s, the run (and ``hybridflow check``) stops naming it
+    (``check_ray_address``)."""
     num_cpus: int | None = None
     """CPUs Ray may schedule locally (None: all)."""
     gpus_per_worker: float = 0.0
@@ -54,6 +61,10 @@ class RayConfig:
     call_timeout_s: float = 3600.0
     """Seconds one call on a worker group (a generation, an update) may take before the run
     stops; 0 waits forever."""
+    stop_timeout_s: float = 240.0
+    """Seconds a SIGTERM leaves the current step and its checkpoint; past them the run stops
+    where it is, its last checkpoint kept (exit code 143). 0: as long as the step takes. Slurm's
+    notice (launch/slurm/train.sbatch) is 300 s."""
     collective_timeout_s: float = 600.0
     """Seconds a torch.distributed collective inside a worker waits for the other ranks before
     it fails (a rank died or went astray); the run then stops naming the rank."""
@@ -71,6 +82,7 @@ class RayConfig:
         check_float("cpus_per_worker", self.cpus_per_worker, low=0)
         check_float("start_timeout_s", self.start_timeout_s, low=0)
         check_float("call_timeout_s", self.call_timeout_s, low=0)
+        check_float("stop_timeout_s", self.stop_timeout_s, low=0)
         check_float("collective_timeout_s", self.collective_timeout_s, low=0, low_open=True)
         check_float("gpu_memory_gib", self.gpu_memory_gib, low=0, low_open=True, none_ok=True)
 
@@ -86,40 +98,163 @@ def quiet_engines_env() -> dict[str, str]:
 
 
 def init_ray(cfg: RayConfig) -> None:
+    """Start (``address: local``) or join Ray, once per process. The SIGTERM handler of the
+    caller stays: ray.init would replace it with one of its own."""
     import ray  # deferred: Ray
     if ray.is_initialized():
         return
     env = {"env_vars": {"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
                         **quiet_engines_env(), "RAY_DEDUP_LOGS": "1"}}
-    if cfg.address == "local":
-        # Ray turns its token authentication on for a new local cluster (which we want: its
-        # servers listen on every interface) and warns that it did, every run; only that notice
-        # goes. (Setting RAY_AUTH_MODE here instead would be too late: Ray read it at import.)
-        logging.getLogger("ray._private.authentication.authentication_token_setup").setLevel(
-            logging.ERROR)
-        # (Ray turns a _node_ip_address of 127.0.0.1 into the machine's address: no use passing it.)
-        # address="local", not None: with None Ray joins the cluster named by RAY_ADDRESS or by
-        # /tmp/ray/ray_current_cluster, and retries that address for minutes when a failed job
-        # left it behind dead.
-        # A driver killed by SIGKILL takes this Ray with it: its servers are started with
-        # PR_SET_PDEATHSIG, and the workers exit when their raylet goes (test_faults checks it).
-        ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False, runtime_env=env,
-                 logging_level="WARNING", log_to_driver=True)
-        _start_reaper()
-    else:
-        ray.init(address=cfg.address, runtime_env=env, logging_level="WARNING")
+    with _keep_sigterm_handler():
+        if cfg.address == "local":
+            # Ray turns its token authentication on for a new local cluster (which we keep) and
+            # warns that it did, every run; only that notice goes. (Setting RAY_AUTH_MODE here
+            # instead would be too late: Ray read it at import.)
+            logging.getLogger("ray._private.authentication.authentication_token_setup"
+                              ).setLevel(logging.ERROR)
+            # address="local", not None: with None Ray joins the cluster named by RAY_ADDRESS or
+            # by /tmp/ray/ray_current_cluster, and retries that address for minutes when a
+            # failed job left it behind dead.
+            # A driver killed by SIGKILL takes this Ray with it: its servers are started with
+            # PR_SET_PDEATHSIG, and the reaper, started first, kills the rest (test_faults).
+            _start_reaper()
+            with _loopback_node():
+                ray.init(address="local", num_cpus=cfg.num_cpus, include_dashboard=False,
+                         runtime_env=env, logging_level="WARNING", log_to_driver=True)
+        else:
+            check_ray_address(cfg.address)
+            try:
+                ray.init(address=cfg.address, runtime_env=env, logging_level="WARNING")
+            except ConnectionError as e:  # a gRPC server, but not a Ray that lets us in
+                reason = str(e.__cause__ or e).strip().splitlines()[-1]
+                raise ConfigError("ray.address", f"{cfg.address}: Ray could not join the "
+                                  f"cluster there ({reason}); check the address, and that "
+                                  "the driver has the cluster's token (RAY_AUTH_MODE, "
+                                  "RAY_AUTH_TOKEN)") from None
+
+
+def check_ray_address(address: str, timeout_s: float = 5.0) -> None:
+    """A ConfigError naming ``address`` (``ray.address``, a cluster's) unless a gRPC server
+    answers there within ``timeout_s``: ray.init retries an address where nothing listens, or
+    where a server of another kind does, for minutes, deaf to SIGTERM. The address is the one
+    ray.init would reach: ``auto`` the one Ray finds (RAY_ADDRESS, else the cluster recorded in
+    /tmp/ray, else a GCS running on this machine), 127.0.0.1 or localhost this machine's address;
+    ``ray://`` (Ray Client) its host:port as given."""
+    from ray._private.services import (canonicalize_bootstrap_address,  # deferred: Ray
+                                       canonicalize_bootstrap_address_or_die)
+    try:
+        if address.startswith("ray://"):
+            target = address.removeprefix("ray://")
+        elif address == "auto":
+            target = canonicalize_bootstrap_address_or_die("auto")
+        else:
+            target = canonicalize_bootstrap_address(address)
+    except ConnectionError as e:  # auto: Ray found no cluster to join
+        raise ConfigError("ray.address", f"auto: {e} Start the cluster first, or use "
+                                         "ray.address=local") from None
+    except ValueError:
+        target = ""
+    host, _, port = target.rpartition(":")
+    if not host or not port.isdigit():
+        raise ConfigError("ray.address", f"{address!r} is none of local, auto, host:port or "
+                                         "ray://host:port")
+    why_not = _grpc_answer(host.strip("[]"), int(port), timeout_s)
+    if why_not is not None:
+        if address == "auto":
+            found = (f"the address Ray took from RAY_ADDRESS={os.environ['RAY_ADDRESS']}"
+                     if os.environ.get("RAY_ADDRESS") else "the cluster Ray found here")
+            where = f"auto: {target}, {found}"
+        else:
+            where = target if target == address.removeprefix("ray://") else \
+                f"{target} ({address}, as Ray reaches it)"
+        raise ConfigError("ray.address", f"{where}: {why_not}; start the cluster's head there "
+                                         "(ray start --head --port=PORT), correct the address, "
+                                         "or use ray.address=local")
+
+
+_HTTP2_HELLO = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + bytes([0, 0, 0, 4, 0, 0, 0, 0, 0])
+"""An HTTP/2 client's connection preface and an empty SETTINGS frame: a gRPC server (Ray's GCS,
+its client server) answers with a SETTINGS frame of its own."""
+
+
+def _grpc_answer(host: str, port: int, timeout_s: float) -> str | None:
+    """None if an HTTP/2 (gRPC) server answers at ``host``:``port`` within ``timeout_s``, else
+    why not, in a few words."""
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.create_connection((host, port), timeout=timeout_s) as conn:
+            conn.sendall(_HTTP2_HELLO)
+            header = b""
+            while len(header) < 9:  # a frame header: length (3 bytes), type (1), ...
+                conn.settimeout(max(deadline - time.monotonic(), 0.01))
+                chunk = conn.recv(9 - len(header))
+                if not chunk:
+                    break
+                header += chunk
+    except TimeoutError:
+        return f"nothing answers within {timeout_s:g}s"
+    except OSError as e:
+        return f"nothing answers ({(e.strerror or str(e)).lower()})"
+    if len(header) < 9 or header[3] != 4:
+        return "what listens there is no Ray (it does not speak gRPC)"
+    return None
+
+
+@contextlib.contextmanager
+def _keep_sigterm_handler():
+    """The block runs, and SIGTERM's handler is the one it had before (ray.init installs its
+    own, a sys.exit, in the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    handler = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, handler)
+
+
+_CLUSTER_SWITCH = "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"
+
+
+@contextlib.contextmanager
+def _loopback_node():
+    """A Ray started in the block binds its servers, agents and workers to 127.0.0.1.
+
+    Ray 2.60 binds them to the node's IP address, which it finds from the route out of this
+    machine, and turns a ``_node_ip_address`` (or ``ray start --node-ip-address``) of 127.0.0.1
+    into that address too (``services.resolve_ip_for_localhost``), so neither confines it. Its
+    single-node switch does: with RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0 (its default on macOS and
+    Windows) the node's IP address is 127.0.0.1 (``services.get_node_ip_address``). Ray read the
+    variable at import in this process (``ray_constants.ENABLE_RAY_CLUSTER``) and reads it at
+    start in the processes it starts, so both are set, for the block only: joining a cluster
+    later from this process must find the machine's real address."""
+    from ray._private import ray_constants  # deferred: Ray
+    saved = os.environ.get(_CLUSTER_SWITCH), ray_constants.ENABLE_RAY_CLUSTER
+    os.environ[_CLUSTER_SWITCH], ray_constants.ENABLE_RAY_CLUSTER = "0", False
+    try:
+        yield
+    finally:
+        ray_constants.ENABLE_RAY_CLUSTER = saved[1]
+        if saved[0] is None:
+            os.environ.pop(_CLUSTER_SWITCH, None)
+        else:
+            os.environ[_CLUSTER_SWITCH] = saved[0]
 
 
 def _start_reaper() -> None:
-    """Ray's dashboard and runtime-env agents outlive a killed driver by a minute or more: a
-    reaper process (hybridflow/workers/reaper.py) kills what the driver started once it is
-    gone. One per driver process."""
-    if os.environ.get("HYBRIDFLOW_REAPER_OF") == str(os.getpid()):
+    """A reaper process (hybridflow/workers/reaper.py) that kills every process of this local
+    run once the driver is gone, forks of its workers included: they find one another by the
+    mark ``RUN_MARK`` that this process puts into its environment, which everything it starts
+    from now on inherits. One per driver process."""
+    mark = os.environ.get(RUN_MARK, "")
+    if mark.startswith(f"{os.getpid()}-"):  # this process's own (not its parent's): started
         return
-    subprocess.Popen([sys.executable, "-m", "hybridflow.workers.reaper", str(os.getpid())],
+    mark = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+    os.environ[RUN_MARK] = mark
+    subprocess.Popen([sys.executable, "-m", "hybridflow.workers.reaper", str(os.getpid()), mark],
                      stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
                      stderr=subprocess.DEVNULL, start_new_session=True)
-    os.environ["HYBRIDFLOW_REAPER_OF"] = str(os.getpid())
 
 
 @dataclass(frozen=True)

@@ -1,11 +1,18 @@
-"""``python -m hybridflow.workers.reaper DRIVER_PID``: no process of a run outlives its driver.
+"""``python -m hybridflow.workers.reaper DRIVER_PID MARK``: no process of a local run outlives its
+driver.
 
-A local run's driver starts Ray (its servers, agents and worker processes). When the driver is
-killed (SIGKILL, OOM), Ray's servers die with it and the workers a few seconds later, but Ray
-2.60's dashboard and runtime-env agents linger for a minute or more. The reaper, started by the
-driver in a session of its own, notes the driver's descendants every second; once the driver is
-gone (the reaper is re-parented) it kills the ones still running. Linux only (it reads /proc);
-elsewhere it exits at once.
+A local run's driver starts Ray: its servers, agents and worker processes, and whatever those fork
+(megatron-core's checkpoint writer forks from each worker while it saves). When the driver is
+killed (SIGKILL, OOM), Ray's servers die with it (PR_SET_PDEATHSIG) and the workers a few seconds
+later, but Ray 2.60's runtime-env agent lingers for a minute or more, and a worker's fork is
+re-parented to init and may wait forever (a writer whose parent died). No family tree finds those:
+a process forked after anyone looked is not in it, and an orphan has left it. The environment
+does: before it starts Ray the driver puts ``HYBRIDFLOW_RUN=MARK`` into its environment (``MARK``
+unique to it), and every process started or forked from then on, forks of forks included,
+inherits it (a child that execs with an environment of its own making would escape; Ray and
+megatron-core pass theirs on). The reaper, started by the driver in a session of its own before
+Ray, waits for the driver to go, then kills every process whose environment holds the mark until
+none is left. Linux only (it reads /proc); elsewhere it exits at once.
 """
 
 from __future__ import annotations
@@ -16,54 +23,45 @@ import sys
 import time
 from pathlib import Path
 
+RUN_MARK = "HYBRIDFLOW_RUN"
+"""The environment variable that marks every process of a local run (its value: the mark)."""
+
 _PROC = Path("/proc")
 
 
-def _processes() -> dict[int, tuple[int, str]]:
-    """pid -> (parent pid, start time) of every process, from /proc/<pid>/stat."""
-    out = {}
+def marked(mark: str) -> list[int]:
+    """The pids of the processes whose environment holds ``RUN_MARK=mark``, this one aside (a
+    process's environment as it was when it started, or was forked: what it inherited)."""
+    entry_of_mark = f"{RUN_MARK}={mark}".encode()
+    found = []
     for entry in _PROC.iterdir():
-        if not entry.name.isdigit():
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
             continue
         try:
-            stat = (entry / "stat").read_text()
-        except OSError:  # gone meanwhile
+            environ = (entry / "environ").read_bytes()  # a zombie's is empty
+        except OSError:  # gone meanwhile, or another user's
             continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses.
-        fields = stat[stat.rindex(")") + 2:].split()
-        out[int(entry.name)] = (int(fields[1]), fields[19])
-    return out
-
-
-def descendants(root: int) -> dict[int, str]:
-    """pid -> start time of every process below ``root``."""
-    table = _processes()
-    children: dict[int, list[int]] = {}
-    for pid, (parent, _) in table.items():
-        children.setdefault(parent, []).append(pid)
-    found, todo = {}, list(children.get(root, []))
-    while todo:
-        pid = todo.pop()
-        found[pid] = table[pid][1]
-        todo += children.get(pid, [])
+        if entry_of_mark in environ.split(b"\0"):
+            found.append(int(entry.name))
     return found
 
 
-def reap(driver: int, interval_s: float = 1.0) -> None:
-    me = os.getpid()
-    known: dict[int, str] = {}
+def reap(driver: int, mark: str, interval_s: float = 0.5, patience_s: float = 20.0) -> None:
+    """Once ``driver`` is gone (this process is re-parented), SIGKILL the processes ``mark``
+    marks, again and again (one may fork meanwhile), until none is left or ``patience_s``
+    passed."""
     while os.getppid() == driver:
-        known.update({p: t for p, t in descendants(driver).items() if p != me})
         time.sleep(interval_s)
-    table = _processes()
-    for pid, start in known.items():
-        if pid in table and table[pid][1] == start:  # the same process, not a reused pid
+    deadline = time.monotonic() + patience_s
+    while (pids := marked(mark)) and time.monotonic() < deadline:
+        for pid in pids:
             try:
                 os.kill(pid, signal.SIGKILL)
-            except OSError:
+            except OSError:  # gone meanwhile
                 pass
+        time.sleep(0.1)
 
 
 if __name__ == "__main__":
     if _PROC.is_dir():
-        reap(int(sys.argv[1]))
+        reap(int(sys.argv[1]), sys.argv[2])

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from hybridflow.workers.group import RayConfig, WorkerGroup, init_ray
+from hybridflow.workers.group import RayConfig, WorkerGroup, check_ray_address, init_ray
 from hybridflow.errors import ConfigError, RunError
 from hybridflow.parallel.spawn import free_port
 from tests.distributed.fault_workers import FaultWorker
@@ -71,6 +71,12 @@ def local_ray():
     init_ray(RayConfig(num_cpus=1))
     yield
     ray.shutdown()
+
+
+def test_a_live_ray_passes_the_address_probe(local_ray):
+    """The probe that refuses an address where nothing (or no Ray) listens lets Ray's GCS by."""
+    import ray
+    check_ray_address(ray.get_runtime_context().gcs_address)
 
 
 @pytest.mark.parametrize("how", ["sigkill", "exit3"])
@@ -141,9 +147,9 @@ def test_killing_the_driver_leaves_no_processes():
         pids = json.loads(driver.stdout.readline())
         processes = pids["workers"] + pids["servers"]
         assert len(pids["workers"]) == 2 and all(alive(p) for p in processes)
-        # Ray's agents (children of its raylet) and our reaper are among the rest.
-        processes = sorted(set(processes) | set(pids["all"]))
-        assert len(processes) > len(pids["workers"]) + len(pids["servers"])
+        # The run's mark is on every one of them, and on Ray's agents and our reaper besides.
+        assert set(processes) < set(pids["all"])
+        processes = pids["all"]
     finally:
         driver.send_signal(signal.SIGKILL)
         driver.wait()

@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -23,11 +24,12 @@ pytestmark = [pytest.mark.slow]
 PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)}
            for a, b in ((1, 1), (2, 3), (4, 4), (7, 1), (3, 3), (5, 2))]
 
-# A reward with two test hooks, driven by the environment of the attempt: KILL_AT_CALL=n kills
+# A reward with three test hooks, driven by the environment of the attempt: KILL_AT_CALL=n kills
 # this process 50 ms after the n-th reward call (the phases after scoring: log-probs and the
-# update), NAN_REWARD=1 returns NaN.
+# update), NAN_REWARD=1 returns NaN, HANG_AT_CALL=n never returns from the n-th call, once it has
+# written "hanging" to the file HANG_FILE names.
 REWARD = '''
-import os, signal, threading
+import os, signal, threading, time
 calls = 0
 
 def length(response):
@@ -35,9 +37,36 @@ def length(response):
     calls += 1
     if calls == int(os.environ.get("KILL_AT_CALL", "0")):
         threading.Timer(0.05, os.kill, (os.getpid(), signal.SIGKILL)).start()
+    if calls == int(os.environ.get("HANG_AT_CALL", "0")):
+        with open(os.environ["HANG_FILE"], "w") as f:
+            f.write("hanging")
+        time.sleep(10 ** 6)
     if os.environ.get("NAN_REWARD"):
         return float("nan")
     return len(response) / 10.0
+'''
+
+# Started before anything else in every Python process of an attempt given HF_KILL_ON_SAVE_FORK
+# (a folder on its PYTHONPATH): the first process forked from a Ray worker inside its save_state
+# call (megatron-core's checkpoint writer) SIGKILLs the driver, whose pid is in the file that
+# variable names, and then sleeps in place of its work: a writer stuck after its parent died (the
+# issue's were asleep in a futex wait, for good).
+KILL_ON_SAVE_FORK = '''
+import os, signal, time
+
+def _kill_driver():
+    with open("/proc/self/cmdline", "rb") as f:  # Ray's process title: ray::Class.method
+        if b"save_state" not in f.read():
+            return
+    with open(os.environ["HF_KILL_ON_SAVE_FORK"]) as f:
+        try:
+            os.kill(int(f.read()), signal.SIGKILL)
+        except OSError:  # the other rank's fork was first
+            pass
+    time.sleep(120)
+
+if os.environ.get("HF_KILL_ON_SAVE_FORK"):
+    os.register_at_fork(after_in_child=_kill_driver)
 '''
 
 CONFIG = """\
@@ -164,6 +193,45 @@ def test_killed_and_preempted_run_equals_an_uninterrupted_one(setup):
     assert metrics(last.run_dir) == expected
 
 
+def processes_of(tag: str) -> list[tuple[int, str]]:
+    """(pid, command line) of every process whose environment holds HF_TEST_TAG=tag: whatever
+    an attempt started with that tag, forks of forks included."""
+    entry = f"HF_TEST_TAG={tag}".encode()
+    found = []
+    for proc in Path("/proc").iterdir():
+        try:
+            if proc.name.isdigit() and entry in (proc / "environ").read_bytes().split(b"\0"):
+                found.append((int(proc.name), (proc / "cmdline").read_bytes().decode(
+                    errors="replace").replace("\0", " ").strip()))
+        except OSError:  # gone meanwhile
+            pass
+    return found
+
+
+def test_a_driver_killed_while_saving_leaves_no_process(setup):
+    """SIGKILL of the driver while the workers write a checkpoint (at the moment megatron-core's
+    writer forks from them): within 30 s nothing the run started is left, the forks included."""
+    tmp, _ = setup
+    hook = tmp / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_ON_SAVE_FORK)
+    tag = uuid.uuid4().hex
+    attempt = Attempt(setup, "killed_while_saving", HF_TEST_TAG=tag,
+                      HF_KILL_ON_SAVE_FORK=str(tmp / "driver.pid"),
+                      PYTHONPATH=os.pathsep.join([str(hook), os.environ.get("PYTHONPATH", "")]))
+    (tmp / "driver.pid").write_text(str(attempt.proc.pid))
+    try:
+        assert attempt.finish() == -signal.SIGKILL, attempt.output()
+        assert attempt.writing_checkpoint()  # killed during the save
+        deadline = time.monotonic() + 30
+        while (left := processes_of(tag)) and time.monotonic() < deadline:
+            time.sleep(0.5)
+        assert left == []
+    finally:  # a failure leaves nothing behind either
+        for pid, _ in processes_of(tag):
+            os.kill(pid, signal.SIGKILL)
+
+
 def test_a_nan_reward_stops_the_run_naming_the_sample(setup):
     attempt = Attempt(setup, "nan", NAN_REWARD="1")
     assert attempt.finish() == 1, attempt.output()
@@ -199,3 +267,47 @@ def test_a_full_disk_at_a_checkpoint_is_one_line_and_the_last_one_resumes(setup,
     assert again.finish() == 0, again.output()
     assert f"resuming from {step_dir}/step_000001 (step 1)" in again.output()
     assert [r["step"] for r in metrics(again.run_dir)] == [1, 2]
+
+
+# Steps take 4 reward calls (2 prompts x 2 samples): the 9th is step 3's first, after the
+# checkpoint of step 2.
+def test_a_reward_that_never_returns_stops_the_run_at_its_timeout(setup):
+    tmp, _ = setup
+    attempt = Attempt(setup, "hang", "reward_timeout_s=3", HANG_AT_CALL="9",
+                      HANG_FILE=str(tmp / "hang"))
+    assert attempt.finish() == 1, attempt.output()
+    out = attempt.output()
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("hybridflow: run stopped: reward function rewards.py:length ("), out
+    assert "did not return within 3s (reward_timeout_s, for a batch of 4 samples) on " \
+           "sample 0 (response " in last, last
+    assert "Traceback" not in out
+    assert [r["step"] for r in metrics(attempt.run_dir)] == [1, 2]
+    assert (attempt.run_dir / "checkpoints" / "step_000002").is_dir()
+
+
+def test_a_sigterm_stops_a_step_that_never_ends_within_the_grace(setup):
+    """SIGTERM during a reward that never returns (and no reward timeout): the run does not wait
+    for the step past ray.stop_timeout_s; it stops where it is, keeps its checkpoint and rows,
+    exit code 143 (launch/slurm requeues it), and leaves no process behind."""
+    tmp, _ = setup
+    tag = uuid.uuid4().hex
+    attempt = Attempt(setup, "hang_term", "reward_timeout_s=0", "ray.stop_timeout_s=2",
+                      HANG_AT_CALL="9", HANG_FILE=str(tmp / "hang_term"), HF_TEST_TAG=tag)
+    attempt.wait_until((tmp / "hang_term").exists)
+    attempt.proc.send_signal(signal.SIGTERM)
+    assert attempt.finish() == 128 + signal.SIGTERM, attempt.output()
+    out = attempt.output()
+    assert "SIGTERM: stopping after this step with a checkpoint within " \
+           "ray.stop_timeout_s=2s" in out
+    last = out.strip().splitlines()[-1]
+    assert last.startswith("hybridflow: run stopped: SIGTERM: stopped during step 3, which did "
+                           "not end within ray.stop_timeout_s=2s of the SIGTERM; "), out
+    assert "Traceback" not in out
+    assert [r["step"] for r in metrics(attempt.run_dir)] == [1, 2]
+    assert sorted(p.name for p in (attempt.run_dir / "checkpoints").iterdir()) == \
+        ["step_000002"]
+    deadline = time.monotonic() + 30
+    while (left := processes_of(tag)) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert left == []

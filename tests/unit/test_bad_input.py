@@ -19,6 +19,7 @@ from typing import Callable
 import pytest
 
 from hybridflow.cli import main
+from hybridflow.errors import ConfigError
 
 PROMPTS = [{"prompt": f"What is {a} + {b}?", "answer": str(a + b)}
            for a, b in ((1, 1), (2, 3), (4, 4), (7, 1))]
@@ -454,6 +455,10 @@ ROWS = [
      ["300 bytes", "at most 255"]),
     ("more CPUs per rank than the machine has", lambda f: [f.base, "ray.cpus_per_worker=100"],
      "ray.cpus_per_worker", ["x 100 CPU", "a local Ray has"]),
+    # ray.init retried such an address for minutes, deaf to SIGTERM.
+    ("ray.address where nothing listens", lambda f: [f.base, f"ray.address={_dead_address()}"],
+     "ray.address", ["(127.0.0.1:", "as Ray reaches it): nothing answers (connection refused)",
+                     "ray start --head"]),
     # SystemExit is no Exception: both commands printed nothing and exited 0.
     ("reward file exits at import", lambda f: [f.base, f.reward("import sys\nsys.exit(0)")],
      "reward", ["r.py", "SystemExit"]),
@@ -567,6 +572,77 @@ def test_an_out_dir_that_takes_no_folder_is_refused_before_start(tmp_path, capsy
         err = capsys.readouterr().err
         assert err.startswith("hybridflow: error: tracking.out_dir: ") and "/proc" in err, err
     assert not Path("/proc/hybridflow-runs").exists()
+
+
+def test_ray_address_auto_that_finds_a_dead_head_is_refused(tmp_path, capsys, monkeypatch):
+    """``auto`` is the address Ray would join: RAY_ADDRESS here, where nothing listens. Both
+    commands refuse it, and so does ``init_ray`` (the workers' start) itself, before Ray
+    tries it."""
+    from hybridflow.workers.group import RayConfig, init_ray
+    dead = _dead_address()
+    monkeypatch.setenv("RAY_ADDRESS", dead)
+    f = Files(tmp_path)
+    for command in ("check", "train"):
+        assert main([command, f.base, "ray.address=auto", f"tracking.out_dir={tmp_path}"]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("hybridflow: error: ray.address: auto: "), err
+        assert f"RAY_ADDRESS={dead}: nothing answers (connection refused)" in err, err
+        assert len(err.splitlines()) == 1, err
+    with pytest.raises(ConfigError, match=f"ray.address: auto: .*{dead}: nothing answers"):
+        init_ray(RayConfig(address="auto"))
+    import ray
+    assert not ray.is_initialized()
+
+
+@pytest.mark.parametrize("answer, reason", [
+    (b"HTTP/1.1 400 Bad Request\r\n\r\n", "what listens there is no Ray"),
+    (None, "nothing answers within 0.5s")])
+def test_ray_address_where_something_else_listens_is_refused(answer, reason):
+    """ray.init would retry a server that is no Ray's for minutes as well: one that answers
+    otherwise than gRPC, or not at all."""
+    import socket
+    import threading
+    from hybridflow.workers.group import check_ray_address
+    server = socket.create_server(("0.0.0.0", 0))  # every interface: Ray reaches this machine's
+
+    def serve():
+        conn, _ = server.accept()
+        with conn:
+            conn.recv(1024)
+            if answer is not None:
+                conn.sendall(answer)
+            else:
+                conn.recv(1024)  # silent until the probe gives up
+
+    threading.Thread(target=serve, daemon=True).start()
+    with server, pytest.raises(ConfigError, match=f"ray.address: .*: {reason}"):
+        check_ray_address(f"localhost:{server.getsockname()[1]}", timeout_s=0.5)
+
+
+def test_a_server_that_ray_cannot_join_is_one_line(monkeypatch):
+    """What the probe passes and Ray still cannot join (a gRPC server of another kind, a token
+    it does not accept) is one line naming the address, Ray's last error in it."""
+    import ray
+    from hybridflow.workers import group
+    monkeypatch.setattr(group, "check_ray_address", lambda address: None)
+
+    def refuse(**kwargs):
+        raise ConnectionError("Failed to connect to Ray cluster") from RuntimeError(
+            "Failed to connect to GCS. Last connection error: Traceback ...\n"
+            "ray.exceptions.RpcError: RPC error: Received http2 header with status: 404")
+    monkeypatch.setattr(ray, "init", refuse)
+    with pytest.raises(ConfigError) as e:
+        group.init_ray(group.RayConfig(address="10.0.0.5:6379"))
+    assert e.value.field == "ray.address" and "\n" not in e.value.message
+    assert e.value.message.startswith("10.0.0.5:6379: Ray could not join the cluster there "
+                                      "(ray.exceptions.RpcError: RPC error: Received http2 "
+                                      "header with status: 404)"), e.value.message
+
+
+def _dead_address() -> str:
+    """host:port on this machine where nothing listens."""
+    from hybridflow.parallel.spawn import free_port
+    return f"127.0.0.1:{free_port('127.0.0.1')}"
 
 
 def _contents(root: Path) -> dict[str, bytes | None]:

@@ -3,6 +3,7 @@
 import pytest
 
 from hybridflow.cli import main
+from hybridflow.errors import Interrupted, RunError
 
 
 @pytest.mark.parametrize("args, message", [
@@ -45,3 +46,24 @@ def test_train_config_errors_exit_2(tmp_path, capsys, args, message):
     assert err.startswith("hybridflow: error: ") and message in err, err
     assert len(err.strip().splitlines()) == 1
     assert not out.exists()
+
+
+@pytest.mark.parametrize("raised, code, line", [
+    (lambda: Interrupted(15, "SIGTERM: stopped during step 3; ..."), 143,
+     "hybridflow: run stopped: SIGTERM: stopped during step 3; ..."),
+    (lambda: Interrupted(2, "SIGINT: stopped during step 3; ..."), 130,
+     "hybridflow: run stopped: SIGINT: stopped during step 3; ..."),
+    (KeyboardInterrupt, 130, "hybridflow: interrupted (SIGINT)"),
+    (lambda: RunError("a fault"), 1, "hybridflow: run stopped: a fault")])
+def test_a_run_a_signal_stopped_exits_128_plus_its_number(monkeypatch, capsys, raised, code,
+                                                          line):
+    """As a shell reports a process that a signal ended (launch/slurm requeues on 143); one
+    line."""
+    import hybridflow.cli as cli
+    jobs = cli._jobs()
+
+    def run(cfg):
+        raise raised()
+    monkeypatch.setattr(cli, "_jobs", lambda: {**jobs, "train": (jobs["train"][0], run)})
+    assert main(["train", "model=tiny-llama"]) == code
+    assert capsys.readouterr().err == line + "\n"

@@ -12,7 +12,7 @@ import pytest
 from hybridflow.cli import main
 from hybridflow.config import RLConfig, load_config
 from hybridflow.config.placement import resolve_placement
-from hybridflow.driver.dataflow import Call, Timeline, at_once
+from hybridflow.driver.dataflow import DRIVER, Call, Timeline, at_once
 from hybridflow.errors import ConfigError
 from tests.unit.test_experiments import EXPERIMENTS
 
@@ -155,18 +155,24 @@ def test_calls_on_different_pools_run_at_once_and_on_one_pool_in_turn():
     assert order == [("start", "x"), ("end", "x"), ("start", "y"), ("end", "y")]
 
 
-def test_a_failing_lane_raises_after_every_lane_ended():
-    ended = []
+def test_an_error_is_raised_at_once_and_the_driver_lane_runs_in_the_callers_thread():
+    where = {}
 
-    def fails():
+    def driver_call():
+        where["driver"] = threading.current_thread() is threading.main_thread()
         raise ValueError("boom")
 
+    slow_ended = threading.Event()
+
     def slow():
-        time.sleep(0.1)
-        ended.append(True)
+        where["pool"] = threading.current_thread() is threading.main_thread()
+        time.sleep(0.5)
+        slow_ended.set()
     with pytest.raises(ValueError, match="boom"):
-        at_once([Call("f", "p", fails), Call("s", "q", slow)])
-    assert ended == [True]
+        at_once([Call("s", "q", slow), Call("f", DRIVER, driver_call)])
+    assert where == {"driver": True, "pool": False}
+    assert not slow_ended.is_set(), "the error waited for the other lane"
+    assert slow_ended.wait(timeout=5)  # the abandoned lane still ends
 
 
 def test_timeline_overlap_and_idle_by_hand(tmp_path):

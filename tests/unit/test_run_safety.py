@@ -147,6 +147,74 @@ def test_a_raising_reward_function_names_sample_function_and_error(tmp_path):
         score_samples(lambda item, text: item["missing"], [{}], ["z" * 100], key="cost")
 
 
+# A reward function that never returns, in the ways one can: each is stopped at its batch's limit.
+HANGS = '''
+import re
+import time
+
+
+def sleeps(response):
+    if response == "hang":
+        time.sleep(10 ** 6)
+    return 1.0
+
+
+def spins(response):
+    while response == "hang":
+        pass
+    return 1.0
+
+
+def backtracks(response):  # catastrophic backtracking: one long call into the regex engine
+    return float(bool(re.match(r"(a+)+$", "a" * 60 + "b"))) if response == "hang" else 1.0
+
+
+def swallows(response):  # catches what it can, and tries again
+    while response == "hang":
+        try:
+            time.sleep(10 ** 6)
+        except Exception:
+            pass
+    return 1.0
+'''
+
+
+@pytest.mark.parametrize("name", ["sleeps", "spins", "backtracks", "swallows"])
+def test_a_reward_batch_past_its_time_stops_naming_function_and_sample(tmp_path, name):
+    import signal
+    path = tmp_path / "my_rewards.py"
+    path.write_text(HANGS)
+    fn = as_reward_fn(f"{path}:{name}")
+    texts = ["fine", "also fine", "hang", "never reached"]
+    with pytest.raises(RunError) as e:
+        score_samples(fn, [{}] * 4, texts, timeout_s=0.5)
+    assert str(e.value).startswith(
+        f"reward function my_rewards.py:{name} ({path.resolve()}) did not return within 0.5s "
+        "(reward_timeout_s, for a batch of 4 samples) on sample 2 (response 'hang')"), e.value
+    # The alarm is put away (nothing strikes later) and SIGALRM's handler is the one before.
+    assert signal.getitimer(signal.ITIMER_REAL) == (0.0, 0.0)
+    assert signal.getsignal(signal.SIGALRM) == signal.SIG_DFL
+    assert score_samples(fn, [{}] * 2, ["a", "b"], timeout_s=0.5).tolist() == [1.0, 1.0]
+
+
+def test_a_reward_batch_off_the_main_thread_has_its_limit_too(tmp_path):
+    import threading
+    path = tmp_path / "my_rewards.py"
+    path.write_text(HANGS)
+    fn = as_reward_fn(f"{path}:sleeps")
+    caught = []
+
+    def score():
+        try:
+            score_samples(fn, [{}] * 2, ["fine", "hang"], timeout_s=0.5)
+        except RunError as e:
+            caught.append(str(e))
+    thread = threading.Thread(target=score)
+    thread.start()
+    thread.join(60)
+    assert caught and "did not return within 0.5s" in caught[0] and "sample 1" in caught[0]
+
+
 # ---------------------------------------------------------------------------------------------
 # metrics.jsonl
 

@@ -275,18 +275,62 @@ def test_a_finished_checkpoint_resumed_into_a_new_folder_names_the_checkpoint(tm
     assert not (tmp_path / "again").exists()
 
 
-def test_a_first_sigterm_asks_for_a_stop_and_a_second_ends_the_process(capsys):
+def test_a_first_sigterm_asks_for_a_stop_and_a_second_stops_the_run_where_it_is(capsys):
     import os
     import signal
 
-    from hybridflow.driver.loop import StopOnSigterm
-    before = signal.getsignal(signal.SIGTERM)
-    with StopOnSigterm() as stop:
-        os.kill(os.getpid(), signal.SIGTERM)
-        assert stop.requested and "SIGTERM" in capsys.readouterr().out
-        # The next SIGTERM gets the default action: the process ends at once.
-        assert signal.getsignal(signal.SIGTERM) == signal.SIG_DFL
-    assert signal.getsignal(signal.SIGTERM) == before
+    from hybridflow.driver.loop import StopOnSignals
+    from hybridflow.errors import Interrupted
+    before = signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)
+    with pytest.raises(Interrupted) as e:
+        with StopOnSignals(grace_s=0) as stop:
+            stop.steps_running, stop.where = True, "step 3"
+            os.kill(os.getpid(), signal.SIGTERM)
+            assert stop.requested and "SIGTERM: stopping after this step" in \
+                capsys.readouterr().out
+            os.kill(os.getpid(), signal.SIGTERM)
+            raise AssertionError("the second SIGTERM did not stop the run")
+    assert e.value.signum == signal.SIGTERM
+    assert str(e.value).startswith("SIGTERM: stopped during step 3 at a second SIGTERM; "), e.value
+    assert (signal.getsignal(signal.SIGTERM), signal.getsignal(signal.SIGINT)) == before
+
+
+def test_a_step_that_outlasts_the_sigterm_grace_is_stopped_where_it_is(capsys):
+    """A step that does not end (a wait, a reward function that never returns) is interrupted
+    ray.stop_timeout_s after the first SIGTERM."""
+    import os
+    import signal
+    import time
+
+    from hybridflow.driver.loop import StopOnSignals
+    from hybridflow.errors import Interrupted
+    with pytest.raises(Interrupted) as e:
+        with StopOnSignals(grace_s=0.2) as stop:
+            stop.steps_running, stop.where = True, "step 4"
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(600)
+    assert e.value.signum == signal.SIGTERM
+    assert str(e.value).startswith("SIGTERM: stopped during step 4, which did not end within "
+                                   "ray.stop_timeout_s=0.2s of the SIGTERM; "), e.value
+
+
+@pytest.mark.parametrize("sig, steps_running", [("SIGINT", True), ("SIGINT", False),
+                                                ("SIGTERM", False)])
+def test_sigint_and_a_sigterm_before_the_steps_stop_the_run_at_once(sig, steps_running):
+    import os
+    import signal
+    import time
+
+    from hybridflow.driver.loop import StopOnSignals
+    from hybridflow.errors import Interrupted
+    signum = getattr(signal, sig)
+    with pytest.raises(Interrupted) as e:
+        with StopOnSignals(grace_s=240) as stop:
+            stop.steps_running = steps_running
+            os.kill(os.getpid(), signum)
+            time.sleep(600)
+    assert e.value.signum == signum
+    assert str(e.value).startswith(f"{sig}: stopped during the workers' start; "), e.value
 
 
 # --------------------------------------------------------------------------------- DAPO
