@@ -52,10 +52,9 @@ def test_tensorboard_without_its_package_is_refused(monkeypatch):
 
 
 def test_the_new_keys_load_from_overrides():
-    from hybridflow.config.loader import _apply_overrides, _structured, build_config
-    data = _apply_overrides(_structured(TrackingConfig), [
+    from hybridflow.config.loader import load_config
+    config = load_config(TrackingConfig, None, [
         "wandb=true", "wandb_group=sweep-1", "wandb_tags=[grpo,baseline]", "tensorboard=true"])
-    config = build_config(TrackingConfig, data)
     assert (config.wandb_group, config.wandb_tags, config.tensorboard) == \
         ("sweep-1", ["grpo", "baseline"], True)
 
