@@ -34,7 +34,7 @@ from typing import Any, Callable, Iterator
 
 import yaml
 
-from hybridflow.algorithms.specs import algorithm_spec
+from hybridflow.algorithms.specs import TRAINED_CRITICS, algorithm_spec
 from hybridflow.errors import ConfigError, RunError, check_int
 
 FORMAT = 1
@@ -94,7 +94,7 @@ def run_identity(cfg: Any, model: Any) -> dict[str, Any]:
     """What a checkpoint must match to load into a run: its algorithm, trained models and model
     shape (``cfg`` an RLConfig, ``model`` the ModelConfig), as plain data."""
     spec = algorithm_spec(cfg.algorithm.name)
-    roles = ["actor"] + [role for role in ("critic", "cost_critic") if getattr(spec, role)]
+    roles = ["actor"] + [role for role in TRAINED_CRITICS if getattr(spec, role)]
     return {"algorithm": cfg.algorithm.name, "roles": roles,
             "model": json.loads(json.dumps(dataclasses.asdict(model)))}
 

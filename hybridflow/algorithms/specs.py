@@ -49,6 +49,11 @@ class AlgorithmSpec:
                                                "stream beside a critic's: set critic and cost too")
 
 
+TRAINED_CRITICS = ("critic", "cost_critic")
+"""The facts that each train a value model of that name (a worker group, a checkpoint part);
+reward and cost models only score."""
+
+
 ALGORITHMS: dict[str, AlgorithmSpec] = {
     "grpo": AlgorithmSpec(estimator="grpo", groups=True, filters_groups=True,
                           reads=("norm_by_std",)),

@@ -16,6 +16,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.algorithms.specs import TRAINED_CRITICS
 from hybridflow.batch import Batch
 from hybridflow.config.placement import Placement, resolve_placement
 from hybridflow.config.sources import SCORERS
@@ -134,9 +135,14 @@ class Groups:
     scorers: dict[str, ScorerGroup] = field(default_factory=dict)
     pools: list[ResourcePool] = field(default_factory=list)
 
+    def critics(self) -> dict[str, CriticGroup]:
+        """The trained value models the run has, by name (``TRAINED_CRITICS``)."""
+        return {name: group for name in TRAINED_CRITICS
+                if (group := getattr(self, name)) is not None}
+
     def trained(self) -> list[ActorGroup | CriticGroup]:
         """The groups whose state a checkpoint holds."""
-        return [self.actor] + [g for g in (self.critic, self.cost_critic) if g is not None]
+        return [self.actor, *self.critics().values()]
 
     def close(self) -> None:
         """Stop every group and free its pool."""
@@ -180,7 +186,7 @@ def start_groups(cfg, model_dir: str, checkpoints: dict[str, Any]) -> Groups:
                                     engine=cfg.actor.engine, ref=cfg.ref, model_dir=model_dir)
                 built["reference"] = ReferenceGroup(group, pool, timeline)
             else:  # the critic or cost critic, or a reward or cost model (untrained)
-                trainable = model.name in ("critic", "cost_critic")
+                trainable = model.name in TRAINED_CRITICS
                 group = WorkerGroup(
                     CriticWorker, size, ray_config=cfg.ray, name=model.name, pool=pools[pool],
                     critic=cfg.critic, layout=model.layout,

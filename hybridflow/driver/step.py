@@ -259,15 +259,14 @@ def update(run: Run, batch: Batch) -> dict[str, float]:
     """The critics' updates (where there are) and the policy's, at once where they live apart;
     their metrics. An on-policy update's old log-probs (its forward's) are added to ``batch``."""
     groups = run.groups
+    critics = groups.critics()
     calls = [Call(f"update_{name}", critic.pool, lambda critic=critic: critic.update(batch))
-             for name, critic in (("critic", groups.critic), ("cost_critic", groups.cost_critic))
-             if critic is not None]
+             for name, critic in critics.items()]
     calls.append(Call("update_actor", groups.actor.pool,
                       lambda: groups.actor.update(batch)))
     results, metrics = timed_at_once(calls)
-    for name in ("update_critic", "update_cost_critic"):
-        if name in results:
-            metrics.update(results[name].meta)
+    for name in critics:
+        metrics.update(results[f"update_{name}"].meta)
     out = results["update_actor"]
     metrics.update(out.meta)
     batch.tensors.update(out.tensors)

@@ -80,6 +80,7 @@ import math
 from dataclasses import dataclass, replace
 from typing import Any
 
+from hybridflow.algorithms.specs import TRAINED_CRITICS
 from hybridflow.config.placement import ACTOR_SIDE, resolve_placement
 from hybridflow.config.sources import critic_shape
 from hybridflow.errors import ConfigError
@@ -92,8 +93,6 @@ from hybridflow.training.lora import lora_param_counts
 
 GIB = 2**30
 DTYPE_BYTES = {"fp32": 4, "bf16": 2}
-TRAINED_CRITICS = ("critic", "cost_critic")
-"""The value-head worker groups that train (the others, reward and cost models, only score)."""
 
 
 @dataclass(frozen=True)
