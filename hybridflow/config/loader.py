@@ -185,8 +185,7 @@ def _delete(cls: type, node, item: str):
     in_schema = isinstance(parent, DictConfig) and \
         dataclasses.is_dataclass(OmegaConf.get_type(parent))
     if not isinstance(parent, DictConfig) or (in_schema and last not in parent):
-        raise ConfigError(key, "not a key of the config; `hybridflow defaults train` prints "
-                               "every key with its default")
+        raise ConfigError(key, unknown_key(key))
     try:
         if in_schema:
             parent[last] = OmegaConf.select(_structured(cls), key)
@@ -208,9 +207,7 @@ def build_config(cls: type[T], data: Mapping[str, Any], path: str = "") -> T:
     unknown = sorted(set(data) - set(fields))
     if unknown:
         where = f"{path}.{unknown[0]}" if path else str(unknown[0])
-        raise ConfigError(where, MOVED_KEYS.get(where, f"not a key of {cls.__name__}; "
-                                                "`hybridflow defaults train` prints every key "
-                                                "with its default"))
+        raise ConfigError(where, unknown_key(where, cls.__name__))
     kwargs = {}
     for name, value in data.items():
         sub = _dataclass_in(hints[name])
@@ -296,12 +293,18 @@ MOVED_KEYS = {
 """Keys that are gone, with what replaced them."""
 
 
+def unknown_key(key: str, schema: str = "the config") -> str:
+    """The message for ``key``, which ``schema`` does not have: what replaced it (MOVED_KEYS),
+    else where every key is listed."""
+    return MOVED_KEYS.get(key, f"not a key of {schema}; `hybridflow defaults train` prints every "
+                               "key with its default")
+
+
 def _from_omegaconf(e: Exception) -> ConfigError:
     key = getattr(e, "full_key", None) or CONFIG_FILE
     message = str(e).split("\n")[0]
     if type(e).__name__ == "ConfigKeyError":
-        message = MOVED_KEYS.get(key, "not a key of the config; `hybridflow defaults train` "
-                                      "prints every key with its default")
+        message = unknown_key(key)
     return ConfigError(key, message)
 
 
