@@ -68,9 +68,11 @@ def main() -> None:
     # Both ranks busy, as in a run: rank 0 inside an all_reduce that waits for rank 1.
     group.actors[1].sleep.remote(600)
     group.actors[0].world_sum.remote()
-    # Every process of this run (Ray's agents and the reaper included), by the run's mark.
-    from hybridflow.workers.reaper import RUN_MARK, marked
-    everything = marked(os.environ[RUN_MARK])
+    # Every process of this run as the reaper knows it (Ray's agents included), and the reaper.
+    from hybridflow.workers.reaper import RUN_MARK, marked, run_processes, started
+    me = {os.getpid(): started(os.getpid())}
+    everything = sorted(set(run_processes(os.environ[RUN_MARK], me))
+                        | set(marked(os.environ[RUN_MARK])))
     print(json.dumps({"workers": group.pids, "servers": servers, "all": everything}), flush=True)
     time.sleep(600)
 

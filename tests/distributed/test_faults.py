@@ -147,8 +147,12 @@ def test_killing_the_driver_leaves_no_processes():
         pids = json.loads(driver.stdout.readline())
         processes = pids["workers"] + pids["servers"]
         assert len(pids["workers"]) == 2 and all(alive(p) for p in processes)
-        # The run's mark is on every one of them, and on Ray's agents and our reaper besides.
+        # The reaper knows every one of them, and Ray's agents besides (whose retitling may wipe
+        # the run's mark from what /proc shows of their environment).
         assert set(processes) < set(pids["all"])
+        titles = {Path(f"/proc/{p}/cmdline").read_bytes().split(b"\0")[0].strip()
+                  for p in pids["all"] if alive(p)}
+        assert {b"ray::RuntimeEnvAgent", b"ray::DashboardAgent"} <= titles, titles
         processes = pids["all"]
     finally:
         driver.send_signal(signal.SIGKILL)
