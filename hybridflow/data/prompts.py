@@ -74,6 +74,9 @@ class PromptDataConfig:
     else the chat's trailing assistant turn, else no reference."""
     system_prompt: str | None = None
     """A system turn put before every chat that has none of its own; None adds nothing."""
+    few_shot: list[dict[str, str]] = field(default_factory=list)
+    """Turns put before every chat's own (after its system turn): worked examples, e.g. of a
+    tool call (``{role: user, ...}``, ``{role: assistant, ...}``, ``{role: tool, ...}``, ...)."""
     max_prompt_tokens: int = 512
     """Prompts longer than this many tokens (chat template applied) are dropped and counted;
     synthetic prompts are exactly this long."""
@@ -108,9 +111,11 @@ class PromptDataConfig:
         if self.source == "synthetic":
             if not isinstance(self.size, int) or isinstance(self.size, bool) or self.size < 1:
                 raise ConfigError("size", f"must be a positive integer, got {self.size!r}")
-            if self.system_prompt is not None:
-                raise ConfigError("system_prompt", "has no effect with source=synthetic (token "
-                                                   "ids, no chat); remove it")
+            for name in ("system_prompt", "few_shot"):
+                if getattr(self, name):
+                    raise ConfigError(name, "has no effect with source=synthetic (token ids, no "
+                                            "chat); remove it")
+        self.few_shot = [dict(t) for t in _few_shot(self.few_shot)]
 
     def _check_tasks(self) -> None:
         if not self.tasks:
@@ -177,10 +182,30 @@ def load_prompts(cfg: PromptDataConfig, vocab_size: int | None = None) -> list[P
             raise ValueError("synthetic prompts need the model's vocab_size")
         return synthetic_prompts(cfg.size, cfg.max_prompt_tokens, vocab_size, cfg.seed)
     if cfg.source == "reasoning_gym":
-        return reasoning_gym_prompts(cfg.tasks, size=cfg.size, seed=cfg.seed,
-                                     task_kwargs=cfg.task_kwargs, system_prompt=cfg.system_prompt)
-    return prompts_from_file(cfg.source, prompt_key=cfg.prompt_key, answer_key=cfg.answer_key,
-                             system_prompt=cfg.system_prompt)
+        items = reasoning_gym_prompts(cfg.tasks, size=cfg.size, seed=cfg.seed,
+                                      task_kwargs=cfg.task_kwargs, system_prompt=cfg.system_prompt)
+    else:
+        items = prompts_from_file(cfg.source, prompt_key=cfg.prompt_key,
+                                  answer_key=cfg.answer_key, system_prompt=cfg.system_prompt)
+    for item in items if cfg.few_shot else ():
+        system = int(item.messages[0]["role"] == "system")
+        item.messages[system:system] = [dict(t) for t in cfg.few_shot]
+    return items
+
+
+def _few_shot(turns: Any) -> list[dict[str, str]]:
+    """``data.few_shot`` checked: a list of {role, content} turns, none of them a system turn."""
+    if not isinstance(turns, (list, tuple)):
+        raise ConfigError("few_shot", f"must be a list of {{role, content}} turns, got "
+                                      f"{_short(turns)}")
+    for i, turn in enumerate(turns):
+        if (not isinstance(turn, Mapping) or set(turn) != {"role", "content"}
+                or not all(isinstance(v, str) for v in turn.values())):
+            raise ConfigError(f"few_shot[{i}]", f"must be {{role: str, content: str}}, got "
+                                                f"{_short(turn)}")
+        if turn["role"] == "system":
+            raise ConfigError(f"few_shot[{i}]", "is a system turn; put it in data.system_prompt")
+    return list(turns)
 
 
 def synthetic_prompts(size: int, length: int, vocab_size: int, seed: int) -> list[PromptItem]:

@@ -2,6 +2,7 @@
 
 import itertools
 import json
+import re
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -205,6 +206,31 @@ def test_reasoning_gym_prompts_deterministic_for_a_seed():
     assert item.messages[0] == {"role": "system", "content": "Answer in <answer> tags."}
     assert item.messages[1] == {"role": "user", "content": item.extra["question"]}
     assert item.reference == item.extra["answer"]
+
+
+FEW_SHOT = [{"role": "user", "content": "What is 1 + 1?"},
+            {"role": "assistant", "content": "<answer>2</answer>"}]
+
+
+def test_few_shot_turns_go_after_the_system_turn_of_every_prompt(tmp_path):
+    items = load_prompts(PromptDataConfig(size=2, system_prompt="Think.", few_shot=FEW_SHOT))
+    for item in items:
+        assert item.messages[:3] == [{"role": "system", "content": "Think."}, *FEW_SHOT]
+        assert item.messages[3] == {"role": "user", "content": item.extra["question"]}
+    path = tmp_path / "p.jsonl"
+    path.write_text('{"prompt": "What is 2 + 2?"}\n')
+    [item] = load_prompts(PromptDataConfig(source=str(path), few_shot=FEW_SHOT))
+    assert item.messages == [*FEW_SHOT, {"role": "user", "content": "What is 2 + 2?"}]
+
+
+@pytest.mark.parametrize("few_shot, field, why", [
+    ("Q: 1+1? A: 2", "few_shot", "list"),
+    ([{"role": "user"}], "few_shot[0]", "role: str, content: str"),
+    ([{"role": "system", "content": "x"}], "few_shot[0]", "data.system_prompt"),
+])
+def test_bad_few_shot_names_the_turn(few_shot, field, why):
+    with pytest.raises(ConfigError, match=rf"{re.escape(field)}.*{re.escape(why)}"):
+        PromptDataConfig(few_shot=few_shot)
 
 
 # ------------------------------------------------------------------------------------------------
