@@ -27,6 +27,7 @@ from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.rewards import check_trust, installed_module
 from hybridflow.rollout.base import (ROLLOUT_BACKENDS, RolloutBackend, SamplingConfig,
                                      rollout_backend)
+from hybridflow.rollout.multi_turn import MultiTurnConfig
 from hybridflow.tracking import TrackingConfig
 from hybridflow.training.config import EngineConfig, OptimConfig
 from hybridflow.training.lora import LoraConfig
@@ -152,6 +153,8 @@ class RolloutConfig:
     every phase (``hybridflow check`` counts it); the graphs are replayed as they are while the
     generation weights keep their storage (an unchanged layout: the training tensors themselves),
     captured again when they move."""
+    multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
+    """Tool use over several turns (off while ``multi_turn.tools`` is empty)."""
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, tuple(ROLLOUT_BACKENDS))
@@ -163,6 +166,11 @@ class RolloutConfig:
                                     "rollout.backend=megatron (or use tp=1)")
         check_float("bucket_mb", self.bucket_mb, low=0, low_open=True)
         check_float("kv_cache_mb", self.kv_cache_mb, low=0, low_open=True)
+        if self.multi_turn.enabled and self.tp > 1:
+            # Every rank of a TP group would run the tools, and a timeout on one rank alone
+            # would part their trajectories.
+            raise ConfigError("tp", "multi-turn rollouts run their tools on each generating "
+                                    "process: use rollout.tp=1 with rollout.multi_turn.tools")
 
     @property
     def backend_class(self) -> type[RolloutBackend]:

@@ -30,6 +30,7 @@ from hybridflow.data.prompts import PromptItem
 from hybridflow.driver.dataflow import DRIVER, Call, at_once
 from hybridflow.driver.groups import Groups
 from hybridflow.rewards import score_samples
+from hybridflow.rollout.multi_turn import tool_metrics
 from hybridflow.workers.group import MEMORY, max_memory_meta
 
 
@@ -100,11 +101,16 @@ def generate(run: Run, items: list[PromptItem], sampling=None) -> Batch:
     batch = Batch(lists={"prompt_ids": [list(i.prompt_ids) for i in items], "item": items,
                          "group": list(range(len(items)))})
     out = run.groups.actor.generate(batch, sampling)
-    response = out["response_mask"].bool()
     out.lists["response_text"] = [
-        run.tokenizer.decode(ids[mask].tolist(), skip_special_tokens=True)
-        for ids, mask in zip(out["input_ids"], response)]
+        run.tokenizer.decode(ids[span].tolist(), skip_special_tokens=True)
+        for ids, span in zip(out["input_ids"], response_span(out))]
     return out
+
+
+def response_span(batch: Batch) -> torch.Tensor:
+    """[B, T] 1 from each row's first response token to its last token: the whole response, a
+    multi-turn one's tool outputs included (``response_mask`` marks the sampled tokens only)."""
+    return batch["attention_mask"].bool() & (batch["response_mask"].cumsum(-1) > 0)
 
 
 def scores(run: Run, batch: Batch, key: str) -> torch.Tensor:
@@ -376,6 +382,9 @@ def step_metrics(run: Run, batch: Batch) -> dict[str, float]:
         out["cost/mean"] = batch["costs"].mean().item()
     if "overlong_penalty" in batch:
         out["reward/overlong_penalty_mean"] = batch["overlong_penalty"].mean().item()
+    if "tools" in batch.lists:
+        out.update(tool_metrics(batch["tools"], lengths.tolist(),
+                                response_span(batch).sum(-1).tolist()))
     if run.controllers.lagrange is not None:  # as the step's advantages read it
         out["lagrange"] = run.controllers.lagrange.value
     mismatch = rollout_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], mask)

@@ -112,6 +112,11 @@ class RolloutOutput:
     1, no top-k/top-p), as the training engine computes it."""
     finish_reason: str
     """"stop" (EOS or a stop token) or "length" (max_tokens reached)."""
+    sampled: list[bool] | None = None
+    """Per response token: whether it was sampled (a multi-turn response also holds the tokens
+    appended for tool outputs and template glue, whose log-prob is 0); None: all were."""
+    tools: dict[str, Any] | None = None
+    """A multi-turn sample's turns and tool outcomes (``multi_turn.generate_multi_turn``)."""
 
 
 @dataclass(kw_only=True)
@@ -323,8 +328,9 @@ def rollout_batch(outputs: list[RolloutOutput], pad_token_id: int = 0,
     prompt left-padded to P, the response right-padded to R (the longest in ``outputs`` unless
     given: fixed widths let batches of several generation replicas be concatenated).
 
-    ``input_ids``, ``attention_mask`` (1 = real token), ``response_mask`` (1 = response token),
-    and ``rollout_logprobs`` (the backend's log-probs at the response positions, 0 elsewhere),
+    ``input_ids``, ``attention_mask`` (1 = real token), ``response_mask`` (1 = sampled response
+    token: a multi-turn response's tool and glue tokens are 0, as the padding is), and
+    ``rollout_logprobs`` (the backend's log-probs at the sampled positions, 0 elsewhere),
     aligned so that ``rollout_logprobs[b, i]`` compares with ``TrainEngine.compute_logprobs``'s
     ``out[b, i] = log p(input_ids[b, i] | input_ids[b, :i])``.
     """
@@ -339,7 +345,7 @@ def rollout_batch(outputs: list[RolloutOutput], pad_token_id: int = 0,
         ids[b, width - p:width] = torch.tensor(o.prompt_token_ids)
         ids[b, width:width + r] = torch.tensor(o.response_token_ids, dtype=torch.long)
         mask[b, width - p:width + r] = 1
-        response[b, width:width + r] = 1
+        response[b, width:width + r] = 1 if o.sampled is None else torch.tensor(o.sampled)
         logprobs[b, width:width + r] = torch.tensor(o.logprobs, dtype=torch.float32)
     return {"input_ids": ids, "attention_mask": mask, "response_mask": response,
             "rollout_logprobs": logprobs}

@@ -18,6 +18,7 @@ from hybridflow.models.hf import load_hf_config
 from hybridflow.parallel.groups import generation_process_groups
 from hybridflow.parallel.layout import GenLayout
 from hybridflow.rollout.base import RolloutSetup, call_seed, rollout_batch
+from hybridflow.rollout.multi_turn import Tools
 from hybridflow.training.engine import TrainEngine
 from hybridflow.training.loading import load_hf_into_engine
 from hybridflow.training.megatron_ckpt import load_train_state, save_train_state
@@ -55,6 +56,7 @@ class ActorRolloutRefWorker(Worker):
                 self.ref.offload_weights()
         self.gen = GenLayout(train=actor.layout, tp=rollout.tp)
         self.rollout = self._make_rollout()
+        self.tools = Tools.build(rollout.multi_turn, model_dir)
         self.hybrid = HybridEngine(self.actor, gen_tp=rollout.tp, bucket_mb=rollout.bucket_mb,
                                    mode=hybrid_engine.mode,
                                    offload_optimizer=hybrid_engine.offload_optimizer,
@@ -103,7 +105,8 @@ class ActorRolloutRefWorker(Worker):
             self.rollout.wake()
             loaded = time.perf_counter()
             captured = self.rollout.capture_seconds
-            outputs = self.rollout.generate(batch["prompt_ids"], sampling)
+            outputs = (self.tools.generate(self.rollout, batch["prompt_ids"], sampling)
+                       if self.tools else self.rollout.generate(batch["prompt_ids"], sampling))
             captured = self.rollout.capture_seconds - captured
             generated = time.perf_counter()
             # the allocator's peak since the switch released the training state (to_generation)
@@ -138,6 +141,8 @@ class ActorRolloutRefWorker(Worker):
         index = [o.prompt_index for o in outputs]
         lists = {k: [v[j] for j in index] for k, v in batch.lists.items()}
         lists["finish_reason"] = [o.finish_reason for o in outputs]
+        if self.tools:
+            lists["tools"] = [o.tools for o in outputs]
         return Batch(tensors, lists)
 
     # ----------------------------------------------------------------------------- scoring
