@@ -324,22 +324,24 @@ OWN = "hybridflow.rewards"
 """Our rewards' package: trusted without being listed."""
 
 
-def resolve_function(spec: str, key: str = "reward", trust: Sequence[str] = ()
-                     ) -> types.FunctionType:
+def resolve_function(spec: str, key: str = "reward", trust: Sequence[str] = (), *,
+                     own: str = OWN, trust_key: str = "reward_trust") -> types.FunctionType:
     """``"path/to/file.py:function"`` or ``"package.module:function"`` -> that function, only
     where it is a plain Python function (``def`` or lambda: ``types.FunctionType``) defined in
-    that file, or in ``hybridflow.rewards`` or a module of ``trust`` (a listed module or one
-    below it), judged by where the function was defined (its module and code file), not where
-    it was found. Anything else is a ConfigError on ``key``; a module name that is not trusted
-    is refused before it is imported."""
+    that file, or in ``own`` (our package of such functions: ``hybridflow.rewards``, or
+    ``hybridflow.agent.tools`` for tools) or a module of ``trust`` (a listed module or one below
+    it), judged by where the function was defined (its module and code file), not where it was
+    found. Anything else is a ConfigError on ``key`` (``trust_key``: the config key of the trust
+    list, for its messages); a module name that is not trusted is refused before it is
+    imported."""
     target, _, attr = spec.rpartition(":")
     user_file = installed_module(spec) is None
-    if not user_file and not _trusted(target, trust):
-        raise ConfigError(key, f"{spec!r}: {target} is not a module reward_trust lists; a "
+    if not user_file and not _trusted(target, (own, *trust)):
+        raise ConfigError(key, f"{spec!r}: {target} is not a module {trust_key} lists; a "
                                "function from it would run on the model's text (yaml:unsafe_load "
                                "and sympy:sympify run code written in it). Name a def of your "
                                "reward file (my_rewards.py:score), or list the module if you "
-                               f"trust it: reward_trust: [{target}]")
+                               f"trust it: {trust_key}: [{target}]")
     module = _import_module(target, spec, key)
     if not hasattr(module, attr):
         raise ConfigError(key, f"{target!r} has no {attr!r} (from {spec!r})")
@@ -352,18 +354,17 @@ def resolve_function(spec: str, key: str = "reward", trust: Sequence[str] = ()
                                "my_rewards.py:score")
     origin, source = fn.__module__ or "", fn.__code__.co_filename
     defined_here = user_file and origin == module.__name__ and _same_file(source, target)
-    if not defined_here and not _trusted(origin, trust):
+    if not defined_here and not _trusted(origin, (own, *trust)):
         raise ConfigError(key, f"{spec!r} is {fn.__qualname__} of {source}, which {target} does "
-                               "not define and reward_trust does not list; name a def of your "
-                               f"reward file, or list its module if you trust it: reward_trust: "
+                               f"not define and {trust_key} does not list; name a def of your "
+                               f"reward file, or list its module if you trust it: {trust_key}: "
                                f"[{origin}]")
     return fn
 
 
 def _trusted(module: str, trust: Sequence[str]) -> bool:
-    """Whether ``module`` is ``hybridflow.rewards``, a module of ``trust``, or one below
-    either."""
-    return any(module == t or module.startswith(f"{t}.") for t in (OWN, *trust))
+    """Whether ``module`` is a module of ``trust`` or one below it."""
+    return any(module == t or module.startswith(f"{t}.") for t in trust)
 
 
 def _same_file(a: str, b: str) -> bool:
