@@ -59,7 +59,7 @@ STATUSES = ("ok", "truncated", "error", "timeout", "memory")
 TOOLS_KEY = "rollout.multi_turn.tools"
 """The config key that names the tools, for errors."""
 
-TRUST_KEY = "rollout.multi_turn.tool_trust"
+TRUST_KEY = "rollout.multi_turn.trust"
 """The config key listing the installed modules whose functions may be tools."""
 
 OWN_TOOLS = "hybridflow.agent.tools"
@@ -104,18 +104,19 @@ class ToolResult:
     seconds: float
 
 
-def check_tool(fn_ref: str, *, trust: Sequence[str] = ()) -> None:
+def check_tool(fn_ref: str, *, trust: Sequence[str] = (), key: str = TOOLS_KEY) -> None:
     """Refuse ``fn_ref`` with a ConfigError on ``rollout.multi_turn.tools`` unless it names a
     plain ``def`` of the user's file (``path/file.py:function``), of ``hybridflow.agent.tools``
     or of a module of ``trust`` (the rules of reward functions:
     ``hybridflow.rewards.resolve_function``); builtins and the standard library are refused.
-    The module is imported (a file executed) here, in the calling process."""
+    The module is imported (a file executed) here, in the calling process. ``key``: the field
+    its errors name (``tools`` where the config's section adds its own prefix)."""
     if not isinstance(fn_ref, str) or ":" not in fn_ref:
-        raise ConfigError(TOOLS_KEY, f"{fn_ref!r} must be 'path/to/file.py:function' or "
+        raise ConfigError(key, f"{fn_ref!r} must be 'path/to/file.py:function' or "
                                      f"'module:function', e.g. {OWN_TOOLS}:calculator")
     # Deferred: rewards imports torch, and the sandbox's runner imports this module.
     from hybridflow.rewards import resolve_function
-    resolve_function(fn_ref, TOOLS_KEY, tuple(trust), own=OWN_TOOLS, trust_key=TRUST_KEY)
+    resolve_function(fn_ref, key, tuple(trust), own=OWN_TOOLS, trust_key=TRUST_KEY)
 
 
 @functools.lru_cache(maxsize=256)

@@ -201,10 +201,11 @@ def _few_shot(turns: Any) -> list[dict[str, str]]:
     for i, turn in enumerate(turns):
         if (not isinstance(turn, Mapping) or set(turn) != {"role", "content"}
                 or not all(isinstance(v, str) for v in turn.values())):
-            raise ConfigError(f"few_shot[{i}]", f"must be {{role: str, content: str}}, got "
-                                                f"{_short(turn)}")
+            raise ConfigError("few_shot", f"turn {i} must be {{role: str, content: str}}, got "
+                                          f"{_short(turn)}")
         if turn["role"] == "system":
-            raise ConfigError(f"few_shot[{i}]", "is a system turn; put it in data.system_prompt")
+            raise ConfigError("few_shot", f"turn {i} is a system turn; put it in "
+                                          "data.system_prompt")
     return list(turns)
 
 

@@ -340,7 +340,7 @@ def resolve_function(spec: str, key: str = "reward", trust: Sequence[str] = (), 
         raise ConfigError(key, f"{spec!r}: {target} is not a module {trust_key} lists; a "
                                "function from it would run on the model's text (yaml:unsafe_load "
                                "and sympy:sympify run code written in it). Name a def of your "
-                               "reward file (my_rewards.py:score), or list the module if you "
+                               "own file (my_file.py:function), or list the module if you "
                                f"trust it: {trust_key}: [{target}]")
     module = _import_module(target, spec, key)
     if not hasattr(module, attr):
@@ -350,14 +350,14 @@ def resolve_function(spec: str, key: str = "reward", trust: Sequence[str] = (), 
         raise ConfigError(key, f"{spec!r} is {_kind(fn)}, not a function defined with def: "
                                "builtins and wrappers (callable objects, partials, "
                                "numpy.vectorize) are refused, since they can hide what runs on "
-                               "the model's text. Name a def of your reward file, e.g. "
-                               "my_rewards.py:score")
+                               "the model's text. Name a def of your own file, e.g. "
+                               "my_file.py:function")
     origin, source = fn.__module__ or "", fn.__code__.co_filename
     defined_here = user_file and origin == module.__name__ and _same_file(source, target)
     if not defined_here and not _trusted(origin, (own, *trust)):
         raise ConfigError(key, f"{spec!r} is {fn.__qualname__} of {source}, which {target} does "
                                f"not define and {trust_key} does not list; name a def of your "
-                               f"reward file, or list its module if you trust it: {trust_key}: "
+                               f"own file, or list its module if you trust it: {trust_key}: "
                                f"[{origin}]")
     return fn
 

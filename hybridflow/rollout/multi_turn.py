@@ -25,6 +25,7 @@ import time
 from dataclasses import MISSING, dataclass, field, fields, replace
 from typing import Any, Callable
 
+from hybridflow.agent.sandbox import check_tool
 from hybridflow.errors import ConfigError, RunError, check_float, check_int
 from hybridflow.rewards import check_trust, resolve_function
 from hybridflow.rollout.base import RolloutBackend, RolloutOutput, SamplingConfig
@@ -70,7 +71,9 @@ class MultiTurnConfig:
             raise ConfigError("parser", f"unknown tool-call format {self.parser!r}; one of "
                                         f"{sorted(PARSERS)}, or file.py:function")
         if self.tools:
-            self.parse_fn()  # a parser that cannot be had is refused with the config
+            self.parse_fn()  # a parser or tool that cannot be had is refused with the config
+            for ref in self.tool_refs().values():
+                check_tool(ref, trust=self.trust, key="tools")
         check_int("max_turns", self.max_turns)
         check_int("max_tool_calls", self.max_tool_calls)
         check_float("tool_timeout_s", self.tool_timeout_s, low=0, low_open=True)
@@ -91,7 +94,8 @@ class MultiTurnConfig:
         """The parser ``parser`` names."""
         if self.parser in PARSERS:
             return PARSERS[self.parser]
-        fn = resolve_function(self.parser, key="parser", trust=self.trust)
+        fn = resolve_function(self.parser, "parser", tuple(self.trust),
+                              trust_key="rollout.multi_turn.trust")
 
         def parse(text: str) -> list[ToolCall]:
             try:

@@ -232,6 +232,41 @@ def test_a_driver_killed_while_saving_leaves_no_process(setup):
             os.kill(pid, signal.SIGKILL)
 
 
+# Multi-turn on the tiny random model, which writes no tool calls: this parser reads one in every
+# turn (a third of the vocabulary ends a turn), and the echo tool answers with the turn's end.
+TOOLS = '''
+def every_turn(text):
+    return [{"name": "echo", "arguments": {"text": text[-6:]}}]
+
+def echo(text):
+    return "echo " + text
+'''
+
+
+def test_a_multi_turn_run_killed_and_resumed_equals_an_uninterrupted_one(setup):
+    tmp, _ = setup
+    (tmp / "tools.py").write_text(TOOLS)
+    stops = ",".join(str(t) for t in range(3, 512, 3))
+    args = (f"rollout.multi_turn.tools=[{tmp}/tools.py:echo]",
+            f"rollout.multi_turn.parser={tmp}/tools.py:every_turn",
+            "rollout.sampling.max_tokens=40", f"rollout.sampling.stop_token_ids=[{stops}]",
+            "steps=4")
+    reference = Attempt(setup, "multi_turn", *args)
+    assert reference.finish() == 0, reference.output()
+    expected = metrics(reference.run_dir)
+    assert [r["step"] for r in expected] == [1, 2, 3, 4]
+    assert all(r["multi_turn/turns_mean"] > 1.5 and r["multi_turn/ok_call_frac"] > 0.5
+               for r in expected), expected
+    # Killed while step 4 generates (checkpoint: step 2), started again with the same command.
+    first = Attempt(setup, "multi_turn_interrupted", *args)
+    first.wait_until(lambda: first.rows() >= 3)
+    first.kill()
+    last = Attempt(setup, "multi_turn_interrupted", *args)
+    assert last.finish() == 0, last.output()
+    assert "resuming from" in last.output()
+    assert metrics(last.run_dir) == expected
+
+
 def test_a_nan_reward_stops_the_run_naming_the_sample(setup):
     attempt = Attempt(setup, "nan", NAN_REWARD="1")
     assert attempt.finish() == 1, attempt.output()

@@ -223,13 +223,13 @@ def test_few_shot_turns_go_after_the_system_turn_of_every_prompt(tmp_path):
     assert item.messages == [*FEW_SHOT, {"role": "user", "content": "What is 2 + 2?"}]
 
 
-@pytest.mark.parametrize("few_shot, field, why", [
-    ("Q: 1+1? A: 2", "few_shot", "list"),
-    ([{"role": "user"}], "few_shot[0]", "role: str, content: str"),
-    ([{"role": "system", "content": "x"}], "few_shot[0]", "data.system_prompt"),
+@pytest.mark.parametrize("few_shot, why", [
+    ("Q: 1+1? A: 2", "must be a list"),
+    ([{"role": "user"}], "turn 0 must be {role: str, content: str}"),
+    ([FEW_SHOT[0], {"role": "system", "content": "x"}], "turn 1 is a system turn"),
 ])
-def test_bad_few_shot_names_the_turn(few_shot, field, why):
-    with pytest.raises(ConfigError, match=rf"{re.escape(field)}.*{re.escape(why)}"):
+def test_bad_few_shot_names_the_turn(few_shot, why):
+    with pytest.raises(ConfigError, match=rf"few_shot: {re.escape(why)}"):
         PromptDataConfig(few_shot=few_shot)
 
 

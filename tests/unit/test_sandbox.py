@@ -198,7 +198,7 @@ def test_our_tools_and_a_trusted_module_pass(tmp_path, monkeypatch):
             return text.upper()
     """))
     monkeypatch.syspath_prepend(str(tmp_path))
-    with pytest.raises(ConfigError, match="rollout.multi_turn.tool_trust"):
+    with pytest.raises(ConfigError, match="rollout.multi_turn.trust"):
         check_tool("mytools:shout")
     check_tool("mytools:shout", trust=["mytools"])
     assert run_tool("mytools:shout", {"text": "hi"}, LIMITS, trust=["mytools"]).output == "HI"
