@@ -96,17 +96,20 @@ def check_exact(outputs, calls, glue) -> dict[str, int]:
     return {"turns": turns, "glued": glued, "samples": len(outputs)}
 
 
-def megatron_and_engine(rank, world, ckpt, vllm_outputs):
-    """In a fresh process: the Megatron backend's multi-turn batch with its exactness counts, and
-    the training engine's recomputation of both backends' behaviour log-probs."""
+def megatron_and_engine(rank, world, ckpt, vllm_outputs=None):
+    """In a fresh process: the Megatron backend's multi-turn batch with its exactness counts, the
+    training engine's recomputation of its (and vLLM's, where given) behaviour log-probs, and the
+    device the backend decoded on with whether its fast decoder (CUDA graphs) ran."""
     from hybridflow.models.hf import load_hf_state_dict
     from hybridflow.rollout.megatron import MegatronRollout
 
     engine = train_engine(load_hf_state_dict(ckpt))
-    outputs, calls, glue = multi_turn(MegatronRollout(ckpt, max_model_len=MAX_MODEL_LEN), ckpt)
-    counts = check_exact(outputs, calls, glue)
-    return counts, {"megatron": logprob_pairs(engine, outputs),
-                    "vllm": logprob_pairs(engine, vllm_outputs)}
+    backend = MegatronRollout(ckpt, max_model_len=MAX_MODEL_LEN)
+    outputs, calls, glue = multi_turn(backend, ckpt)
+    pairs = {"megatron": logprob_pairs(engine, outputs)}
+    if vllm_outputs is not None:
+        pairs["vllm"] = logprob_pairs(engine, vllm_outputs)
+    return check_exact(outputs, calls, glue), pairs, backend.device.type, backend.fast_decode
 
 
 @pytest.fixture(scope="module")
@@ -143,5 +146,16 @@ def test_megatron_trajectories_are_what_was_sampled(megatron_results):
 @pytest.mark.parametrize("backend", ["vllm", "megatron"])
 def test_training_engine_recomputes_the_behaviour_logprobs(megatron_results, backend):
     rollout_lp, train_lp = megatron_results[1][backend]
+    assert rollout_lp.numel() > 20
+    torch.testing.assert_close(rollout_lp, train_lp, atol=1e-4, rtol=0)
+
+
+@pytest.mark.gpu
+def test_megatron_on_a_gpu_is_exact_and_the_engine_agrees(ckpt):
+    """The Megatron backend's GPU path (its fast decoder, CUDA graphs) in the multi-turn loop."""
+    counts, pairs, device, fast = spawn(megatron_and_engine, 1, ckpt)[0]
+    assert device == "cuda" and fast
+    assert counts["glued"] >= counts["samples"] and counts["turns"] > counts["samples"], counts
+    rollout_lp, train_lp = pairs["megatron"]
     assert rollout_lp.numel() > 20
     torch.testing.assert_close(rollout_lp, train_lp, atol=1e-4, rtol=0)
