@@ -68,7 +68,7 @@ def check_cluster(cfg: Any) -> None:
     placement = resolve_placement(cfg)
     pools = placement.pools
     used = sum(pool.ranks for pool in pools) * ray.gpus_per_worker
-    if used != c.gpus:
+    if used != c.gpus and cfg.placement.preset != "auto":  # auto: the search fills the cluster
         described = "; ".join(f"{pool.name} ({' + '.join(pool.models)}): {pool.ranks} ranks"
                               for pool in pools)
         what = (f"the pools take {used:g} GPUs ({described}; x ray.gpus_per_worker="

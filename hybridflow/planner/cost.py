@@ -243,12 +243,20 @@ def stage_matmul_params(shape: ModelConfig, pp: int = 1, head: str = "lm",
     final norm's, and the output layer's on the last stage (the input embedding is only indexed;
     a tied one is counted once, as the output layer; a value head replaces the output layer with
     a [1, h] one). ``last``: the layout's ``last_stage_layers`` (None: an even split)."""
+    return list(_stage_matmul_params(tuple(vars(shape).items()), pp, head, last))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_matmul_params(fields: tuple, pp: int, head: str, last: int | None) -> tuple[int, ...]:
+    # ``stage_matmul_params`` of the shape of these (name, value) pairs, cached: the planner's
+    # search prices the same shapes at many layouts
+    shape = ModelConfig(**dict(fields))
     out = [0] * pp
     for m in llama_param_metas(shape):
         if m.position != "pre" and m.name != "output_layer.weight":
             out[owner_stage(m, pp, shape.num_layers, last)] += m.numel
     out[-1] += shape.hidden_size * (1 if head == "value" else shape.vocab_size)
-    return out
+    return tuple(out)
 
 
 def matmul_params(shape: ModelConfig, head: str = "lm") -> int:
@@ -431,6 +439,12 @@ def generation_floor(shape: ModelConfig, dtype: str, calib: Calibration, share: 
 def weights_bytes(shape: ModelConfig, dtype: str, tg: int) -> int:
     """Bytes of one rank's generation weights at generation tp ``tg`` (pp 1): what the switch
     hands the rollout backend."""
+    return _weights_bytes(tuple(vars(shape).items()), dtype, tg)
+
+
+@functools.lru_cache(maxsize=256)
+def _weights_bytes(fields: tuple, dtype: str, tg: int) -> int:
+    shape = ModelConfig(**dict(fields))
     return sum(math.prod(m.shard_shape(tg)) for m in llama_param_metas(shape)) * DTYPE_BYTES[dtype]
 
 
