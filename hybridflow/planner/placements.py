@@ -15,7 +15,8 @@ gets, each model's training layout on them and the actor's generation tp. Enumer
 * layouts: for each model every (tp, pp, dp) over its set's n ranks with tp dividing the ranks
   a node holds of the pool and the model's heads, kv heads, FFN and vocabulary, pp its layers
   (even stages), and the step's samples splitting over dp as the config contract asks
-  (micro-batch sizes as configured); for the actor each generation tp dividing tp;
+  (micro-batch sizes as configured); for the actor each generation tp dividing tp that the
+  rollout backend runs;
 * a set's layouts: the combination with the least total time of its models' calls whose memory
   fits ``cluster.gpu_memory_gb`` (``memory.pool_memory``), tried from the fastest combination
   up, at most ``SET_TRIES`` of them.
@@ -243,7 +244,7 @@ class Search:
         ``per_node`` ranks, fastest first; those whose memory alone does not fit left out."""
         out = []
         for lay in self.layouts(model, ranks, per_node):
-            for tg in (_divisors(lay.tp) if model == "actor" else (None,)):
+            for tg in (self.generation_tps(lay) if model == "actor" else (None,)):
                 if tg is not None and self.cfg.train_batch_size % GenLayout(train=lay,
                                                                             tp=tg).replicas:
                     continue
@@ -251,6 +252,12 @@ class Search:
                     continue
                 out.append((sum(self.price(model, lay, tg, per_node).values()), lay, tg))
         return sorted(out, key=lambda o: o[0])
+
+    def generation_tps(self, lay: TrainLayout) -> list[int]:
+        """The actor's generation tps at ``lay``: divisors of its tp, up to what the rollout
+        backend runs (``max_tp``)."""
+        most = self.cfg.rollout.backend_class.max_tp
+        return [tg for tg in _divisors(lay.tp) if most is None or tg <= most]
 
     def price(self, model: str, lay: TrainLayout, tg: int | None, per_node: int
               ) -> dict[str, float]:
@@ -431,6 +438,9 @@ def placement_lines(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration
         lines.append(f"{rank}. {r.plan.kind}: step {r.prediction.step:.3g} s ({stages}); peak "
                      f"{r.prediction.peak_bytes / GIB:.1f} GiB per GPU")
         lines += [f"     {s.describe()}" for s in r.plan.sets]
+    if not best:
+        lines.append(f"no placement fits cluster.gpu_memory_gb={c.gpu_memory_gb:g}: add nodes "
+                     "or shrink the batch")
     if cfg.placement.preset != "auto":
         try:
             mine = predict(cfg, shapes, calib)
