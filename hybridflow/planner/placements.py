@@ -37,7 +37,8 @@ from typing import Any
 
 from hybridflow.algorithms.specs import TRAINED_CRITICS
 from hybridflow.config.loader import make_config
-from hybridflow.config.placement import LAYOUT_KEYS, ModelPlace, Placement, Pool, run_models
+from hybridflow.config.placement import (LAYOUT_KEYS, ModelPlace, Placement, PlacementConfig,
+                                         Pool, run_models)
 from hybridflow.config.sources import critic_shape
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
@@ -391,9 +392,11 @@ def ranked(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration, top: in
     from hybridflow.config import RLConfig  # deferred: the config package imports the planner
     plans, priced = Search(cfg, shapes, calib).run(top=3 * top + 5)
     out, refused = [], 0
+    bare = copy.copy(cfg)  # the placement written anew: none of the configured pools stays
+    bare.placement = PlacementConfig()
     for plan in plans:
         try:
-            chosen = make_config(RLConfig, cfg, plan.overrides(cfg))
+            chosen = make_config(RLConfig, bare, plan.overrides(cfg))
         except ConfigError:
             refused += 1
             continue
