@@ -28,6 +28,12 @@ class ClusterConfig:
     """The rates ``hybridflow calibrate --out FILE`` measured on a node of this cluster: with it
     ``hybridflow plan`` ranks mappings, and the trainer logs the cost model's time per phase
     beside the measured one (``predicted/<phase>_s``)."""
+    inter_node_gb_s: float | None = None
+    """GB/s (10^9 bytes) one node sends to the others (its network link; 200 Gb/s is 25): the
+    planner's rate for a collective whose group spans more than one node, shared by the groups
+    of that collective crossing the same node at once. Null: the calibration file's
+    ``inter_node`` (``hybridflow calibrate`` measures no inter-node rate yet). Refused on one
+    node, where nothing crosses."""
 
     def __post_init__(self) -> None:
         check_int("nodes", self.nodes, none_ok=True)
@@ -38,6 +44,10 @@ class ClusterConfig:
                 if getattr(self, key) != default:
                     raise ConfigError(key, "has no effect while nodes is null (nothing is "
                                            "checked); set nodes or remove it")
+        check_float("inter_node_gb_s", self.inter_node_gb_s, low=0, low_open=True, none_ok=True)
+        if self.inter_node_gb_s is not None and (self.nodes or 0) <= 1:
+            raise ConfigError("inter_node_gb_s", f"is inert on one node (nodes={self.nodes}): no "
+                                                 "collective crosses nodes; remove it or set nodes")
 
     @property
     def gpus(self) -> int:
@@ -58,7 +68,7 @@ def check_cluster(cfg: Any) -> None:
     placement = resolve_placement(cfg)
     pools = placement.pools
     used = sum(pool.ranks for pool in pools) * ray.gpus_per_worker
-    if used != c.gpus:
+    if used != c.gpus and cfg.placement.preset != "auto":  # auto: the search fills the cluster
         described = "; ".join(f"{pool.name} ({' + '.join(pool.models)}): {pool.ranks} ranks"
                               for pool in pools)
         what = (f"the pools take {used:g} GPUs ({described}; x ray.gpus_per_worker="

@@ -49,9 +49,11 @@ def load_config(cls: type[T], path: str | os.PathLike | None = None,
         data = OmegaConf.to_container(load_composed(path))
         # "auto" is no value of these int fields: taken out before the schema
         auto = _take_auto(data, getattr(cls, "AUTO_KEYS", ()))
+        _expand_shorthands(cls, data)
         _drop_left_unread(cls, data, overrides, path)
         merged = _merge(merged, _create(data))
     overrides, auto = _auto_overrides(cls, overrides, auto)
+    overrides = [_shorthand_override(cls, item) for item in overrides]
     data = _apply_overrides(cls, merged, overrides)
     if auto:
         data[AUTO] = sorted(set(data.get(AUTO) or []) | set(auto))
@@ -75,6 +77,23 @@ def _take_auto(data: dict, keys: tuple[str, ...]) -> list[str]:
             del where[last]
             found.append(key)
     return found
+
+
+def _expand_shorthands(cls: type, data: dict) -> None:
+    """``section: NAME`` for a section of ``cls.SHORTHANDS`` (section -> field) becomes
+    ``section: {field: NAME}`` (``placement: auto``)."""
+    for section, name in getattr(cls, "SHORTHANDS", {}).items():
+        if isinstance(data.get(section), str):
+            data[section] = {name: data[section]}
+
+
+def _shorthand_override(cls: type, item):
+    """``section=NAME`` of a section of ``cls.SHORTHANDS`` as ``section.field=NAME``."""
+    key, sep, value = item.partition("=") if isinstance(item, str) else ("", "", "")
+    name = getattr(cls, "SHORTHANDS", {}).get(key.strip())
+    if not sep or name is None or value.strip().startswith("{"):
+        return item
+    return f"{key.strip()}.{name}={value}"
 
 
 def _drop_left_unread(cls: type, data: dict, overrides, path) -> None:

@@ -13,6 +13,11 @@ pools run their calls at the same time where the dataflow allows (``hybridflow.d
 * ``split``: the actor side (actor, reference) on one pool, the critic side (critic, reward and
   cost models, cost critic) on another.
 * ``standalone``: a pool for each model.
+* ``auto``: the planner's placement search (``hybridflow.planner.placements``, HybridFlow's
+  Algorithm 1) chooses the pools, the models on each and every layout at start-up, from the
+  rates of ``cluster.calibration`` over ``cluster.nodes``; ``placement: auto`` is short for it.
+  Until then the run's checks see it as ``colocate`` with the configured layouts, less the
+  cluster's device count (the search fills the cluster).
 
 Or the pools are written out (``placement.pools``, ``placement.models``). A pool's ranks are
 ``nodes * devices_per_node``; each rank takes ``ray.gpus_per_worker`` GPUs. A model's world size
@@ -35,7 +40,7 @@ from hybridflow.parallel.layout import TrainLayout
 
 MODELS = ("actor", "reference", "critic", "reward_model", "cost_model", "cost_critic")
 """Every model a run can have, in the order the worker groups start."""
-PRESETS = ("colocate", "split", "standalone")
+PRESETS = ("colocate", "split", "standalone", "auto")
 ACTOR_SIDE = ("actor", "reference")
 """``split``'s first pool; the other models make the second."""
 LAYOUT_KEYS = {"actor": "actor.layout", "critic": "critic.layout"}
@@ -66,7 +71,8 @@ class PlacementConfig:
     """The pools and which model lives on which (see the module docstring)."""
 
     preset: str | None = None
-    """colocate, split or standalone; null: colocate, or the pools written out below."""
+    """colocate, split, standalone or auto (the planner chooses); null: colocate, or the pools
+    written out below. ``placement: NAME`` is short for ``placement: {preset: NAME}``."""
     pools: dict[str, PoolConfig] = field(default_factory=dict)
     """Pool name -> its devices, where the placement is written out."""
     models: dict[str, str] = field(default_factory=dict)
@@ -212,7 +218,8 @@ def resolve_placement(cfg: Any) -> Placement:
                       tuple(m for m in models if p.models[m] == name))
                  for name, pc in p.pools.items()]
     else:
-        pools = _preset_pools(p.preset or "colocate", models,
+        preset = "colocate" if p.preset in (None, "auto") else p.preset
+        pools = _preset_pools(preset, models,
                               {m: lay.world_size for m, (lay, _) in layouts.items()},
                               _ranks_per_node(cfg))
     placed = {}

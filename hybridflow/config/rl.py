@@ -370,6 +370,9 @@ class RLConfig:
     file or ``key=auto`` on the command line sets (any of AUTO_KEYS; the actor's tp, pp or dp
     needs cluster.nodes, which gives the number of devices)."""
 
+    SHORTHANDS = {"placement": "preset"}
+    """Sections a bare name may stand for: ``placement: auto`` is ``placement.preset: auto``."""
+
     AUTO_KEYS = ("actor.layout.tp", "actor.layout.pp", "actor.layout.dp", "rollout.tp",
                  "actor.engine.micro_batch_size")
 
@@ -393,14 +396,19 @@ class RLConfig:
         if not isinstance(self.auto, list) or any(k not in self.AUTO_KEYS for k in self.auto):
             raise ConfigError("auto", f"lists keys the planner chooses, each one of "
                                       f"{', '.join(self.AUTO_KEYS)}; got {self.auto!r}")
+        p = self.placement
+        if p.preset == "auto":
+            self._check_placement_auto()
         if not self.planned_keys:
             return
         what = "layout: auto" if self.layout == "auto" else f"{self.auto[0]}: auto"
-        p = self.placement
+        if p.preset == "auto":
+            raise ConfigError("placement", f"auto chooses every layout, rollout.tp included; "
+                                           f"remove {what}")
         if p.pools or p.layouts or p.preset not in (None, "colocate"):
-            raise ConfigError("placement", f"{what}: the planner maps every model onto the same "
-                              "devices (placement.preset: colocate) and searches no other "
-                              "placement yet; remove the placement settings or set the layouts")
+            raise ConfigError("placement", f"{what}: the layout planner maps every model onto "
+                              "the same devices (placement.preset: colocate); for other "
+                              "placements use placement: auto, or set the layouts")
         if self.cluster.calibration is None:
             raise ConfigError("cluster.calibration", f"{what} needs the rates of the devices: run "
                               "`hybridflow calibrate --out calibration.json` on one of them and "
@@ -410,6 +418,20 @@ class RLConfig:
             raise ConfigError(world[0], "auto needs the number of devices to map onto: set "
                                         "cluster.nodes and cluster.gpus_per_node, or use layout: "
                                         "auto, which keeps the configured world size")
+
+    def _check_placement_auto(self) -> None:
+        """``placement: auto`` needs what the placement search reads: the cluster's devices and
+        their rates; it chooses every layout, so gives none."""
+        if self.placement.layouts:
+            raise ConfigError("placement.layouts", "placement: auto chooses every model's "
+                                                   "layout; remove them")
+        if self.cluster.nodes is None:
+            raise ConfigError("placement", "auto places the models on the cluster's devices: "
+                                           "set cluster.nodes and cluster.gpus_per_node")
+        if self.cluster.calibration is None:
+            raise ConfigError("cluster.calibration", "placement: auto needs the rates of the "
+                              "devices: run `hybridflow calibrate --out calibration.json` on one "
+                              "of them and set cluster.calibration=calibration.json")
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not re.fullmatch(r"[A-Za-z0-9_][A-Za-z0-9._-]*",

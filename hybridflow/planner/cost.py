@@ -100,16 +100,22 @@ generation and brought back.
 
 from __future__ import annotations
 
+import copy
+import functools
 import math
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from hybridflow.algorithms.specs import TRAINED_CRITICS
+from hybridflow.config.placement import Placement, model_layout, resolve_placement
+from hybridflow.config.sources import critic_shape
 from hybridflow.errors import ConfigError
 from hybridflow.hybrid_engine.switch import generation_metas, switch_recv_bytes
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import (llama_param_metas, num_layers_of, owner_stage,
                                       stage_layer_counts)
-from hybridflow.parallel.layout import GenLayout
+from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.planner.memory import (DTYPE_BYTES, MemoryEstimate, busiest_rank_split,
                                       busiest_stage_share, estimate_memory, logit_columns,
                                       param_count)
@@ -138,10 +144,15 @@ class Prediction:
     """Phase -> the terms its seconds add up from (flops, bubble, tp_comm, ...), for ``plan``."""
     profiled: bool = False
     """Whether the calibration had the model's pass profile (else the seconds are floors)."""
+    lanes: dict[str, dict[str, float]] = field(default_factory=dict)
+    """Pool -> phase -> seconds of the calls its models make (a phase of two pools, the reward
+    and cost models' ``reward``, split between them); empty: one lane, the phases in turn."""
 
     @property
     def step(self) -> float:
-        return sum(self.phases.values())
+        """The iteration's seconds: ``staged_step`` of the lanes (the stages in turn, each as
+        long as its busiest pool); with one pool, the sum of the phases."""
+        return staged_step(self.lanes) if self.lanes else sum(self.phases.values())
 
     def describe(self, source: str) -> str:
         """One line: the predicted step and its phases (``source``: where the rates came from)."""
@@ -159,18 +170,93 @@ class Prediction:
         return max(pool.peak[1] for pool in self.memory.pools)
 
 
+PHASES = ("reshard", "weight_load", "generate", "back_to_train", "old_logprobs", "ref_logprobs",
+          "values", "cost_values", "reward", "update_critic", "update_cost_critic",
+          "update_actor")
+"""Every phase, in the order ``Prediction.phases`` lists them."""
+STAGES = (("collect", ("reshard", "weight_load", "generate", "back_to_train")),
+          ("prepare", ("reward", "old_logprobs", "ref_logprobs", "values", "cost_values")),
+          ("update", ("update_critic", "update_cost_critic", "update_actor")))
+"""The stages of an iteration (``hybridflow.driver.step``) and their phases: a stage starts when
+the previous one has ended; inside it the pools' calls run at the same time, one pool's one
+after another (``dataflow.at_once``). The reward is priced in ``prepare``, where it runs unless
+dynamic sampling scores in ``collect`` (then after the generation, alone: no shorter)."""
+
+
+def staged_step(lanes: dict[str, dict[str, float]]) -> float:
+    """Seconds of an iteration whose pools make the calls ``lanes`` (pool -> phase ->
+    seconds): per stage, the largest of the pools' sums of their phases in it; the stages
+    added."""
+    return sum(stage_times(lanes).values())
+
+
+def stage_times(lanes: dict[str, dict[str, float]]) -> dict[str, float]:
+    """Stage -> its seconds: the busiest pool's sum of its phases in the stage."""
+    return {stage: max((sum(calls.get(p, 0.0) for p in phases) for calls in lanes.values()),
+                       default=0.0)
+            for stage, phases in STAGES}
+
+
+@dataclass(frozen=True)
+class Fabric:
+    """Where a pool's ranks sit, for the span of its collectives: rank r on node
+    ``r // per_node``."""
+
+    per_node: int
+    """The pool's ranks on each of its nodes."""
+    inter_node: float | None
+    """Bytes/s a node sends to the others (``cluster.inter_node_gb_s``, else the calibration's
+    ``inter_node``); None: not known."""
+
+    @classmethod
+    def of(cls, cfg: Any, calib: Calibration, per_node: int) -> "Fabric":
+        gb = cfg.cluster.inter_node_gb_s
+        return cls(per_node, gb * 1e9 if gb is not None else calib.inter_node)
+
+
+def collective_rate(calib: Calibration, fabric: Fabric, groups: list[list[int]],
+                    what: str) -> float:
+    """Bytes received per rank per second in a collective that every group of ``groups`` (pool
+    ranks, all of one size n) runs at once: inside a node the calibration's all-gather rate of
+    n ranks (``gather_rate``); a group across nodes is held to the inter-node rate, shared by
+    the crossing groups that have a rank on the same node (a ring pushes its whole stream
+    through each node's link): ``min(gather_rate(n), inter_node / k)``, k the most crossing
+    groups on one node. ``what`` names the collective in the ConfigError raised where a group
+    crosses nodes and no inter-node rate is known."""
+    n = len(groups[0])
+    intra = gather_rate(calib, n)
+    on = Counter(node for g in groups for node in {r // fabric.per_node for r in g}
+                 if len({r // fabric.per_node for r in g}) > 1)
+    if not on:
+        return intra
+    if fabric.inter_node is None:
+        raise ConfigError("cluster.inter_node_gb_s", f"the {what} of {n} ranks spans nodes "
+                          f"({fabric.per_node} ranks of its pool on a node), and no inter-node "
+                          "rate is known: set it (GB/s a node sends to the others; 200 Gb/s is "
+                          "25) or give the calibration file an inter_node rate (bytes/s)")
+    return min(intra, fabric.inter_node / max(on.values()))
+
+
 def stage_matmul_params(shape: ModelConfig, pp: int = 1, head: str = "lm",
                         last: int | None = None) -> list[int]:
     """Parameters that take part in matmuls on each of ``pp`` pipeline stages: the layers' and the
     final norm's, and the output layer's on the last stage (the input embedding is only indexed;
     a tied one is counted once, as the output layer; a value head replaces the output layer with
     a [1, h] one). ``last``: the layout's ``last_stage_layers`` (None: an even split)."""
+    return list(_stage_matmul_params(tuple(vars(shape).items()), pp, head, last))
+
+
+@functools.lru_cache(maxsize=1024)
+def _stage_matmul_params(fields: tuple, pp: int, head: str, last: int | None) -> tuple[int, ...]:
+    # ``stage_matmul_params`` of the shape of these (name, value) pairs, cached: the planner's
+    # search prices the same shapes at many layouts
+    shape = ModelConfig(**dict(fields))
     out = [0] * pp
     for m in llama_param_metas(shape):
         if m.position != "pre" and m.name != "output_layer.weight":
             out[owner_stage(m, pp, shape.num_layers, last)] += m.numel
     out[-1] += shape.hidden_size * (1 if head == "value" else shape.vocab_size)
-    return out
+    return tuple(out)
 
 
 def matmul_params(shape: ModelConfig, head: str = "lm") -> int:
@@ -308,10 +394,12 @@ def micro_batch_rows(engine, seq: int, forward: bool) -> int:
 
 
 def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration, head: str,
-            adapters: int | None = None, response: int | None = None) -> dict[str, float]:
+            fabric: Fabric, adapters: int | None = None, response: int | None = None
+            ) -> dict[str, float]:
     """Seconds of a model's update (``part.ppo_epochs`` passes of ``part.mini_batches`` optimizer
     steps, each a training pass of its own), by term. ``adapters``: LoRA's adapter parameters,
-    then the only trained ones (else every parameter is); ``response``: as ``_forward``'s."""
+    then the only trained ones (else every parameter is); ``response``: as ``_forward``'s; the
+    data-parallel all-reduce at its groups' span on ``fabric`` (``collective_rate``)."""
     lay, eng = part.layout, part.engine
     per_step = samples / part.mini_batches
     fwd = _forward(shape, part, per_step, seq, calib, head, micro_batch_rows(eng, seq, False),
@@ -321,7 +409,8 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
     # The busiest stage's rank: the one the others wait for.
     per_rank = trained / busiest_rank_split(shape.num_layers, lay)
     grads = 4 * per_rank
-    dp = (2 * (lay.dp - 1) / lay.dp * grads / (gather_rate(calib, lay.dp) / 2)
+    dp = (2 * (lay.dp - 1) / lay.dp * grads
+          / (collective_rate(calib, fabric, lay.dp_groups(), "data-parallel all-reduce") / 2)
           if lay.dp > 1 else 0.0)
     profile = _profile(calib, shape, part)
     adam = ADAM_BYTES * per_rank / calib.memory_bandwidth
@@ -350,6 +439,12 @@ def generation_floor(shape: ModelConfig, dtype: str, calib: Calibration, share: 
 def weights_bytes(shape: ModelConfig, dtype: str, tg: int) -> int:
     """Bytes of one rank's generation weights at generation tp ``tg`` (pp 1): what the switch
     hands the rollout backend."""
+    return _weights_bytes(tuple(vars(shape).items()), dtype, tg)
+
+
+@functools.lru_cache(maxsize=256)
+def _weights_bytes(fields: tuple, dtype: str, tg: int) -> int:
+    shape = ModelConfig(**dict(fields))
     return sum(math.prod(m.shard_shape(tg)) for m in llama_param_metas(shape)) * DTYPE_BYTES[dtype]
 
 
@@ -424,16 +519,30 @@ def switch_bytes(gen, metas: list, dtype_bytes: int, mode: str = "3d",
     return max(switch_recv_bytes(gen, metas, dtype_bytes, mode, bucket_bytes)), storage
 
 
-def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration,
-             lora: tuple[int, int] | None) -> dict[str, float]:
-    """The switch's all-gather; with LoRA (``lora``: ``lora_param_counts``) each rank's merge of
-    its adapted shards first (module docstring)."""
-    gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
+@functools.lru_cache(maxsize=1024)
+def _switch_recv(fields: tuple, t: int, p: int, last: int | None, tg: int, b: int, mode: str,
+                 bucket: int) -> int:
+    """``switch_bytes``' received bytes for a shape (``fields``: its (name, value) pairs) at a
+    training layout's model-parallel sizes (the data-parallel size does not change them) and
+    generation tp: the planner asks for the same ones at many device counts."""
+    shape = ModelConfig(**dict(fields))
+    gen = GenLayout(train=TrainLayout(tp=t, pp=p, last_stage_layers=last), tp=tg)
     metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings, gen)
+    return switch_bytes(gen, metas, b, mode, bucket)[0]
+
+
+def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration,
+             lora: tuple[int, int] | None, fabric: Fabric) -> dict[str, float]:
+    """The switch's all-gather, at its micro-DP groups' span on ``fabric``; with LoRA (``lora``:
+    ``lora_param_counts``) each rank's merge of its adapted shards first (module docstring)."""
+    lay = cfg.actor.layout
+    gen = GenLayout(train=lay, tp=cfg.rollout.tp)
     b = DTYPE_BYTES[cfg.actor.engine.dtype]
-    recv, _ = switch_bytes(gen, metas, b, cfg.hybrid_engine.mode,
-                           int(cfg.rollout.bucket_mb * 2**20))
-    terms = {"all_gather": recv / gather_rate(calib, gen.micro_dp) if gen.micro_dp > 1 else 0.0}
+    recv = _switch_recv(tuple(vars(shape).items()), lay.tp, lay.pp, lay.last_stage_layers, gen.tp,
+                        b, cfg.hybrid_engine.mode, int(cfg.rollout.bucket_mb * 2**20))
+    terms = {"all_gather": recv / collective_rate(calib, fabric, gen.micro_dp_groups(),
+                                                  "reshard's all-gather")
+             if gen.micro_dp > 1 else 0.0}
     if lora is not None:
         # this rank's adapted shards (the busiest stage's)
         adapted = lora[0] / busiest_rank_split(shape.num_layers, gen.train)
@@ -442,46 +551,80 @@ def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration,
     return terms
 
 
-def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration) -> Prediction:
-    """Seconds of every phase of one iteration of ``cfg`` (an RLConfig) and its memory per GPU.
-    ``shapes``: config key (model, reward_model, cost_model) -> the model's shape."""
-    model = shapes["model"]
+def model_terms(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration, model: str,
+                fabric: Fabric) -> dict[str, dict[str, float]]:
+    """Phase -> terms of the calls of one ``model`` of the run (MODELS), at its layout as ``cfg``
+    places it (``placement.model_layout``; the actor's generation at ``rollout.tp``), its
+    collectives spanning its pool as ``fabric`` says. The offload options' host copies are not
+    in it (``predict`` adds them)."""
     response = cfg.rollout.sampling.max_tokens  # the actor's output layer runs over these
     seq = cfg.data.max_prompt_tokens + response
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
-    fwd_mb = micro_batch_rows(cfg.actor.engine, seq, True)
-    lora = None
-    if cfg.actor.lora.enabled:
-        lora = lora_param_counts(model, cfg.actor.lora)
+    layout, _ = model_layout(cfg, model)
+    if model in ("actor", "reference"):
+        part = cfg.actor if layout == cfg.actor.layout else _at(cfg.actor, layout)
+        shape, fwd_mb = shapes["model"], micro_batch_rows(cfg.actor.engine, seq, True)
+    else:
+        part = cfg.critic if layout == cfg.critic.layout else _at(cfg.critic, layout)
+        shape = critic_shape(shapes) if model in TRAINED_CRITICS else shapes[model]
+        fwd_mb = micro_batch_rows(cfg.critic.engine, seq, True)
+    if model == "reference":  # with LoRA: the actor with its adapters off, the base's forward
+        return {"ref_logprobs": _forward(shape, part, samples, seq, calib, "lm", fwd_mb,
+                                         response=response)}
+    if model in ("reward_model", "cost_model"):  # both inside the trainer's reward phase
+        return {"reward": _forward(shape, part, samples, seq, calib, "value", fwd_mb)}
+    if model in TRAINED_CRITICS:
+        name = "values" if model == "critic" else "cost_values"
+        return {name: _forward(shape, part, samples, seq, calib, "value", fwd_mb),
+                f"update_{model}": _update(shape, part, samples, seq, calib, "value", fabric)}
+    lora = lora_param_counts(shape, cfg.actor.lora) if cfg.actor.lora.enabled else None
     adapters = None if lora is None else lora[1]
-    terms = {"reshard": _reshard(cfg, model, calib, lora),
-             "weight_load": _weight_load(cfg, model, calib),
-             "generate": _generate(cfg, model, calib),
-             "back_to_train": _back_to_train(cfg, model, calib, lora)}
+    terms = {"reshard": _reshard(cfg, shape, calib, lora, fabric),
+             "weight_load": _weight_load(cfg, shape, calib),
+             "generate": _generate(cfg, shape, calib),
+             "back_to_train": _back_to_train(cfg, shape, calib, lora)}
     if not cfg.old_logprobs_from_update:  # else the update's own forward gives them
-        terms["old_logprobs"] = _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb,
+        terms["old_logprobs"] = _forward(shape, part, samples, seq, calib, "lm", fwd_mb,
                                          adapters=adapters, response=response)
-    # With LoRA the reference is the actor with its adapters off: the base's forward.
-    terms["ref_logprobs"] = _forward(model, cfg.actor, samples, seq, calib, "lm", fwd_mb,
-                                     response=response)
-    critic_mb = micro_batch_rows(cfg.critic.engine, seq, True)
-    if cfg.algorithm.spec.critic:
-        terms["values"] = _forward(model, cfg.critic, samples, seq, calib, "value", critic_mb)
-    if cfg.algorithm.spec.cost_critic:  # the critic's twin: its shape, layout and engine
-        terms["cost_values"] = dict(terms["values"])
-    for key in ("reward_model", "cost_model"):  # both inside the trainer's reward phase
-        if key in shapes:
-            scores = _forward(shapes[key], cfg.critic, samples, seq, calib, "value", critic_mb)
-            terms["reward"] = {k: terms.get("reward", {}).get(k, 0.0) + v
-                               for k, v in scores.items()}
-    if cfg.algorithm.spec.critic:
-        terms["update_critic"] = _update(model, cfg.critic, samples, seq, calib, "value")
-    if cfg.algorithm.spec.cost_critic:
-        terms["update_cost_critic"] = dict(terms["update_critic"])
-    terms["update_actor"] = _update(model, cfg.actor, samples, seq, calib, "lm", adapters,
+    terms["update_actor"] = _update(shape, part, samples, seq, calib, "lm", fabric, adapters,
                                     response)
+    return terms
+
+
+def _at(part, layout: TrainLayout):
+    """A shallow copy of ``part`` (an actor or critic section) at ``layout``, unchecked: the
+    cost model reads its engine and batch sizes, and the layout here."""
+    out = copy.copy(part)
+    out.layout = layout
+    return out
+
+
+def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration,
+            placement: Placement | None = None) -> Prediction:
+    """Seconds of every phase of one iteration of ``cfg`` (an RLConfig) and its memory per GPU.
+    ``shapes``: config key (model, reward_model, cost_model) -> the model's shape. Each model's
+    calls are priced at its own layout on its own pool (``placement``, default
+    ``resolve_placement(cfg)``); the step composes them by stage (``staged_step``)."""
+    placement = placement or resolve_placement(cfg)
+    pools = {pool.name: pool for pool in placement.pools}
+    by_model = {m: model_terms(cfg, shapes, calib, m,
+                               Fabric.of(cfg, calib, pools[placed.pool].devices_per_node))
+                for m, placed in placement.models.items()}
     memory = estimate_memory(cfg, shapes)
-    _offload(cfg, memory, calib, terms)
+    # the offloaded phases (ref_logprobs, reshard, back_to_train) each have one model: their
+    # terms are that model's, changed in place
+    _offload(cfg, memory, calib, {p: t for phases in by_model.values() for p, t in phases.items()})
+    terms: dict[str, dict[str, float]] = {}
+    lanes: dict[str, dict[str, float]] = {}
+    for m, phases in by_model.items():
+        lane = lanes.setdefault(placement.models[m].pool, {})
+        for phase, t in phases.items():
+            whole = terms.setdefault(phase, {})
+            for k, v in t.items():
+                whole[k] = whole.get(k, 0.0) + v
+            lane[phase] = lane.get(phase, 0.0) + sum(t.values())
+    terms = {p: terms[p] for p in PHASES if p in terms}
     return Prediction(phases={k: sum(v.values()) for k, v in terms.items()},
-                      memory=memory, terms=terms,
-                      profiled=_profile(calib, model, cfg.actor) is not None)
+                      memory=memory, terms=terms, lanes=lanes,
+                      profiled=_profile(calib, shapes["model"], cfg.actor) is not None)
+

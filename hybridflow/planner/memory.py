@@ -133,6 +133,14 @@ class MemoryEstimate:
 def param_count(shape: ModelConfig, head: str = "lm") -> int:
     """Parameters of the model; ``head="value"`` swaps the LM output layer for a scalar head
     (critics, reward and cost models)."""
+    return _param_count(tuple(vars(shape).items()), head)
+
+
+@functools.lru_cache(maxsize=256)
+def _param_count(fields: tuple, head: str) -> int:
+    # ``param_count`` of the shape of these (name, value) pairs: the planner's search asks it
+    # of the same few shapes thousands of times
+    shape = ModelConfig(**dict(fields))
     metas = llama_param_metas(shape)
     n = sum(math.prod(m.shape) for m in metas)
     if head == "value":
@@ -156,46 +164,51 @@ def layer_activation_bytes(shape: ModelConfig, seq: int, micro_batch: int, tp: i
 def estimate_memory(cfg: Any, shapes: dict[str, ModelConfig]) -> MemoryEstimate:
     """Bytes per GPU, per pool, phase and role (see the module docstring). ``cfg`` an RLConfig;
     ``shapes``: config key (model, reward_model, cost_model) -> that model's shape."""
+    placement = resolve_placement(cfg)
+    return MemoryEstimate(pools=tuple(pool_memory(cfg, shapes, placement, pool)
+                                      for pool in placement.pools))
+
+
+def pool_memory(cfg: Any, shapes: dict[str, ModelConfig], placement, pool) -> PoolMemory:
+    """One pool's bytes per GPU, per phase and role, its models at ``placement``'s layouts (the
+    actor's: ``cfg.actor.layout``). The planner's search asks this of each set of models it
+    places, ``placement`` holding that set's pool."""
     seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
-    pools = []
-    placement = resolve_placement(cfg)
-    for pool in placement.pools:
-        groups = tuple(placement.pool_groups(pool))
-        resident: dict[str, dict[str, int]] = {}  # role -> part -> bytes, outside its own phase
-        generation: dict[str, dict[str, int]] = {}
-        forward: dict[str, int] = {}  # role -> its forward pass's transient
-        updates: dict[str, tuple[str, int]] = {}  # phase -> (role, its activations)
-        for group in groups:
-            layout = placement.models[group].layout
-            if group == "actor":
-                _actor(cfg, shapes["model"], seq, samples, resident, generation, forward,
-                       updates, placement.reference_in_actor)
-            elif group == "reference":
-                _reference(replace(cfg.actor, layout=layout), shapes["model"], seq,
-                           cfg.rollout.sampling.max_tokens, resident, forward)
-            else:
-                shape = critic_shape(shapes) if group in TRAINED_CRITICS else shapes[group]
-                _critic_side(replace(cfg.critic, layout=layout), group, shape, seq, samples,
-                             resident, forward, updates)
-        phases = {"generation": {role: dict(parts) for role, parts in resident.items()}}
-        for role, parts in generation.items():
-            phases["generation"].setdefault(role, {}).update(parts)
-        if "actor" in phases["generation"]:  # the switch releases the actor's grads
-            phases["generation"]["actor"].pop("grads")
-            if cfg.hybrid_engine.offload_optimizer:
-                phases["generation"]["actor"].pop("optimizer")
-        if cfg.ref.offload and "ref" in phases["generation"]:
-            phases["generation"]["ref"] = {}
-        if forward:  # the passes run one after another: the largest transient counts
-            role = max(forward, key=forward.get)
-            phases["inference"] = _with(resident, role, "forward transient", forward[role])
-        for name, (role, act) in updates.items():
-            phases[name] = _with(resident, role, "activations", act)
-            if cfg.ref.offload:
-                phases[name]["ref"] = {}
-        pools.append(PoolMemory(groups=groups, ranks=pool.ranks, phases=phases))
-    return MemoryEstimate(pools=tuple(pools))
+    groups = tuple(placement.pool_groups(pool))
+    resident: dict[str, dict[str, int]] = {}  # role -> part -> bytes, outside its own phase
+    generation: dict[str, dict[str, int]] = {}
+    forward: dict[str, int] = {}  # role -> its forward pass's transient
+    updates: dict[str, tuple[str, int]] = {}  # phase -> (role, its activations)
+    for group in groups:
+        layout = placement.models[group].layout
+        if group == "actor":
+            _actor(cfg, shapes["model"], seq, samples, resident, generation, forward,
+                   updates, placement.reference_in_actor)
+        elif group == "reference":
+            _reference(replace(cfg.actor, layout=layout), shapes["model"], seq,
+                       cfg.rollout.sampling.max_tokens, resident, forward)
+        else:
+            shape = critic_shape(shapes) if group in TRAINED_CRITICS else shapes[group]
+            _critic_side(replace(cfg.critic, layout=layout), group, shape, seq, samples,
+                         resident, forward, updates)
+    phases = {"generation": {role: dict(parts) for role, parts in resident.items()}}
+    for role, parts in generation.items():
+        phases["generation"].setdefault(role, {}).update(parts)
+    if "actor" in phases["generation"]:  # the switch releases the actor's grads
+        phases["generation"]["actor"].pop("grads")
+        if cfg.hybrid_engine.offload_optimizer:
+            phases["generation"]["actor"].pop("optimizer")
+    if cfg.ref.offload and "ref" in phases["generation"]:
+        phases["generation"]["ref"] = {}
+    if forward:  # the passes run one after another: the largest transient counts
+        role = max(forward, key=forward.get)
+        phases["inference"] = _with(resident, role, "forward transient", forward[role])
+    for name, (role, act) in updates.items():
+        phases[name] = _with(resident, role, "activations", act)
+        if cfg.ref.offload:
+            phases[name]["ref"] = {}
+    return PoolMemory(groups=groups, ranks=pool.ranks, phases=phases)
 
 
 def check_memory_fits(cfg: Any, estimate: MemoryEstimate) -> None:

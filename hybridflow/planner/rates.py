@@ -51,6 +51,10 @@ class Calibration:
     """torch version the rates were measured with."""
     measured_at: str
     """When they were measured: ISO 8601 date-time, UTC."""
+    inter_node: float | None = None
+    """Bytes/s one node sends to the others, for collectives whose group spans nodes; None
+    where not known (``calibrate`` measures one node; a file may carry the cluster's stated
+    rate). ``cluster.inter_node_gb_s`` takes its place where set. Optional in the file."""
     passes: list[PassProfile] = dataclasses.field(default_factory=list)
     """The efficiencies of one model's passes (``hybridflow calibrate --config CONFIG``), one
     per model shape and dtype; without one for a run's model the cost model's seconds are floors.
@@ -77,6 +81,7 @@ class Calibration:
                 check_int(f"{name} group size", size, low=2)
                 check_float(f"{name}.{size}", rate, low=0, low_open=True)
         check_float("host_to_device", self.host_to_device, low=0, low_open=True, none_ok=True)
+        check_float("inter_node", self.inter_node, low=0, low_open=True, none_ok=True)
         if not isinstance(self.passes, list):
             raise ArgumentError("passes", f"must be a list of pass profiles, got {self.passes!r}")
         self.passes = [p if isinstance(p, PassProfile) else _profile_from(p)
@@ -130,7 +135,7 @@ class Calibration:
         if not isinstance(data, dict):
             raise ConfigError(FIELD, f"{path}: not a JSON object; {fix}")
         names = {f.name for f in dataclasses.fields(cls)}
-        optional = {"passes"}
+        optional = {"passes", "inter_node"}
         for what, keys in (("missing", names - optional - data.keys()),
                            ("unknown", data.keys() - names)):
             if keys:

@@ -3,8 +3,10 @@ memory estimate fits, ranked by the cost model's step time.
 
 A mapping is the actor's training layout (tp, pp, dp over the run's devices), its generation
 tensor parallelism ``rollout.tp`` and the training micro-batch size; the critics and the reward
-and cost models take the actor's layout (HybridFlow's default placement: every model colocated on
-every device). The devices are ``cluster.nodes x cluster.gpus_per_node`` when the cluster is
+and cost models take the actor's layout (every model colocated on every device: DeepSpeed-Chat's
+placement, this loop's default). The search over placements, HybridFlow's Algorithm 1, is
+``hybridflow.planner.placements``: ``hybridflow plan`` on a declared cluster and
+``placement: auto``. The devices are ``cluster.nodes x cluster.gpus_per_node`` when the cluster is
 declared, else the actor's world size as configured (on CPU: its processes). A tensor-parallel
 group stays inside a node.
 """
@@ -166,7 +168,11 @@ def resolve_auto(cfg: Any, shapes: dict[str, ModelConfig]) -> tuple[Any, Mapping
 
 def plan_layout(cfg: Any, log=print) -> Any:
     """``resolve_auto`` for a run about to start (the trainer, ``hybridflow check``): the model
-    shapes looked up, the choice logged in one line."""
+    shapes looked up, the choice logged in one line; with ``placement: auto`` the placement
+    search's fastest placement (``placements.choose_placement``)."""
+    if cfg.placement.preset == "auto":
+        from hybridflow.planner.placements import choose_placement
+        return choose_placement(cfg, model_sources(cfg)[1], load_calibration(cfg), log)
     if not cfg.planned_keys:
         return cfg
     chosen, mapping = resolve_auto(cfg, model_sources(cfg)[1])
@@ -193,10 +199,15 @@ def run_prediction(cfg: Any, shapes: dict[str, ModelConfig]) -> Prediction | Non
 
 
 def plan_lines(cfg: Any, top: int = 5) -> list[str]:
-    """What ``hybridflow plan`` prints: the fastest mappings that fit, each phase's predicted
-    seconds and the peak memory per device, then where the configured mapping stands."""
+    """What ``hybridflow plan`` prints: on a declared cluster the placement search's table
+    (``placements.placement_lines``); else the fastest colocated mappings over the configured
+    world size, each phase's predicted seconds and the peak memory per device, then where the
+    configured mapping stands."""
     calib = load_calibration(cfg)
     _, shapes = model_sources(cfg)
+    if cfg.cluster.nodes is not None:  # the devices are known: every placement
+        from hybridflow.planner.placements import placement_lines
+        return placement_lines(cfg, shapes, calib, top)
     fits, refused = search(cfg, shapes, calib)
     world = devices(cfg)
     where = (f"{cfg.cluster.nodes} node(s) x {cfg.cluster.gpus_per_node}, "

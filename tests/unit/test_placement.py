@@ -81,7 +81,8 @@ def test_written_out_pools_and_own_layouts():
     (["placement.pools.a.nodes=0", "placement.models.actor=a"], "placement.pools.a.nodes",
      "positive integer"),
     (["ray.colocate=false"], "ray.colocate", "placement.preset"),
-    (["placement.preset=split", "layout=auto"], "placement", "searches no other placement"),
+    (["placement.preset=split", "layout=auto"], "placement", "use placement: auto"),
+    (["placement=auto"], "placement", "cluster.nodes"),
 ])
 def test_placement_mistakes_name_the_key(overrides, key, message):
     with pytest.raises(ConfigError) as e:
