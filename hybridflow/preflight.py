@@ -123,6 +123,8 @@ class RunCheck:
                      f"{samples}; actor: {cfg.actor.ppo_epochs} epoch(s) x "
                      f"{cfg.actor.mini_batches} mini-batch(es); {cfg.steps} steps, "
                      f"algorithm {cfg.algorithm.name}")
+        if cfg.rollout.multi_turn.enabled:
+            lines.append(cfg.rollout.multi_turn.describe())
         lines.append(f"start: {self.resume.describe()}")
         if self.memory is not None:
             lines.extend(describe(cfg, self.memory))

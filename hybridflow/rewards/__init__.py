@@ -340,7 +340,7 @@ def resolve_function(spec: str, key: str = "reward", trust: Sequence[str] = (), 
         raise ConfigError(key, f"{spec!r}: {target} is not a module {trust_key} lists; a "
                                "function from it would run on the model's text (yaml:unsafe_load "
                                "and sympy:sympify run code written in it). Name a def of your "
-                               "own file (my_file.py:function), or list the module if you "
+                               f"{_own_file(trust_key)}, or list the module if you "
                                f"trust it: {trust_key}: [{target}]")
     module = _import_module(target, spec, key)
     if not hasattr(module, attr):
@@ -350,16 +350,23 @@ def resolve_function(spec: str, key: str = "reward", trust: Sequence[str] = (), 
         raise ConfigError(key, f"{spec!r} is {_kind(fn)}, not a function defined with def: "
                                "builtins and wrappers (callable objects, partials, "
                                "numpy.vectorize) are refused, since they can hide what runs on "
-                               "the model's text. Name a def of your own file, e.g. "
-                               "my_file.py:function")
+                               "the model's text. Name a def of your "
+                               f"{_own_file(trust_key)}")
     origin, source = fn.__module__ or "", fn.__code__.co_filename
     defined_here = user_file and origin == module.__name__ and _same_file(source, target)
     if not defined_here and not _trusted(origin, (own, *trust)):
         raise ConfigError(key, f"{spec!r} is {fn.__qualname__} of {source}, which {target} does "
                                f"not define and {trust_key} does not list; name a def of your "
-                               f"own file, or list its module if you trust it: {trust_key}: "
-                               f"[{origin}]")
+                               f"{_own_file(trust_key)}, or list its module if you trust it: "
+                               f"{trust_key}: [{origin}]")
     return fn
+
+
+def _own_file(trust_key: str) -> str:
+    """The user's file in a refusal: a reward file, or (another trust list's) a file of one's
+    own."""
+    return ("reward file (my_rewards.py:score)" if trust_key == "reward_trust"
+            else "own file (my_file.py:function)")
 
 
 def _trusted(module: str, trust: Sequence[str]) -> bool:

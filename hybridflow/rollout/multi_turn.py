@@ -90,6 +90,13 @@ class MultiTurnConfig:
     def enabled(self) -> bool:
         return bool(self.tools)
 
+    def describe(self) -> str:
+        """One line for ``hybridflow check``."""
+        tools = ", ".join(f"{name} ({ref})" for name, ref in self.tool_refs().items())
+        return (f"multi-turn: tools {tools}; calls written as {self.parser}; up to "
+                f"{self.max_turns} turns and {self.max_tool_calls} calls a sample, each call "
+                f"sandboxed within {self.tool_timeout_s:g} s and {self.tool_memory_mb} MB")
+
     def parse_fn(self) -> Callable[[str], list[ToolCall]]:
         """The parser ``parser`` names."""
         if self.parser in PARSERS:

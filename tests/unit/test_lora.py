@@ -118,7 +118,8 @@ def test_a_failed_generation_switches_back_to_training():
         hybrid=SimpleNamespace(to_generation=lambda: SimpleNamespace(tensors={}),
                                to_training=lambda: calls.append("to_training")),
         rollout=SimpleNamespace(load_from_switch=lambda t: None, wake=lambda: None,
-                                capture_seconds=0.0, generate=fail))
+                                capture_seconds=0.0, generate=fail),
+        tools=None)
     with pytest.raises(RuntimeError, match="rollout failed"):
         ActorRolloutRefWorker.generate(worker, {"prompt_ids": []})
     assert calls == ["to_training"]

@@ -196,3 +196,11 @@ def test_metrics_count_turns_calls_and_outcomes():
                  "multi_turn/ok_call_frac": 0.25, "multi_turn/tool_errors": 1,
                  "multi_turn/tool_timeouts": 1, "multi_turn/malformed_calls": 1,
                  "timing/tools_s": 5.75, "multi_turn/tool_tokens_mean": 5.0}
+
+
+def test_check_describes_the_tools_in_one_line():
+    config = mt.MultiTurnConfig(tools=["calculator", "python"], max_turns=3, max_tool_calls=2)
+    assert config.describe() == (
+        "multi-turn: tools calculator (hybridflow.agent.tools:calculator), python "
+        "(hybridflow.agent.tools:python); calls written as hermes; up to 3 turns and 2 calls a "
+        "sample, each call sandboxed within 5 s and 256 MB")
