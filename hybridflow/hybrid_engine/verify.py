@@ -118,37 +118,52 @@ def locate(meta: ParamMeta, smp: Sample, tp: int = 1, rank: int = 0, blocks: int
 
 class Probe:
     """Partial fingerprints of named tensors into numbered slots: each entry reads the samples
-    ``locate`` gave of one tensor and adds them to its slot. Built once (the layouts are fixed),
-    run at every sync."""
+    ``locate`` gave of one tensor (as flat offsets into it, ``torch.take``) and adds them to its
+    slot. Built once (the layouts are fixed), run at every sync."""
 
     def __init__(self, slots: int):
         self.slots = slots
-        self.entries: list[tuple[str, tuple[torch.Tensor, ...]]] = []
+        self.names: list[str] = []
+        self._flat: list[torch.Tensor] = []
         self._weights: list[torch.Tensor] = []
         self._slot: list[torch.Tensor] = []
         self._cache: dict[torch.device, tuple] = {}
 
-    def add(self, name: str, slot: int, located: tuple[tuple[torch.Tensor, ...], torch.Tensor]
-            ) -> None:
+    def add(self, name: str, slot: int, located: tuple[tuple[torch.Tensor, ...], torch.Tensor],
+            shape: Sequence[int]) -> None:
+        """Read the samples ``located`` of tensor ``name``, of ``shape``, into ``slot``."""
         index, weights = located
-        self.entries.append((name, index))
+        flat = torch.zeros_like(weights)
+        for i, stride in zip(index, _strides(shape)):
+            flat += i * stride
+        self.names.append(name)
+        self._flat.append(flat)
         self._weights.append(weights)
         self._slot.append(torch.full_like(weights, slot))
 
     def __call__(self, tensors: Mapping[str, torch.Tensor], device: torch.device) -> torch.Tensor:
         """int64 ``[slots]`` on ``device``: each slot's sum of its entries' weighted sampled bits
-        (``tensors`` holds every entry's name)."""
+        (``tensors`` holds every entry's name, each of the shape it was added with)."""
         out = torch.zeros(self.slots, dtype=torch.int64, device=device)
-        if not self.entries:
+        if not self.names:
             return out
         if device not in self._cache:
-            self._cache[device] = (
-                [tuple(i.to(device) for i in index) for _, index in self.entries],
-                torch.cat(self._weights).to(device), torch.cat(self._slot).to(device))
-        indices, weights, slot = self._cache[device]
-        values = torch.cat([tensors[name].detach()[index].reshape(-1)
-                            for (name, _), index in zip(self.entries, indices)])
+            self._cache[device] = ([f.to(device) for f in self._flat],
+                                   torch.cat(self._weights).to(device),
+                                   torch.cat(self._slot).to(device))
+        flats, weights, slot = self._cache[device]
+        values = torch.cat([torch.take(tensors[name].detach(), flat)
+                            for name, flat in zip(self.names, flats)])
         return out.index_add_(0, slot, bits(values) * weights)
+
+
+def _strides(shape: Sequence[int]) -> list[int]:
+    """Element strides of a contiguous tensor of ``shape``."""
+    out, step = [], 1
+    for size in reversed(shape):
+        out.append(step)
+        step *= size
+    return out[::-1]
 
 
 def bits(values: torch.Tensor) -> torch.Tensor:
@@ -199,13 +214,15 @@ class SyncCheck:
             smp = sample(m.shape)
             blocks = gp.blocks if stacked else 1
             self.shapes[name] = gp.shape if stacked else m.shard_shape(gen.tp)
-            self.held.add(name, slot, locate(m, smp, gen.tp, rp.gen_tp_rank, blocks))
+            self.held.add(name, slot, locate(m, smp, gen.tp, rp.gen_tp_rank, blocks),
+                          self.shapes[name])
             if owner_stage(m, train.pp, num_layers, train.last_stage_layers) != pp_rank:
                 continue
             if m.tp_dim is not None:
-                self.sent.add(name, slot, locate(m, smp, train.tp, tp_rank))
+                self.sent.add(name, slot, locate(m, smp, train.tp, tp_rank),
+                              m.shard_shape(train.tp))
             elif tp_rank % gen.tp_stride == 0:
-                self.sent.add(name, slot, locate(m, smp))
+                self.sent.add(name, slot, locate(m, smp), m.shape)
 
     def verify(self, sent: torch.Tensor, tensors: Mapping[str, torch.Tensor], group,
                dtype: torch.dtype, version: int) -> None:

@@ -82,7 +82,7 @@ def test_faults_change_the_fingerprint():
 def test_a_probe_sums_several_tensors_per_slot():
     probe = Probe(2)
     for slot, name in enumerate((QKV, FC1)):
-        probe.add(name, slot, locate(METAS[name], sample(METAS[name].shape)))
+        probe.add(name, slot, locate(METAS[name], sample(METAS[name].shape)), METAS[name].shape)
     ws = {QKV: full(QKV), FC1: full(FC1)}
     got = probe(ws, torch.device("cpu")).tolist()
     assert got == [fingerprint(ws[QKV], METAS[QKV]), fingerprint(ws[FC1], METAS[FC1])]
