@@ -16,6 +16,10 @@ time:
   in it (``resident_offsets``: every TP-split one with stacked shards) copied there and their
   all-gathers in place; ``resident_back_s``: the shards copied out into memory of their own and
   the storage freed;
+* ``verified_s``: ours with ``weight_sync.verify: every`` (the training shards' partial
+  fingerprints, the switch, their all-reduce in the micro-DP group and the generation tensors'
+  fingerprints, ``hybrid_engine.verify.SyncCheck``), and ``verify_s``: the check alone, after an
+  untimed switch; ``verify_frac`` = ``verify_s / transition_s``, against the bound ``0.02``;
 * ``floor_s``: one all-gather, in the same micro-DP groups, of as many bytes as our buckets carry
   (padding included), from a ready buffer into a ready buffer: no packing, no allocation;
 * ``per_tensor_s``: verl's path (``naive_gather``): all-gather every tensor over the training TP
@@ -68,6 +72,7 @@ from hybridflow.hybrid_engine.execute import (  # noqa: E402
 from hybridflow.hybrid_engine.plan import ReshardPlan, plan_reshard, resident_offsets  # noqa: E402
 from hybridflow.hybrid_engine.switch import (TIED_OUTPUT, generation_metas,  # noqa: E402
                                              naive_recv_bytes, redundant_bytes)
+from hybridflow.hybrid_engine.verify import SyncCheck  # noqa: E402
 from hybridflow.models.config import ModelConfig  # noqa: E402
 from hybridflow.models.params import (  # noqa: E402
     DTYPES, ParamMeta, llama_param_metas, num_layers_of, owner_stage, unstack)
@@ -263,7 +268,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--via-host-iters", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma-separated paths not to time: "
-                    "resident,floor,per_tensor,via_host")
+                    "verify,resident,floor,per_tensor,via_host")
     args = ap.parse_args(argv)
     layouts = args.layout or [f"{args.train_tp},{args.train_pp},{args.gen_tp},{args.gen_pp}"]
     try:
@@ -403,6 +408,28 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
     back_s = median_back_of(timer, ours, lambda w: back_to_training(w, shards), args.warmup,
                             args.iters)
 
+    # ---- ours, verified (weight_sync.verify: every), and the check alone
+    verify = {}
+    if "verify" not in skip:
+        sync_check = SyncCheck(plan, rank, stacked=True)
+
+        def checked(weights):
+            sync_check.verify(sync_check.sent(shards, device), weights, group, dtype, 1)
+            return weights
+
+        times = []
+        for i in range(args.warmup + args.iters):  # the check alone, after an untimed switch
+            weights = ours()
+            dt, _ = timer(lambda: checked(weights))
+            back_to_training(weights, shards)
+            times += [dt] if i >= args.warmup else []
+        verify_s = statistics.median(times)
+        verify = {"verified_s": median_of(timer, lambda: checked(ours()), args.warmup,
+                                          args.iters, after=lambda w: back_to_training(w, shards)),
+                  "verify_s": verify_s,
+                  "verify_frac": verify_s / transition_s if transition_s else None,
+                  "verify_bound": 0.02}
+
     # ---- resident: stacked shards; the training shards move into the storage and out again
     resident = {}
     rplan = plan_reshard(gen, metas, esz, bucket_bytes=_mb(args.bucket_mb),
@@ -487,7 +514,7 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
         "coalesce_mb": args.coalesce_mb,
         "buckets": len(st.buckets), "direct_buckets": direct, "launches": launches,
         "iters": args.iters,
-        "transition_s": transition_s, "back_s": back_s, "floor_s": floor_s,
+        "transition_s": transition_s, "back_s": back_s, **verify, "floor_s": floor_s,
         "ratio_to_floor": transition_s / floor_s if floor_s else None,
         **resident,
         "resident_ratio_to_floor": (resident["resident_s"] / floor_s
@@ -519,6 +546,11 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
         f"(per-tensor path: {b(naive_recv)}), padding {b(result['padding_bytes'])}")
     say(f"  train->gen  ours        {s(transition_s)}   ({vs_floor(transition_s)}, "
         f"{launches} launches)")
+    if verify:
+        frac = verify["verify_frac"]
+        say(f"  train->gen  verified    {s(verify['verified_s'])}   (the check alone "
+            f"{s(verify['verify_s']).strip()}: "
+            + (f"{100 * frac:.2f}% of ours, bound 2%)" if frac is not None else "nothing moved)"))
     if resident:
         say(f"  train->gen  resident    {s(resident['resident_s'])}   "
             f"({vs_floor(resident['resident_s'])}, {resident['resident_params']} shards "

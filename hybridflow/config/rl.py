@@ -23,6 +23,7 @@ from hybridflow.config.placement import PlacementConfig, resolve_placement
 from hybridflow.data.prompts import PromptDataConfig, source_readers, unread_options
 from hybridflow.errors import ConfigError, check_choice, check_float, check_int
 from hybridflow.hybrid_engine.switch import LORA_MERGES, MODES
+from hybridflow.hybrid_engine.verify import VERIFY_MODES
 from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.rewards import check_trust, installed_module
 from hybridflow.rollout.base import (ROLLOUT_BACKENDS, RolloutBackend, SamplingConfig,
@@ -217,6 +218,22 @@ class HybridEngineConfig:
 
 
 @dataclass(kw_only=True)
+class WeightSyncConfig:
+    """How the weights that generation receives are checked."""
+
+    verify: str = "every"
+    """every: each sync's generation tensors are checked against fingerprints of the training
+    shards they came from (a fixed sample of each, exchanged in one all-reduce), and a tensor
+    that is missing or arrived different stops the run, naming it, its shard and the sync;
+    first: the first sync of each worker process only; off: no check."""
+
+    def __post_init__(self) -> None:
+        if self.verify in (False, "False"):  # YAML reads a bare off as false, OmegaConf as "False"
+            self.verify = "off"
+        check_choice("verify", self.verify, VERIFY_MODES)
+
+
+@dataclass(kw_only=True)
 class AlgorithmConfig:
     """Advantage estimator and KL control."""
 
@@ -306,6 +323,8 @@ class RLConfig:
     """Generation."""
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
     """The train <-> generation switch."""
+    weight_sync: WeightSyncConfig = field(default_factory=WeightSyncConfig)
+    """The check of the weights generation receives."""
     algorithm: AlgorithmConfig = field(default_factory=AlgorithmConfig)
     """Advantages and KL."""
     data: PromptDataConfig = field(default_factory=PromptDataConfig)

@@ -176,7 +176,8 @@ def start_groups(cfg, model_dir: str, checkpoints: dict[str, Any]) -> Groups:
                 group = WorkerGroup(
                     ActorRolloutRefWorker, size, ray_config=cfg.ray, name="actor",
                     pool=pools[pool], actor=cfg.actor, rollout=cfg.rollout, ref=cfg.ref,
-                    hybrid_engine=cfg.hybrid_engine, model_dir=model_dir, seed=cfg.seed,
+                    hybrid_engine=cfg.hybrid_engine, weight_sync=cfg.weight_sync,
+                    model_dir=model_dir, seed=cfg.seed,
                     pad_token_id=cfg.pad_token_id, max_prompt_tokens=cfg.data.max_prompt_tokens,
                     with_ref=placement.reference_in_actor)
                 built["actor"] = ActorGroup(group, pool, timeline)

@@ -377,7 +377,7 @@ def step_metrics(run: Run, batch: Batch) -> dict[str, float]:
            "kl": float((kl * mask).sum() / mask.sum().clamp(min=1)),
            "kl_coef": run.controllers.kl.value}
     out.update({k: v for k, v in batch.meta.items()
-                if k.startswith(("timing/", "reshard/", "memory/"))})
+                if k.startswith(("timing/", "reshard/", "weight_sync/", "memory/"))})
     if "costs" in batch:
         out["cost/mean"] = batch["costs"].mean().item()
     if "overlong_penalty" in batch:

@@ -42,6 +42,14 @@ GPU) taken at the first switch -- the base is frozen, so one copy serves every s
 the resident switch works as without LoRA; the price is host memory for the adapted shards and
 one host-to-device copy of them per switch back (exact: the base's own bytes come back).
 
+Verification (``verify``, the run's ``weight_sync.verify``: every sync, the first, or off). Each
+rank checks the generation tensors it built against what its micro-DP group's training shards
+sent (``verify.SyncCheck``): each member sums a fixed sample of its shards before the gather, one
+all-reduce of those partial fingerprints (an int64 per generation tensor) gives what each
+generation tensor must hold, and a tensor that is missing, misshapen or different stops the switch
+with a ``WeightSyncError`` naming it, its generation shard and the sync's number. Its time is
+``verify_seconds``, apart from ``seconds``.
+
 Tied embeddings. With ``tie_embeddings`` the vLLM model ties ``lm_head`` to ``embed_tokens``, so a
 generation pipeline of one stage needs only the embedding. With a generation pipeline of several
 stages the last one needs the embedding as its output layer too: the last *training* stage holds
@@ -66,6 +74,7 @@ from hybridflow.hybrid_engine.execute import (back_to_training, create_micro_dp_
                                               gather_generation_weights, naive_gather,
                                               new_storage, place_shards)
 from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
+from hybridflow.hybrid_engine.verify import VERIFY_MODES, SyncCheck
 from hybridflow.models.params import ParamMeta, num_layers_of, owner_stage
 from hybridflow.parallel.layout import GenLayout
 
@@ -101,7 +110,10 @@ class GenerationWeights:
     With LoRA merged by copy every adapted weight's merged shard counts: it is a second copy
     beside the base (merged in place it is the base's own memory)."""
     seconds: float
-    """Wall time of the switch, release of grads/optimizer state included."""
+    """Wall time of the switch, release of grads/optimizer state included, its verification
+    not."""
+    verify_seconds: float = 0.0
+    """Wall time of the sync's verification (``weight_sync.verify``; 0 when not verified)."""
 
     @property
     def nbytes(self) -> int:
@@ -186,7 +198,8 @@ class HybridEngine:
 
     def __init__(self, engine: TrainEngine, gen_tp: int = 1, gen_pp: int = 1,
                  bucket_mb: float = 256, mode: str = "3d", offload_optimizer: bool = False,
-                 resident: bool = False, blocks: bool = False, lora_merge: str = "copy"):
+                 resident: bool = False, blocks: bool = False, lora_merge: str = "copy",
+                 verify: str = "every"):
         if mode not in MODES:
             raise ValueError(f"hybrid_engine.mode: unknown mode {mode!r}; use one of {MODES}")
         if lora_merge not in LORA_MERGES:
@@ -204,6 +217,9 @@ class HybridEngine:
                              "set resident to false or lora_merge to in_place")
         if not bucket_mb > 0:
             raise ValueError(f"hybrid_engine.bucket_mb: must be > 0, got {bucket_mb}")
+        if verify not in VERIFY_MODES:
+            raise ValueError(f"weight_sync.verify: unknown {verify!r}; use one of "
+                             f"{VERIFY_MODES}")
         self.engine, self.mode, self.offload_optimizer = engine, mode, offload_optimizer
         self.lora_merge = lora_merge
         self._base: dict[str, torch.Tensor] = {}  # host copies of the adapted base shards
@@ -220,8 +236,14 @@ class HybridEngine:
         self.plan = plan_reshard(self.gen, self.metas, self.dtype_bytes,
                                  bucket_bytes=max(1, int(bucket_mb * 2**20)), blocks=blocks)
         # Collective over the whole world: every rank builds the same groups in the same order,
-        # once; the naive path reuses Megatron's TP and PP groups.
-        self.groups = create_micro_dp_groups(self.gen) if mode == "3d" else None
+        # once; the naive path reuses Megatron's TP and PP groups (and its verification the
+        # micro-DP groups, which hold the sources of each generation shard).
+        self.verify = verify
+        self.groups = (create_micro_dp_groups(self.gen) if mode == "3d" or verify != "off"
+                       else None)
+        self.check = SyncCheck(self.plan, self.rank, stacked=mode == "3d") \
+            if verify != "off" else None
+        self.syncs = 0  # switches to generation so far: the version generation holds
         self.replica, self.gen_pp_rank, self.gen_tp_rank = self.gen.coords(self.rank)
         self.naive_bytes = naive_recv_bytes(self.gen, self.metas, self.rank, self.dtype_bytes)
         self._grad_buffers: list[tuple[object, int]] = []  # (Megatron grad buffer, bytes)
@@ -242,12 +264,16 @@ class HybridEngine:
 
     # ----------------------------------------------------------------------------- the switch
     def to_generation(self) -> GenerationWeights:
-        """Release grads (and optimizer state) and build this rank's generation weights."""
+        """Release grads (and optimizer state) and build this rank's generation weights;
+        verified (``verify``: every sync, or the first of this engine) or ``WeightSyncError``."""
         if self._weights is not None:
             raise RuntimeError("HybridEngine.to_generation: already in the generation layout; "
                                "call to_training() first")
+        verify = self.verify == "every" or (self.verify == "first" and self.syncs == 0)
+        self.syncs += 1
         _sync(self.engine.device)
         start = time.perf_counter()
+        checked = 0.0
         self._release_grad_buffers()
         if self.offload_optimizer:
             self._move_optimizer_state(torch.device("cpu"))
@@ -262,6 +288,10 @@ class HybridEngine:
         shards = self._train_shards()
         try:
             source = self._merge_adapters(shards)
+            if verify:
+                begin = time.perf_counter()
+                sent = self.check.sent(source, self.engine.device)  # before anything is sent
+                checked += time.perf_counter() - begin
             if self.mode == "3d":
                 tensors = gather_generation_weights(self.plan, self.rank, source, self.groups,
                                                     storage=storage)
@@ -269,6 +299,12 @@ class HybridEngine:
             else:
                 tensors = naive_gather(self.gen, self.metas, self.rank, source, self._train_group)
                 received = self.naive_bytes
+            if verify:
+                _sync(self.engine.device)
+                begin = time.perf_counter()
+                group = self.groups[self.plan.ranks[self.rank].group]
+                self.check.verify(sent, tensors, group, self.dtype, self.syncs)
+                checked += time.perf_counter() - begin
         except BaseException:
             if storage is not None:
                 self._place(None)
@@ -284,7 +320,8 @@ class HybridEngine:
         self._weights = GenerationWeights(
             tensors=tensors, gen_tp_rank=self.gen_tp_rank, gen_pp_rank=self.gen_pp_rank,
             replica=self.replica, bytes_received=received, naive_bytes=self.naive_bytes,
-            redundant_bytes=redundant, seconds=time.perf_counter() - start)
+            redundant_bytes=redundant, seconds=time.perf_counter() - start - checked,
+            verify_seconds=checked)
         if self.rank == 0:
             log.info("HybridEngine: to generation in %.3f s, received %.1f MB (naive path: %.1f "
                      "MB)", self._weights.seconds, received / 2**20, self.naive_bytes / 2**20)

@@ -30,13 +30,14 @@ from hybridflow.workers.updates import (engine_batch, load_rank_state, logprob_b
 
 class ActorRolloutRefWorker(Worker):
     """Actor + rollout + reference on one rank. It receives its roles' configs only (the
-    ``actor``, ``rollout``, ``ref`` and ``hybrid_engine`` sections of the run config) and the
+    ``actor``, ``rollout``, ``ref``, ``hybrid_engine`` and ``weight_sync`` sections of the run
+    config) and the
     run-wide values it needs: the sampling ``seed``, ``pad_token_id`` and the prompt width
     ``max_prompt_tokens``. ``with_ref=False``: the reference lives in a group of its own
     (``ReferenceWorker``), and this one holds none."""
 
     def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, *, actor, rollout, ref,
-                 hybrid_engine, model_dir: str, seed: int, pad_token_id: int,
+                 hybrid_engine, weight_sync, model_dir: str, seed: int, pad_token_id: int,
                  max_prompt_tokens: int, with_ref: bool = True):
         super().__init__(rank, world_size, rendezvous)
         self.actor_cfg, self.rollout_cfg, self.ref_cfg = actor, rollout, ref
@@ -62,7 +63,8 @@ class ActorRolloutRefWorker(Worker):
                                    offload_optimizer=hybrid_engine.offload_optimizer,
                                    resident=hybrid_engine.resident_for(actor, rollout),
                                    blocks=self.rollout.takes_stacked,
-                                   lora_merge=hybrid_engine.lora_merge)
+                                   lora_merge=hybrid_engine.lora_merge,
+                                   verify=weight_sync.verify)
         self.dp_group = self.actor.pg.dp
 
     def _make_rollout(self):
@@ -121,7 +123,9 @@ class ActorRolloutRefWorker(Worker):
         out = self._pack(outputs, batch, sampling)
         out.meta.update({
             "timing/reshard_s": weights.seconds, "timing/weight_load_s": loaded - start
-            - weights.seconds, "timing/generate_s": generated - loaded,
+            - weights.seconds - weights.verify_seconds, "timing/generate_s": generated - loaded,
+            # its check (0 where weight_sync.verify skipped it); the bytes: reshard/bytes_received
+            "weight_sync/verify_s": weights.verify_seconds,
             "timing/graph_capture_s": captured,  # inside generate_s
             "timing/rollout_sleep_s": slept - generated,
             "timing/back_to_train_s": time.perf_counter() - slept,

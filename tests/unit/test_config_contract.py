@@ -155,6 +155,7 @@ PROBES = [  # (overrides, the key the error must name, a piece of its message)
     (["name="], "name", "Incompatible value 'None'"),
     (["steps=abc"], "steps", "abc"),
     (["hybrid_engine.mode=fast"], "hybrid_engine.mode", "3d, naive"),
+    (["weight_sync.verify=sometimes"], "weight_sync.verify", "every, first, off"),
     (["hybrid_engine.mode=naive", "hybrid_engine.resident=true"], "hybrid_engine.resident",
      "hybrid_engine.mode=3d"),
     (["actor.lora.rank=4", "hybrid_engine.resident=true"], "hybrid_engine.resident",
