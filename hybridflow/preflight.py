@@ -40,6 +40,7 @@ from hybridflow.parallel.layout import GenLayout
 from hybridflow.planner.memory import (DTYPE_BYTES, MemoryEstimate, check_memory_fits, describe,
                                        estimate_memory)
 from hybridflow.rewards import as_reward_fn, math_reward_fn, reasoning_gym_reward_fn
+from hybridflow.rollout.multi_turn import ToolGlue
 from hybridflow.training.model import check_model_fits_layout
 from hybridflow.validation import check_validation
 from hybridflow.workers.group import check_ray_address
@@ -235,6 +236,8 @@ def _check_prompts(cfg: RLConfig, prompts: list, model_dir: Path | None,
         tokenizer = load_tokenizer(model_dir) if model_dir is not None else None
         try:
             kept, dropped = tokenize_prompts(prompts, tokenizer, limit)
+            if cfg.rollout.multi_turn.enabled and tokenizer is not None:
+                ToolGlue(tokenizer).pieces(1)  # its chat template renders a tool's turn
         except ConfigError as e:  # the tokenizer's: name its checkpoint
             raise ConfigError(e.field, f"{model_dir}: {e.message}") from None
     if not kept:

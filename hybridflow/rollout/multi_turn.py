@@ -256,7 +256,6 @@ class _Sample:
     turns: int = 0
     calls: int = 0
     outcomes: list[ToolOutcome] = field(default_factory=list)
-    done: bool = False
 
 
 def generate_multi_turn(backend: RolloutBackend, prompt_token_ids: list[list[int]],
@@ -282,7 +281,6 @@ def generate_multi_turn(backend: RolloutBackend, prompt_token_ids: list[list[int
             s.out.finish_reason = finish
             tail = _next_turn(s, ids, finish, parse, config, glue, run_call, decode, budget)
             if tail is None:
-                s.done = True
                 continue
             s.out.response_token_ids += tail
             s.out.logprobs += [0.0] * len(tail)

@@ -204,3 +204,11 @@ def test_check_describes_the_tools_in_one_line():
         "multi-turn: tools calculator (hybridflow.agent.tools:calculator), python "
         "(hybridflow.agent.tools:python); calls written as hermes; up to 3 turns and 2 calls a "
         "sample, each call sandboxed within 5 s and 256 MB")
+
+
+def test_a_chat_template_without_a_tool_role_is_refused():
+    tok = make_tiny_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{% if m['role'] != 'tool' %}{{ m['content'] }}"
+                         "{% endif %}{% endfor %}")
+    with pytest.raises(ConfigError, match="no tool role"):
+        mt.ToolGlue(tok).pieces(1)
