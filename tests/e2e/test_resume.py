@@ -259,9 +259,10 @@ def test_a_multi_turn_run_killed_and_resumed_equals_an_uninterrupted_one(setup):
     assert all(r["multi_turn/turns_mean"] > 1.5 and r["multi_turn/ok_call_frac"] > 0.5
                for r in train), expected
     assert [r["step"] for r in expected if "val/reward" in r] == [0, 2, 4]  # greedy, multi-turn
-    # Killed while step 4 generates (checkpoint: step 2), started again with the same command.
+    # Killed once step 2's checkpoint is complete (during step 3), started again with the same
+    # command.
     first = Attempt(setup, "multi_turn_interrupted", *args)
-    first.wait_until(lambda: first.rows() >= 3)
+    first.wait_until((first.run_dir / "checkpoints" / "step_000002").is_dir)
     first.kill()
     last = Attempt(setup, "multi_turn_interrupted", *args)
     assert last.finish() == 0, last.output()
