@@ -316,13 +316,19 @@ def _next_turn(s: _Sample, ids: list[int], finish: str, parse, config: MultiTurn
     else:
         if not calls or s.calls + len(calls) > config.max_tool_calls:
             return None
+        # The template's text alone (empty outputs) leaving no room for a turn: nothing runs.
+        if _no_room(s, glue.ids([""] * len(calls), ids[-1]), budget):
+            return None
         outcomes = [run_call(c) for c in calls]
         s.calls += len(calls)
     s.outcomes += outcomes
     tail = glue.ids([o.output for o in outcomes], ids[-1])
-    if len(s.out.response_token_ids) + len(tail) >= budget:  # no room left for a turn
-        return None
-    return tail
+    return None if _no_room(s, tail, budget) else tail
+
+
+def _no_room(s: _Sample, tail: list[int], budget: int) -> bool:
+    """Whether ``tail`` appended to ``s`` would leave no token of ``budget`` for a turn."""
+    return len(s.out.response_token_ids) + len(tail) >= budget
 
 
 def sandbox_runner(config: MultiTurnConfig) -> Callable[[ToolCall], ToolOutcome]:

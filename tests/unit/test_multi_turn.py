@@ -107,6 +107,7 @@ def test_the_budget_counts_every_turn_and_the_tools_tokens():
     # no room for a turn after the glue: the sample ends before the tool runs' output
     [o], calls, _ = run([[(CALL, True)]], sampling=SamplingConfig(max_tokens=len(CALL) + 5, n=1))
     assert o.response_token_ids[-1] == EOS and all(o.sampled) and o.tools["turns"] == 1
+    assert calls == []  # no tool runs where no turn could follow it
 
 
 def test_a_malformed_call_is_an_error_the_model_reads_and_no_tool_runs():
