@@ -66,6 +66,12 @@ def check_choice(field: str, value, choices) -> None:
                                  f"{', '.join(map(str, choices))}")
 
 
+def exception_line(e: BaseException) -> str:
+    """``ValueError: bad``, as a traceback's last line writes ``e``, its message on one line."""
+    message = " ".join(str(e).split())
+    return f"{type(e).__name__}: {message}" if message else type(e).__name__
+
+
 class RunError(RuntimeError):
     """A run stopped for a reason found while it ran, not in its config: a worker process died, a
     collective timed out, the disk filled, a reward function returned NaN. The message says what

@@ -51,7 +51,7 @@ import time
 from dataclasses import asdict, dataclass
 from typing import Any, Callable, Sequence
 
-from hybridflow.errors import ConfigError, RunError
+from hybridflow.errors import ConfigError, RunError, exception_line
 
 STATUSES = ("ok", "truncated", "error", "timeout", "memory")
 """What can become of a tool call; see the module's docstring."""
@@ -265,7 +265,7 @@ def _work(fn: Callable[..., Any], arguments: dict, limits: SandboxLimits, uid: i
             _refuse_sockets()
         status, output = _call(fn, arguments, limits)
     except BaseException as e:  # noqa: BLE001 - reported, the process ends below either way
-        status, output = "error", f"error: the sandbox could not start the tool: {_last_line(e)}"
+        status, output = "error", f"error: the sandbox could not start the tool: {exception_line(e)}"
     data = json.dumps([status, output]).encode()
     while data:
         data = data[os.write(result_w, data):]
@@ -317,19 +317,13 @@ def _call(fn: Callable[..., Any], arguments: dict, limits: SandboxLimits) -> tup
     except MemoryError:
         return "memory", f"error: the tool ran out of memory (limit {limits.memory_mb} MB)"
     except BaseException as e:  # noqa: BLE001 - the tool's fault goes back to the model
-        return "error", f"error: {_last_line(e)}"[:cut]
+        return "error", f"error: {exception_line(e)}"[:cut]
     if not isinstance(value, str):
         return "error", f"error: the tool returned a {type(value).__name__}, not a str"
     if len(value) > cut:
         return "truncated", (f"{value[:cut]}\n[output truncated: {len(value)} characters, the "
                              f"first {cut} shown]")
     return "ok", value
-
-
-def _last_line(e: BaseException) -> str:
-    """``ValueError: bad``, as a traceback's last line writes ``e``."""
-    message = " ".join(str(e).split())
-    return f"{type(e).__name__}: {message}" if message else type(e).__name__
 
 
 def _wait(worker: int, result_r: int, timeout_s: float) -> tuple[bytes, bool]:

@@ -14,6 +14,8 @@ import contextlib
 import math
 import operator
 
+from hybridflow.errors import exception_line
+
 MAX_EXPRESSION_CHARS = 1000
 """The longest expression ``calculator`` parses."""
 
@@ -111,14 +113,8 @@ def python(code: str) -> str:
         except BaseException as e:  # noqa: BLE001 - the code's fault goes back to the model
             if isinstance(e, MemoryError):
                 raise  # the sandbox reports it as the "memory" outcome
-            out.write(("" if out.ends_line() else "\n") + _last_line(e) + "\n")
+            out.write(("" if out.ends_line() else "\n") + exception_line(e) + "\n")
     return out.text()
-
-
-def _last_line(e: BaseException) -> str:
-    """``ValueError: bad`` as a traceback's last line writes ``e``."""
-    message = str(e)
-    return f"{type(e).__name__}: {message}" if message else type(e).__name__
 
 
 class _Capture:
