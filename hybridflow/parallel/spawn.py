@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import os
 import pickle
+import queue as queue_module
 import shutil
 import socket
 import tempfile
+import time
 import traceback
 import warnings
 from typing import Any, Callable
@@ -55,13 +57,37 @@ def _worker(rank: int, world_size: int, store: str, fn: Callable, args: tuple, q
             dist.destroy_process_group()
 
 
+_POLL_S = 1.0
+"""How often ``spawn`` looks for a worker that died without a word (killed, crashed)."""
+
+
+def _lost(procs, results: dict[int, Any], dead: set[int], deadline: float) -> list[str]:
+    """Why ``spawn`` must stop waiting: a worker that ended without putting its result (a signal,
+    a crash in C; its exit code says which), or the time limit; nothing while all may still
+    answer. A worker that ends well has put its result in the queue's pipe before it exits, so
+    one seen ended (``dead``, updated here) at two polls in a row with nothing read between is
+    lost."""
+    if time.monotonic() > deadline:
+        return [f"no result within spawn's timeout from ranks "
+                f"{sorted(set(range(len(procs))) - set(results))}"]
+    for rank, p in enumerate(procs):
+        if rank not in results and p.exitcode is not None:
+            if rank in dead:
+                return [f"rank {rank}: the process ended (exit code {p.exitcode}) without a "
+                        "result (a negative code is the signal that killed it: -9 is SIGKILL, "
+                        "often the kernel's out-of-memory killer)"]
+            dead.add(rank)
+    return []
+
+
 def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 600,
           backend: str = "gloo") -> list[Any]:
     """Call ``fn(rank, world_size, *args)`` in ``world_size`` processes with a default group of
     ``backend`` set up (gloo; "nccl" puts rank r on GPU r).
 
     ``fn`` must be importable (module level). Returns the per-rank results in rank order; raises
-    RuntimeError carrying the first failing worker's traceback.
+    RuntimeError carrying the first failing worker's traceback, or naming a worker that died
+    without one, as soon as that is seen.
     """
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
@@ -74,13 +100,21 @@ def spawn(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float = 
     results: dict[int, Any] = {}
     errors: list[str] = []
     try:
-        for _ in range(world_size):
-            rank, ok, value = queue.get(timeout=timeout)
+        deadline, dead = time.monotonic() + timeout, set()
+        while len(results) < world_size and not errors:
+            try:
+                rank, ok, value = queue.get(timeout=_POLL_S)
+            except queue_module.Empty:
+                errors.extend(_lost(procs, results, dead, deadline))
+                continue
+            dead.clear()
             if ok:
                 results[rank] = pickle.loads(value)
-            else:
+            else:  # the others may be stuck in a collective with the failed rank
+                # a rank killed first is the cause of a collective's error in another one
+                errors.extend(f"rank {r}: killed by signal {-p.exitcode}" for r, p in
+                              enumerate(procs) if p.exitcode is not None and p.exitcode < 0)
                 errors.append(f"rank {rank}:\n{value}")
-                break  # the others may be stuck in a collective with the dead rank
     finally:
         for p in procs:
             if errors:
