@@ -54,9 +54,9 @@ beside it), and ``resident_train_extra_bytes`` what it leaves allocated once bac
 beyond the training shards (CUDA: measured; CPU: 0 by construction). Megatron's figures:
 ``megatron_recv_bytes`` / ``megatron_sent_bytes``, what its copy service receives from and sends to
 other ranks (counted at the service: ``CountingCopyService``), against ours
-``recv_padded_bytes`` (``recv_bytes + padding_bytes`` of a rank: what our all-gathers deliver to
-it), and ``megatron_recv_total_bytes`` / ``recv_padded_total_bytes``, the same summed over the
-ranks; ``megatron_peak_bytes``, its destination
+``recv_wire_bytes`` (what our gathers deliver to a rank: ``wire_bytes``), and
+``megatron_recv_total_bytes`` / ``recv_wire_total_bytes``, the same summed over the ranks;
+``megatron_peak_bytes``, its destination
 model plus, on CUDA, ``max_memory_allocated`` above the memory allocated before the swap, on CPU
 the buffers its ops hold at once (the receive buffer of every op, the gloo service's host buffer
 for each, and the copies of the slices it sends that are not contiguous); ``megatron_max_abs_err``
@@ -228,6 +228,18 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 
 # ----------------------------------------------------------------------------- the paths
+
+
+def wire_bytes(st, member: int, group, esz: int) -> int:
+    """Bytes our gathers deliver to ``member`` of a micro-DP group (``group``; None: it gathers
+    nothing): on gloo, where each bucket is one broadcast per member of the elements its pieces
+    span, the other members' extents; elsewhere (all-gathers) their whole segments, padding
+    included (``recv_bytes + padding_bytes``)."""
+    if group is None:
+        return 0
+    gloo = dist.get_backend(group) == "gloo"
+    return esz * sum(b.extent(k) if gloo else b.seg_numel
+                     for b in st.buckets for k in range(b.members) if k != member)
 
 
 class ViaHost:
@@ -694,7 +706,7 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
     if per_tensor_err is not None:
         per_tensor_err = all_max(per_tensor_err, device)
     recv = int(all_max(rp.recv_bytes, device))
-    wire = rp.recv_bytes + rp.padding_bytes  # what our all-gathers deliver to this rank
+    wire = wire_bytes(st, rp.member, group, esz)
     naive_recv = int(all_max(naive_recv_bytes(gen, metas, rank, esz), device))
     result = {
         "layout": layout, "model": args.model, "dtype": args.dtype, "world": world,
@@ -722,8 +734,8 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
         "redundant_bytes": int(all_max(redundant, device)),
         "recv_bytes": recv, "per_tensor_recv_bytes": naive_recv,
         "padding_bytes": int(all_max(rp.padding_bytes, device)),
-        "recv_padded_bytes": int(all_max(wire, device)),
-        "recv_padded_total_bytes": int(all_max(wire, device, dist.ReduceOp.SUM)),
+        "recv_wire_bytes": int(all_max(wire, device)),
+        "recv_wire_total_bytes": int(all_max(wire, device, dist.ReduceOp.SUM)),
         **megatron,
     }
 
@@ -766,10 +778,10 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
     if megatron:
         say(f"  megatron: max_abs_err {megatron['megatron_max_abs_err']:g}, equal to ours "
             f"{megatron['megatron_equal_to_ours']}; receives "
-            f"{b(megatron['megatron_recv_bytes'])} (ours, padding included: "
-            f"{b(result['recv_padded_bytes'])}; all ranks "
+            f"{b(megatron['megatron_recv_bytes'])} (ours on the wire "
+            f"{b(result['recv_wire_bytes'])}; all ranks "
             f"{b(megatron['megatron_recv_total_bytes'])} against ours "
-            f"{b(result['recv_padded_total_bytes'])}); peak "
+            f"{b(result['recv_wire_total_bytes'])}); peak "
             f"{b(megatron['megatron_peak_bytes'])} (its generation model "
             f"{b(megatron['megatron_model_bytes'])})")
     if resident:

@@ -1,7 +1,8 @@
 """bench_reshard's Megatron-Core baseline (``MegatronReshard``: ``reshard_model_weights`` between
 GPTModels at the training and the generation layouts, over its GlooCopyService) builds, on 2 gloo
 processes, generation weights equal to ours bit for bit, swap after swap, and its copy service
-receives exactly our plan's payload: the baseline cannot silently break or measure something else.
+receives exactly our plan's payload, which is what our gather delivers on gloo: the baseline cannot
+silently break or measure something else.
 
 Two cases: tiny TP=2 -> TP=1, and tiny with tied embeddings PP=2 -> TP=1 (the last stage's copy of
 the embedding is no source of Megatron's: the target model has no output layer of its own).
@@ -47,7 +48,12 @@ def _megatron_against_ours(rank: int, world_size: int, cases) -> list[str]:
                   for m in metas if owner_stage(m, p, num_layers_of(metas)) == pp_rank}
         before = {n: w.clone() for n, w in shards.items()}
         plan = plan_reshard(gen, metas, 2, bucket_bytes=256 * 2**20)
-        ours = gather_generation_weights(plan, rank, shards, create_micro_dp_groups(gen))
+        groups = create_micro_dp_groups(gen)
+        ours = gather_generation_weights(plan, rank, shards, groups)
+        rp = plan.ranks[rank]
+        # what our broadcasts deliver on gloo: the payload, no padding (bench_reshard.wire_bytes)
+        ours_wire = bench_reshard.wire_bytes(plan.stages[rp.gen_pp_rank], rp.member,
+                                             groups[rp.group], 2)
 
         mg = bench_reshard.MegatronReshard(cfg, train, gen, "bf16", shards, torch.device("cpu"))
         for swap in range(2):  # the first builds Megatron's plan, the second reuses it
@@ -59,7 +65,7 @@ def _megatron_against_ours(rank: int, world_size: int, cases) -> list[str]:
             assert set(got) == set(ours), f"{what}: {sorted(set(got) ^ set(ours))}"
             for name, tensor in ours.items():
                 assert torch.equal(got[name], tensor), f"{what}, swap {swap}: {name}"
-            assert mg.service.received == plan.ranks[rank].recv_bytes, what
+            assert mg.service.received == rp.recv_bytes == ours_wire, what
         for name, tensor in shards.items():
             assert torch.equal(tensor, before[name]), f"{what}: training shard {name} changed"
         back_to_training(ours, shards)
