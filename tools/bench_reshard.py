@@ -27,6 +27,16 @@ time:
 * ``via_host_s``: the same segments packed into pinned host memory, all-gathered by gloo on the
   host, and copied back to the device in one piece (``--via-host-iters`` runs, no warm-up: it
   takes seconds).
+* ``megatron_s``: Megatron-Core's own train -> inference reshard (``megatron.core.resharding``,
+  0.16.1): ``swap_model_weights`` from the GPTModel the training engine builds at the training
+  layout, its parameters our training shards themselves (no copy), into a GPTModel at the
+  generation layout (tp = generation tp, pp = 1, allocated once, before the timing, and kept), by
+  the point-to-point plan it builds on the first call and caches, through its ``NCCLCopyService``
+  on CUDA and its ``GlooCopyService`` on CPU (``MegatronReshard``). The generation layout is
+  ours: both end with the Megatron-named generation shards in the standard layout. What differs:
+  its destination model is allocated for good (ours allocates the storage inside the switch and
+  frees it going back, so ``back_s`` has no counterpart), and it cannot build a generation
+  pipeline (pg > 1), whose layouts it skips.
 
 Weights are random but no rank ever holds the full model: every element's value is a function of
 its position in the full tensor (and the tensor's name and ``--seed``), so each rank fills its own
@@ -41,8 +51,17 @@ ring. ``redundant_bytes`` are the bytes of generation tensors that repeat this r
 own training shard (a copy of it, while the training shard lives on); ``resident_*`` are the same
 figures for the resident switch (whose peak counts the storage and, for a moment, the shards
 beside it), and ``resident_train_extra_bytes`` what it leaves allocated once back in training
-beyond the training shards (CUDA: measured; CPU: 0 by construction). Byte figures are the maximum
-over ranks.
+beyond the training shards (CUDA: measured; CPU: 0 by construction). Megatron's figures:
+``megatron_recv_bytes`` / ``megatron_sent_bytes``, what its copy service receives from and sends to
+other ranks (counted at the service: ``CountingCopyService``), against ours
+``recv_wire_bytes`` (what our gathers deliver to a rank: ``wire_bytes``), and
+``megatron_recv_total_bytes`` / ``recv_wire_total_bytes``, the same summed over the ranks;
+``megatron_peak_bytes``, its destination
+model plus, on CUDA, ``max_memory_allocated`` above the memory allocated before the swap, on CPU
+the buffers its ops hold at once (the receive buffer of every op, the gloo service's host buffer
+for each, and the copies of the slices it sends that are not contiguous); ``megatron_max_abs_err``
+against the same reference cut and ``megatron_equal_to_ours`` (every destination tensor
+``torch.equal`` to ours). The other byte figures are the maximum over ranks.
 
 Only rank 0 prints: readable lines, then, as the last lines of stdout, one JSON object per layout.
 """
@@ -192,9 +211,9 @@ def median_back_of(timer: Timer, switch: Callable[[], object], back: Callable[[o
     return statistics.median(times)
 
 
-def all_max(value: float, device) -> float:
+def all_max(value: float, device, op=dist.ReduceOp.MAX) -> float:
     t = torch.tensor([float(value)], dtype=torch.float64, device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    dist.all_reduce(t, op=op)
     return float(t.item())
 
 
@@ -209,6 +228,18 @@ def _all_gather(out: torch.Tensor, inp: torch.Tensor, group) -> None:
 
 
 # ----------------------------------------------------------------------------- the paths
+
+
+def wire_bytes(st, member: int, group, esz: int) -> int:
+    """Bytes our gathers deliver to ``member`` of a micro-DP group (``group``; None: it gathers
+    nothing): on gloo, where each bucket is one broadcast per member of the elements its pieces
+    span, the other members' extents; elsewhere (all-gathers) their whole segments, padding
+    included (``recv_bytes + padding_bytes``)."""
+    if group is None:
+        return 0
+    gloo = dist.get_backend(group) == "gloo"
+    return esz * sum(b.extent(k) if gloo else b.seg_numel
+                     for b in st.buckets for k in range(b.members) if k != member)
 
 
 class ViaHost:
@@ -241,6 +272,135 @@ class ViaHost:
         return out.copy_(self.host_out, non_blocking=True)
 
 
+# ----------------------------------------------------------------------------- megatron-core's
+
+
+class CountingCopyService:
+    """A Megatron-Core copy service that counts, per rank, the bytes sent to and received from
+    other ranks (own slices are local copies) and the bytes of the buffers it is handed, and passes
+    every op on. The CopyService API as ``execute_reshard_plan`` calls it (it prefers the
+    ``_with_id`` forms, which the centralized plan always uses)."""
+
+    def __init__(self, inner, rank: int):
+        self.inner, self.rank = inner, rank
+        self.sent = self.received = self.recv_buffers = self.send_copies = 0
+        self.param_storages: set[int] = set()  # data_ptrs of the source parameters' storages
+
+    def _send(self, tensor: torch.Tensor, dest: int) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.sent += nbytes if dest != self.rank else 0
+        if tensor.untyped_storage().data_ptr() not in self.param_storages:
+            self.send_copies += nbytes  # execute's .contiguous() of a strided slice
+
+    def _recv(self, tensor: torch.Tensor, src: int) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        self.received += nbytes if src != self.rank else 0
+        self.recv_buffers += nbytes
+
+    def submit_send(self, tensor, dest_rank):
+        self._send(tensor, dest_rank)
+        self.inner.submit_send(tensor, dest_rank)
+
+    def submit_recv(self, tensor, src_rank):
+        self._recv(tensor, src_rank)
+        self.inner.submit_recv(tensor, src_rank)
+
+    def submit_send_with_id(self, task_id, tensor, dest_rank):
+        self._send(tensor, dest_rank)
+        self.inner.submit_send_with_id(task_id, tensor, dest_rank)
+
+    def submit_recv_with_id(self, task_id, tensor, src_rank):
+        self._recv(tensor, src_rank)
+        self.inner.submit_recv_with_id(task_id, tensor, src_rank)
+
+    def run(self):
+        self.inner.run()
+
+    def reset(self) -> None:
+        self.sent = self.received = self.recv_buffers = self.send_copies = 0
+
+
+def megatron_copy_service(device: torch.device):
+    """Megatron-Core's copy service for the device: ``NCCLCopyService`` on CUDA,
+    ``GlooCopyService`` on CPU. Collective (each creates a group over the world).
+
+    megatron-core 0.16.1's ``GlooCopyService.__init__`` creates a CUDA stream, which fails without
+    CUDA, and its ``run`` waits on that stream only when it is set: on CPU the service is built
+    here with the attributes ``__init__`` sets, the stream None."""
+    from megatron.core.resharding.copy_services.gloo_copy_service import GlooCopyService
+    from megatron.core.resharding.copy_services.nccl_copy_service import NCCLCopyService
+
+    if device.type == "cuda":
+        return NCCLCopyService()
+    service = GlooCopyService.__new__(GlooCopyService)
+    service.rank, service.world_size = dist.get_rank(), dist.get_world_size()
+    service.gloo_pg = dist.new_group(backend="gloo")
+    service.send_ops, service.recv_ops, service._copy_stream = [], [], None
+    return service
+
+
+class MegatronReshard:
+    """Megatron-Core's reshard between two GPTModels: the one the training engine builds at
+    ``train`` (``training.model``), whose parameters become ``shards`` themselves, and one at the
+    generation layout (tp = ``gen.tp``, pp = 1: ``MegatronRollout``'s model, initialised, since
+    initialisation is what marks parameters tensor-parallel, which Megatron's planner reads).
+    Collective: every rank builds both, with the groups in the same order."""
+
+    def __init__(self, cfg: ModelConfig, train: TrainLayout, gen: GenLayout, dtype_name: str,
+                 shards: dict[str, torch.Tensor], device: torch.device):
+        # deferred: Megatron (seconds to import)
+        from megatron.core.models.gpt import GPTModel
+
+        from hybridflow.parallel.groups import generation_process_groups, init_megatron_parallel
+        from hybridflow.training.config import EngineConfig
+        from hybridflow.training.model import (_build_chunks, block_spec, global_name,
+                                               transformer_config)
+
+        engine = EngineConfig(dtype=dtype_name)
+        pg = init_megatron_parallel(train)
+        self.src = _build_chunks(cfg, train, transformer_config(cfg, train, engine), pg)[0]
+        for name, p in self.src.named_parameters():
+            # A tied output layer's last-stage copy is not in ``shards``: the target has none.
+            p.data = shards.get(global_name(self.src, name), p.data)
+        gen_pg = generation_process_groups(gen)
+        # Megatron's planner reads the target's DP group: the ranks holding the same generation
+        # shard (the same generation pp and tp coordinates).
+        by_shard: dict[tuple[int, int], list[int]] = {}
+        for r in range(dist.get_world_size()):
+            by_shard.setdefault(gen.coords(r)[1:], []).append(r)
+        for ranks in sorted(by_shard.values()):
+            group = dist.new_group(ranks)
+            if dist.get_rank() in ranks:
+                gen_pg.dp = group
+        tf = transformer_config(cfg, TrainLayout(tp=gen.tp), engine)
+        self.dst = GPTModel(
+            config=tf, transformer_layer_spec=block_spec(tf, vp_stage=None, pp_rank=0, sdpa=False),
+            vocab_size=cfg.vocab_size, max_sequence_length=cfg.max_position_embeddings,
+            pre_process=True, post_process=True,
+            share_embeddings_and_output_weights=cfg.tie_embeddings,
+            position_embedding_type="rope", rotary_base=int(cfg.rope_theta),
+            pg_collection=gen_pg).to(device=device, dtype=DTYPES[dtype_name])
+        self.dst_params = {global_name(self.dst, n): p for n, p in self.dst.named_parameters()}
+        self.dst_bytes = sum(p.numel() * p.element_size() for p in self.dst_params.values())
+        self.service = CountingCopyService(megatron_copy_service(device), dist.get_rank())
+        self.service.param_storages = {p.untyped_storage().data_ptr()
+                                       for p in self.src.parameters()}
+        self.host_staging = device.type != "cuda"  # GlooCopyService's host buffer per receive
+
+    def __call__(self) -> None:
+        from megatron.core.resharding import reshard_model_weights  # deferred: Megatron
+
+        reshard_model_weights(self.src, self.dst, service=self.service)
+
+    def transient_bytes(self) -> int:
+        """The buffers the last swap's ops held at once (see the module docstring; CPU)."""
+        staging = self.service.recv_buffers if self.host_staging else 0
+        return self.service.recv_buffers + staging + self.service.send_copies
+
+    def weights(self) -> dict[str, torch.Tensor]:
+        return {name: p.data for name, p in self.dst_params.items()}
+
+
 # ----------------------------------------------------------------------------- main
 
 
@@ -268,7 +428,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--via-host-iters", type=int, default=1)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--skip", default="", help="comma-separated paths not to time: "
-                    "verify,resident,floor,per_tensor,via_host")
+                    "verify,resident,floor,per_tensor,via_host,megatron")
     args = ap.parse_args(argv)
     layouts = args.layout or [f"{args.train_tp},{args.train_pp},{args.gen_tp},{args.gen_pp}"]
     try:
@@ -499,11 +659,54 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
             via_host_s = median_of(timer, via, 0, max(1, args.via_host_iters))
             del via
 
+    # ---- megatron-core's reshard: a GPTModel at each layout, the same shards, the same reference
+    megatron = {}
+    if "megatron" not in skip and gen.pp == 1:
+        mg = MegatronReshard(cfg, train, gen, args.dtype, shards, device)
+        for p in mg.dst_params.values():  # a parameter the swap misses shows in the error
+            p.data.fill_(1.0)
+        timer.barrier()
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
+            base = torch.cuda.memory_allocated(device)
+        mg()  # builds and caches Megatron's plan, then swaps
+        timer.sync()
+        if device.type == "cuda":
+            m_peak = torch.cuda.max_memory_allocated(device) - base + mg.dst_bytes
+        else:
+            m_peak = mg.transient_bytes() + mg.dst_bytes
+        got = mg.weights()
+        order = {m.name: i for i, m in enumerate(metas)}
+        m_err = check(dict(sorted(got.items(), key=lambda kv: order.get(kv[0], len(order)))))
+        ours_w = ours()
+        equal = set(ours_w) == set(got) and all(torch.equal(w, got[n]) for n, w in ours_w.items())
+        back_to_training(ours_w, shards)
+        del ours_w
+        plan_ops = mg.dst._cached_reshard_plan
+        received, sent = mg.service.received, mg.service.sent
+        megatron = {
+            "megatron_s": median_of(timer, mg, args.warmup, args.iters),
+            "megatron_copy_service": type(mg.service.inner).__name__,
+            "megatron_max_abs_err": all_max(m_err, device),
+            "megatron_equal_to_ours": not all_max(not equal, device),
+            "megatron_recv_bytes": int(all_max(received, device)),
+            "megatron_recv_total_bytes": int(all_max(received, device, dist.ReduceOp.SUM)),
+            "megatron_sent_bytes": int(all_max(sent, device)),
+            "megatron_ops": int(all_max(len(plan_ops.send_ops) + len(plan_ops.recv_ops),
+                                        device)),
+            "megatron_peak_bytes": int(all_max(m_peak, device)),
+            "megatron_model_bytes": int(all_max(mg.dst_bytes, device)),
+        }
+        del mg, got
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
     # ---- report (bytes and errors: the maximum over ranks)
     err = all_max(err, device)
     if per_tensor_err is not None:
         per_tensor_err = all_max(per_tensor_err, device)
     recv = int(all_max(rp.recv_bytes, device))
+    wire = wire_bytes(st, rp.member, group, esz)
     naive_recv = int(all_max(naive_recv_bytes(gen, metas, rank, esz), device))
     result = {
         "layout": layout, "model": args.model, "dtype": args.dtype, "world": world,
@@ -531,6 +734,9 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
         "redundant_bytes": int(all_max(redundant, device)),
         "recv_bytes": recv, "per_tensor_recv_bytes": naive_recv,
         "padding_bytes": int(all_max(rp.padding_bytes, device)),
+        "recv_wire_bytes": int(all_max(wire, device)),
+        "recv_wire_total_bytes": int(all_max(wire, device, dist.ReduceOp.SUM)),
+        **megatron,
     }
 
     def s(x):
@@ -561,10 +767,23 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
             f"({per_tensor_s / transition_s:.2f}x ours)")
     if via_host_s is not None:
         say(f"  via host    (gloo)      {s(via_host_s)}")
+    if megatron:
+        say(f"  megatron    ({megatron['megatron_copy_service']}) {s(megatron['megatron_s'])}   "
+            f"({megatron['megatron_s'] / transition_s:.2f}x ours, {megatron['megatron_ops']} "
+            f"send/recv ops)")
     say(f"  gen->train  ours        {s(back_s)}")
     say(f"  max_abs_err {err:g} (per-tensor {per_tensor_err}), peak "
         f"{b(result['peak_weight_bytes'])} ({result['peak_source']}), redundant "
         f"{b(result['redundant_bytes'])}")
+    if megatron:
+        say(f"  megatron: max_abs_err {megatron['megatron_max_abs_err']:g}, equal to ours "
+            f"{megatron['megatron_equal_to_ours']}; receives "
+            f"{b(megatron['megatron_recv_bytes'])} (ours on the wire "
+            f"{b(result['recv_wire_bytes'])}; all ranks "
+            f"{b(megatron['megatron_recv_total_bytes'])} against ours "
+            f"{b(result['recv_wire_total_bytes'])}); peak "
+            f"{b(megatron['megatron_peak_bytes'])} (its generation model "
+            f"{b(megatron['megatron_model_bytes'])})")
     if resident:
         say(f"  resident: max_abs_err {resident['resident_max_abs_err']:g}, peak "
             f"{b(resident['resident_peak_weight_bytes'])}, redundant "
