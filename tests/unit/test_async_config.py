@@ -1,0 +1,66 @@
+"""rollout.mode and its generation pool (issue 41): what one_step_off and async accept, and each
+mistake refused with the key to change and the fix."""
+
+import pytest
+
+from hybridflow.config import RLConfig, load_config
+from hybridflow.config.placement import resolve_placement
+from hybridflow.errors import ConfigError
+
+TWO_POOLS = ["placement.pools.train.devices_per_node=1", "placement.pools.gen.devices_per_node=1",
+             "placement.models.actor=train", "placement.models.reference=train",
+             "placement.models.rollout=gen"]
+
+
+def config(*overrides):
+    return load_config(RLConfig, None, ["model=tiny-llama", *overrides])
+
+
+def test_modes_and_their_staleness():
+    assert config().rollout.mode == "sync" and config().rollout.staleness == 0
+    assert "rollout" not in resolve_placement(config()).models
+    cfg = config("rollout.mode=one_step_off", *TWO_POOLS)
+    assert cfg.rollout.staleness == 1
+    p = resolve_placement(cfg)
+    assert {pool.name: pool.models for pool in p.pools} == {"train": ("actor", "reference"),
+                                                            "gen": ("rollout",)}
+    assert p.models["rollout"].layout.world_size == 1
+    assert [m.name for m in p.groups()] == ["actor", "rollout"]
+    assert config("rollout.mode=async", "rollout.max_staleness=3", *TWO_POOLS
+                  ).rollout.staleness == 3
+
+
+@pytest.mark.parametrize("overrides,key,message", [
+    (["rollout.mode=later"], "rollout.mode", "sync"),
+    (["rollout.mode=async", *TWO_POOLS], "rollout.max_staleness", "set it"),
+    (["rollout.mode=async", "rollout.max_staleness=0", *TWO_POOLS], "rollout.max_staleness",
+     ""),
+    (["rollout.max_staleness=2"], "rollout.max_staleness", "rollout.mode=async"),
+    (["rollout.mode=one_step_off", "rollout.max_staleness=1", *TWO_POOLS],
+     "rollout.max_staleness", "remove it"),
+    # a generation pool exactly where the mode generates apart
+    (["rollout.mode=one_step_off"], "placement.models.rollout", "rollout: gen"),
+    (["rollout.mode=async", "rollout.max_staleness=2", "placement.preset=split"],
+     "placement.models.rollout", "write the pools out"),
+    (TWO_POOLS, "placement.models.rollout", "set rollout.mode or remove it"),
+    (["rollout.mode=one_step_off", "placement.pools.train.devices_per_node=1",
+      "placement.models.actor=train", "placement.models.reference=train",
+      "placement.models.rollout=train"], "placement.models.rollout", "a pool of its own"),
+    (["rollout.mode=one_step_off", *TWO_POOLS, "placement.layouts.rollout.tp=1"],
+     "placement.layouts.rollout", "rollout.tp"),
+    # what generates inside the step is refused
+    (["rollout.mode=one_step_off", *TWO_POOLS, "algorithm.name=grpo",
+      "algorithm.dynamic_sampling=true"], "algorithm.dynamic_sampling", "rollout.mode=sync"),
+    (["rollout.mode=one_step_off", *TWO_POOLS, "algorithm.name=remax"], "algorithm.name",
+     "greedy baseline"),
+    (["rollout.mode=one_step_off", *TWO_POOLS, "rollout.multi_turn.tools=[calculator]"],
+     "rollout.multi_turn.tools", "rollout.mode=sync"),
+    # the actor never switches layouts: the switch's options would do nothing
+    (["rollout.mode=one_step_off", *TWO_POOLS, "hybrid_engine.mode=naive"],
+     "hybrid_engine.mode", "rollout.mode=sync"),
+])
+def test_mistakes_name_the_key_and_the_fix(overrides, key, message):
+    with pytest.raises(ConfigError) as e:
+        config(*overrides)
+    assert e.value.field == key, str(e.value)
+    assert message in str(e.value)
