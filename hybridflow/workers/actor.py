@@ -229,5 +229,6 @@ class ActorRolloutRefWorker(Worker):
 
     def load_state(self, ckpt_dir: str) -> None:
         load_train_state(self.actor, Path(ckpt_dir) / "actor")
-        self.hybrid.drop_base_copy()  # the LoRA base may differ from the one copied
+        if self.hybrid is not None:
+            self.hybrid.drop_base_copy()  # the LoRA base may differ from the one copied
         load_rank_state(Path(ckpt_dir) / f"actor-rank{self.rank:04d}.pt", self.rollout)
