@@ -567,6 +567,10 @@ class RLConfig:
                    "the step's weights) cannot be had: use rollout.mode=sync"),
             ("rollout.tp", self.rollout.tp != 1,
              why + "training with one replica per rank: use rollout.tp=1"),
+            # The planner's cost model prices the sync loop's phases, one after another.
+            ("cluster.calibration", self.cluster.calibration is not None,
+             f"the cost model does not price rollout.mode={mode}'s pipeline: remove it or use "
+             "rollout.mode=sync"),
         ]
         for key, bad, message in refused:
             if bad:

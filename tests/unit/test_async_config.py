@@ -64,3 +64,11 @@ def test_mistakes_name_the_key_and_the_fix(overrides, key, message):
         config(*overrides)
     assert e.value.field == key, str(e.value)
     assert message in str(e.value)
+
+
+def test_the_cost_model_is_not_asked_for_what_it_does_not_price(tmp_path):
+    calibration = tmp_path / "calibration.json"
+    calibration.write_text("{}")
+    with pytest.raises(ConfigError) as e:
+        config("rollout.mode=one_step_off", *TWO_POOLS, f"cluster.calibration={calibration}")
+    assert e.value.field == "cluster.calibration" and "rollout.mode=sync" in str(e.value)
