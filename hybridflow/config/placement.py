@@ -2,7 +2,9 @@
 training layout (HybridFlow, arXiv 2409.19256, sections 4 and 6).
 
 The models: the ``actor`` (with its rollout engine), the ``reference``, the ``critic``, the
-``reward_model``, the ``cost_model`` and the ``cost_critic``, those the run has. Models on one
+``reward_model``, the ``cost_model`` and the ``cost_critic``, those the run has; and, where
+``rollout.mode`` generates ahead of training (one_step_off, async), the ``rollout``: a pool of
+its own, written out, with no other model on it, one generation replica per rank. Models on one
 pool share its devices and take turns (their calls run one after another); models on different
 pools run their calls at the same time where the dataflow allows (``hybridflow.driver.step``).
 
