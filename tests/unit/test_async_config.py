@@ -72,3 +72,40 @@ def test_the_cost_model_is_not_asked_for_what_it_does_not_price(tmp_path):
     with pytest.raises(ConfigError) as e:
         config("rollout.mode=one_step_off", *TWO_POOLS, f"cluster.calibration={calibration}")
     assert e.value.field == "cluster.calibration" and "rollout.mode=sync" in str(e.value)
+
+
+def test_staleness_metrics_and_the_batches_in_flight_round_trip(tmp_path):
+    from types import SimpleNamespace
+
+    import torch
+
+    from hybridflow.batch import Batch
+    from hybridflow.data.prompts import PromptItem
+    from hybridflow.driver.pipeline import InFlight, Pipeline, staleness
+
+    out = staleness(torch.tensor([3, 3, 2, 2]), 4, 2)
+    assert out == {"rollout/staleness_mean": 1.5, "rollout/staleness_max": 2.0,
+                   "rollout/weight_version": 2.5, "rollout/dropped": 0.0,
+                   "rollout/staleness_0_frac": 0.0, "rollout/staleness_1_frac": 0.5,
+                   "rollout/staleness_2_frac": 0.5}
+    items = [PromptItem(messages=[], prompt_ids=[i + 1]) for i in range(5)]
+    run = SimpleNamespace(config=SimpleNamespace(rollout=SimpleNamespace(staleness=2)))
+    saved = Pipeline(run, items, sampler=None)
+    for indices in ([4, 1], [0, 3]):
+        batch = Batch({"weight_version": torch.tensor([1, 1, 1, 1]),
+                       "rollout_logprobs": torch.randn(4, 3)},
+                      {"group": [0, 0, 1, 1], "item": [items[indices[g]] for g in (0, 0, 1, 1)],
+                       "response_text": ["a", "b", "c", "d"], "prompt_ids": [[1], [1], [2], [2]]})
+        saved.queue.append(InFlight(indices, batch))
+    saved.version = 3
+    saved.save(tmp_path)
+    loaded = Pipeline(run, items, sampler=None)
+    loaded.load(tmp_path, {"in_flight": saved.state_dict()})
+    assert loaded.version == 3 and len(loaded.queue) == 2
+    for a, b in zip(saved.queue, loaded.queue):
+        assert a.indices == b.indices and a.batch.lists == b.batch.lists
+        assert all(torch.equal(a.batch[k], b.batch[k]) for k in a.batch.tensors)
+    # a checkpoint without them (another mode's) is one line naming resume
+    with pytest.raises(ConfigError) as e:
+        Pipeline(run, items, sampler=None).load(tmp_path / "elsewhere", {})
+    assert e.value.field == "resume"
