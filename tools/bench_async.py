@@ -39,6 +39,8 @@ MODES = {
     "async2": ["rollout.mode=async", "rollout.max_staleness=2", *TWO_POOLS],
 }
 """Mode -> its overrides of the workload at DP=2."""
+SECONDS = ("weight_sync/s", "weight_sync/verify_s")
+"""The push's seconds, beside the ``timing/*_s``."""
 
 
 def run_mode(mode: str, steps: int, micro_batch: int, workdir: Path) -> dict:
@@ -51,8 +53,8 @@ def run_mode(mode: str, steps: int, micro_batch: int, workdir: Path) -> dict:
                PYTHONPATH=str(ROOT))
     _stream(cmd, env, mode)
     rows = [r for r in _read_jsonl(workdir / name / "metrics.jsonl") if "timing/step_s" in r]
-    keys = sorted({k for r in rows for k in r if k.endswith("_s") and k.startswith(
-        ("timing/", "weight_sync/"))})
+    keys = sorted({k for r in rows for k in r if k.startswith("timing/") and k.endswith("_s")
+                   or k in SECONDS})
     phases = {k: median_after_warmup([r[k] for r in rows if k in r]) for k in keys}
     return {"median_step_s": phases.pop("timing/step_s", None),
             "step_s": [r["timing/step_s"] for r in rows], "phases_s": phases,
