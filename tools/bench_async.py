@@ -65,7 +65,7 @@ def run_mode(mode: str, steps: int, micro_batch: int, workdir: Path) -> dict:
 def report(result: dict) -> str:
     shown = ("timing/generate_s", "timing/update_actor_s", "timing/overlap_s",
              "weight_sync/s")
-    lines = [f"{'mode':<14}{'step s':>8}" + "".join(f"{k.split('/')[1]:>18}" for k in shown)
+    lines = [f"{'mode':<14}{'step s':>8}" + "".join(f"{k.removeprefix('timing/'):>18}" for k in shown)
              + "  reward/mean per step"]
     for mode, r in result["modes"].items():
         cells = "".join(f"{r['phases_s'].get(k) or 0:>18.2f}" for k in shown)
