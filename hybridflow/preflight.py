@@ -113,9 +113,15 @@ class RunCheck:
         recv = self.reshard_recv_bytes
         per_rank = ", ".join(_mib(b) for b in recv) if len(recv) <= 8 else \
             f"{_mib(min(recv))} to {_mib(max(recv))} ({len(recv)} ranks)"
-        lines.append(f"3D-HybridEngine ({cfg.hybrid_engine.mode}): bytes received per actor rank "
-                     f"per switch: {per_rank} (naive path, a TP all-gather and PP broadcast of "
-                     f"every tensor: up to {_mib(self.naive_recv_bytes)})")
+        if cfg.rollout.mode != "sync":
+            lines.append(f"rollout.mode {cfg.rollout.mode}: the generation pool runs "
+                         f"{cfg.rollout.staleness} batch(es) ahead of training; the actor "
+                         f"pushes its full weights to it after every update (weight_sync.verify "
+                         f"{cfg.weight_sync.verify})")
+        else:
+            lines.append(f"3D-HybridEngine ({cfg.hybrid_engine.mode}): bytes received per "
+                         f"actor rank per switch: {per_rank} (naive path, a TP all-gather and PP "
+                         f"broadcast of every tensor: up to {_mib(self.naive_recv_bytes)})")
         samples = cfg.train_batch_size * cfg.rollout.sampling.n
         held = (f", {cfg.validation.size} held out for validation every "
                 f"{cfg.validation.every} steps" if cfg.validation.enabled else "")
@@ -146,13 +152,14 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
     for place in placement.models.values():
         key = MODEL_KEYS[place.name]
         shape = critic_shape(shapes) if key == CRITIC else shapes[key]
-        engine = (cfg.actor if place.name in ACTOR_SIDE else cfg.critic).engine
+        actor_side = place.name in (*ACTOR_SIDE, "rollout")
+        engine = (cfg.actor if actor_side else cfg.critic).engine
         try:
             check_model_fits_layout(shape, place.layout, engine)
         except ConfigError as e:
             field = (place.layout_key + e.field.removeprefix("layout")
                      if e.field.startswith("layout.") else
-                     e.under("actor" if place.name in ACTOR_SIDE else "critic").field)
+                     e.under("actor" if actor_side else "critic").field)
             raise ConfigError(field, f"{e.message} (the {place.name}'s shape: "
                               f"{key if key in shapes else 'model'})") from None
         if shape.vocab_size < model.vocab_size:
@@ -191,7 +198,7 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
 
 
 MODEL_KEYS = {"actor": "model", "reference": "model", "critic": CRITIC, "cost_critic": CRITIC,
-              "reward_model": "reward_model", "cost_model": "cost_model"}
+              "reward_model": "reward_model", "cost_model": "cost_model", "rollout": "model"}
 """Placement model -> the config key of the checkpoint it starts from."""
 
 

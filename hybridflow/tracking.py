@@ -19,7 +19,7 @@ import yaml
 from hybridflow.errors import ConfigError, RunError
 
 
-CLOCK_KEYS = ("timing/", "throughput/", "weight_sync/verify_s")
+CLOCK_KEYS = ("timing/", "throughput/", "weight_sync/verify_s", "weight_sync/s")
 """Prefixes of the metrics that read the clock: two runs of the same work differ in them only."""
 
 

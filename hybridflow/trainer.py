@@ -117,7 +117,9 @@ class RLTrainer:
 
     def generate(self, prompts, sampling: SamplingConfig | None = None) -> Batch:
         """Sample responses for ``prompts`` (strings, chat records or PromptItems); the actor
-        switches to the generation layout and back inside. Returns one row per sample."""
+        switches to the generation layout and back inside (a generation pool of its own, where
+        ``rollout.mode`` asks for one, generates with the weights last pushed to it). Returns
+        one row per sample."""
         tokenized = prompts and isinstance(prompts[0], PromptItem) and \
             prompts[0].prompt_ids is not None
         items = prompts if tokenized else self.prompt_items(prompts)

@@ -2,7 +2,9 @@
 training layout (HybridFlow, arXiv 2409.19256, sections 4 and 6).
 
 The models: the ``actor`` (with its rollout engine), the ``reference``, the ``critic``, the
-``reward_model``, the ``cost_model`` and the ``cost_critic``, those the run has. Models on one
+``reward_model``, the ``cost_model`` and the ``cost_critic``, those the run has; and, where
+``rollout.mode`` generates ahead of training (one_step_off, async), the ``rollout``: a pool of
+its own, written out, with no other model on it, one generation replica per rank. Models on one
 pool share its devices and take turns (their calls run one after another); models on different
 pools run their calls at the same time where the dataflow allows (``hybridflow.driver.step``).
 
@@ -38,12 +40,16 @@ from typing import Any
 from hybridflow.errors import ConfigError, check_choice, check_int
 from hybridflow.parallel.layout import TrainLayout
 
-MODELS = ("actor", "reference", "critic", "reward_model", "cost_model", "cost_critic")
-"""Every model a run can have, in the order the worker groups start."""
+MODELS = ("actor", "reference", "critic", "reward_model", "cost_model", "cost_critic", "rollout")
+"""Every model a run can have, in the order the worker groups start. ``rollout`` is the
+generation pool of its own that ``rollout.mode`` one_step_off and async generate on (one
+replica per rank); in sync mode the actor generates in its own processes."""
 PRESETS = ("colocate", "split", "standalone", "auto")
 ACTOR_SIDE = ("actor", "reference")
 """``split``'s first pool; the other models make the second."""
-LAYOUT_KEYS = {"actor": "actor.layout", "critic": "critic.layout"}
+ROLLOUT = "rollout"
+"""The generation pool's model (``rollout.mode`` one_step_off and async)."""
+LAYOUT_KEYS = {"actor": "actor.layout", "critic": "critic.layout", "rollout": "rollout.tp"}
 """Models whose layout is their own section's (placement.layouts may not give it)."""
 
 
@@ -179,13 +185,14 @@ def run_models(cfg: Any) -> list[str]:
     spec = cfg.algorithm.spec
     has = {"actor": True, "reference": True, "critic": spec.critic,
            "reward_model": cfg.reward_model is not None, "cost_model": cfg.cost_model is not None,
-           "cost_critic": spec.cost_critic}
+           "cost_critic": spec.cost_critic, "rollout": cfg.rollout.mode != "sync"}
     return [m for m in MODELS if has[m]]
 
 
 def model_layout(cfg: Any, model: str) -> tuple[TrainLayout, str]:
     """(layout, its config key) of ``model``: its own section's, placement.layouts', or the
-    default (the actor's for the reference, the critic's for the rest)."""
+    default (the actor's for the reference, the critic's for the rest). The rollout's is
+    ``rollout_layout``'s, which needs its pool."""
     if model in LAYOUT_KEYS:
         return getattr(cfg, model).layout, LAYOUT_KEYS[model]
     if model in cfg.placement.layouts:
@@ -198,13 +205,14 @@ def resolve_placement(cfg: Any) -> Placement:
     """The pools and models of ``cfg`` (an RLConfig), every model's world size checked against
     its pool: a ConfigError naming the key to change."""
     p = cfg.placement
+    _check_rollout_pool(cfg)
     models = run_models(cfg)
     for key, named in (("layouts", p.layouts), ("models", p.models)):
         for name in named:
             if name not in models:
                 raise ConfigError(f"placement.{key}.{name}", f"this run has no {name} (its "
                                   f"models: {', '.join(models)}); remove it")
-    layouts = {m: model_layout(cfg, m) for m in models}
+    layouts = {m: model_layout(cfg, m) for m in models if m != "rollout"}
     if p.pools:
         missing = [m for m in models if m not in p.models]
         if missing:
@@ -217,6 +225,14 @@ def resolve_placement(cfg: Any) -> Placement:
         pools = [Pool(name, pc.nodes, pc.devices_per_node,
                       tuple(m for m in models if p.models[m] == name))
                  for name, pc in p.pools.items()]
+        for pool in pools:
+            if "rollout" in pool.models:
+                layouts["rollout"] = rollout_layout(cfg, pool.ranks)
+                if pool.models != ("rollout",):
+                    raise ConfigError(f"placement.models.{ROLLOUT}", f"its pool {pool.name} also "
+                                      f"holds {', '.join(m for m in pool.models if m != 'rollout')}"
+                                      ": the generation pool generates while the others train; "
+                                      "give it a pool of its own")
     else:
         preset = "colocate" if p.preset in (None, "auto") else p.preset
         pools = _preset_pools(preset, models,
@@ -239,6 +255,28 @@ def resolve_placement(cfg: Any) -> Placement:
                                        "(adapters off): place it on the actor's pool at the "
                                        "actor's layout")
     return placement
+
+
+def rollout_layout(cfg: Any, ranks: int) -> tuple[TrainLayout, str]:
+    """(layout, its key) of a generation pool of ``ranks`` ranks: one replica per rank."""
+    return TrainLayout(tp=cfg.rollout.tp, pp=1, dp=max(ranks // cfg.rollout.tp, 1)), "rollout.tp"
+
+
+def _check_rollout_pool(cfg: Any) -> None:
+    """A generation pool of its own exactly where ``rollout.mode`` generates apart: written-out
+    pools with ``placement.models.rollout`` in one_step_off and async, none in sync."""
+    p, mode = cfg.placement, cfg.rollout.mode
+    if mode == "sync":
+        if "rollout" in p.models:
+            raise ConfigError(f"placement.models.{ROLLOUT}", "a generation pool of its own is for "
+                              "rollout.mode=one_step_off or async (in sync mode the actor "
+                              "generates in its own processes); set rollout.mode or remove it")
+        return
+    if "rollout" not in p.models:
+        raise ConfigError(f"placement.models.{ROLLOUT}", f"rollout.mode={mode} generates on a pool "
+                          "of its own: write the pools out, e.g. placement: {pools: {train: "
+                          "{devices_per_node: 1}, gen: {devices_per_node: 1}}, models: {actor: "
+                          "train, reference: train, rollout: gen}}")
 
 
 def _ranks_per_node(cfg: Any) -> int | None:

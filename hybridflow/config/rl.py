@@ -131,6 +131,9 @@ class RefConfig:
     """Keep its weights in host memory between uses (GPU machines; a no-op on CPU)."""
 
 
+ROLLOUT_MODES = ("sync", "one_step_off", "async")
+
+
 @dataclass(kw_only=True)
 class RolloutConfig:
     """Generation: backend, generation layout, sampling."""
@@ -156,9 +159,32 @@ class RolloutConfig:
     captured again when they move."""
     multi_turn: MultiTurnConfig = field(default_factory=MultiTurnConfig)
     """Tool use over several turns (off while ``multi_turn.tools`` is empty)."""
+    mode: str = "sync"
+    """sync: the actor generates in its own processes, switching layouts (the 3D-HybridEngine),
+    and trains on what it just generated. one_step_off: a generation pool of its own
+    (``placement.models.rollout``) generates batch k+1 with the weights of update k-1 while the
+    training pool trains on batch k; the trainer pushes the weights to it after every update.
+    async: the same, the generation pool ``max_staleness`` batches ahead (one_step_off is async
+    with max_staleness 1). docs/async.md."""
+    max_staleness: int | None = None
+    """async only: how many batches the generation pool runs ahead of training, K >= 1: a batch
+    is trained on after K more updates than the weights that generated it (the first K batches
+    after fewer)."""
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, tuple(ROLLOUT_BACKENDS))
+        check_choice("mode", self.mode, ROLLOUT_MODES)
+        if self.mode == "async":
+            if self.max_staleness is None:
+                raise ConfigError("max_staleness", "rollout.mode=async runs the generation pool "
+                                  "up to max_staleness batches ahead of training: set it (an "
+                                  "integer >= 1)")
+            check_int("max_staleness", self.max_staleness)
+        elif self.max_staleness is not None:
+            raise ConfigError("max_staleness", f"only rollout.mode=async reads it (this run's "
+                              f"mode is {self.mode}, whose staleness is "
+                              f"{int(self.mode == 'one_step_off')}); remove it or set "
+                              "rollout.mode=async")
         check_int("tp", self.tp)
         max_tp = self.backend_class.max_tp
         if max_tp is not None and self.tp > max_tp:
@@ -172,6 +198,11 @@ class RolloutConfig:
             # would part their trajectories.
             raise ConfigError("tp", "multi-turn rollouts run their tools on each generating "
                                     "process: use rollout.tp=1 with rollout.multi_turn.tools")
+
+    @property
+    def staleness(self) -> int:
+        """Batches the generation pool runs ahead of training: 0 in sync mode."""
+        return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
 
     @property
     def backend_class(self) -> type[RolloutBackend]:
@@ -516,7 +547,34 @@ class RLConfig:
                 if bad:
                     raise ConfigError("hybrid_engine.resident", f"cannot act here; set it to "
                                                                 f"null or false, or {fix}")
+        self._check_rollout_mode()
         self._check_no_inert_options()
+
+    def _check_rollout_mode(self) -> None:
+        """What a generation pool of its own cannot do this round is refused, naming the key."""
+        mode = self.rollout.mode
+        if mode == "sync":
+            return
+        a, why = self.algorithm, f"rollout.mode={mode} generates on a pool of its own, ahead of "
+        refused = [
+            ("rollout.multi_turn.tools", self.rollout.multi_turn.enabled,
+             why + "training, without the tools' sandbox: use rollout.mode=sync for tool use"),
+            ("algorithm.dynamic_sampling", a.dynamic_sampling,
+             why + "the step, so a step cannot draw more prompts after its rewards: set it to "
+                   "false or use rollout.mode=sync"),
+            ("algorithm.name", a.spec.greedy_baseline,
+             why + f"the step, so {a.name}'s greedy baseline (generated inside the step with "
+                   "the step's weights) cannot be had: use rollout.mode=sync"),
+            ("rollout.tp", self.rollout.tp != 1,
+             why + "training with one replica per rank: use rollout.tp=1"),
+            # The planner's cost model prices the sync loop's phases, one after another.
+            ("cluster.calibration", self.cluster.calibration is not None,
+             f"the cost model does not price rollout.mode={mode}'s pipeline: remove it or use "
+             "rollout.mode=sync"),
+        ]
+        for key, bad, message in refused:
+            if bad:
+                raise ConfigError(key, message)
 
     def _check_no_inert_options(self) -> None:
         """An option set away from its default where this run would never read it is refused:
@@ -582,6 +640,10 @@ class RLConfig:
             ("algorithm.max_sampling_rounds", not a.dynamic_sampling,
              "set algorithm.dynamic_sampling=true"),
             ("checkpoint.keep", self.checkpoint.every == 0, "set checkpoint.every > 0"),
+            # A generation pool of its own: the actor never switches layouts.
+            *((f"hybrid_engine.{k}", self.rollout.mode != "sync", "set rollout.mode=sync (a "
+               "generation pool of its own receives the weights by the push, not the switch)")
+              for k in ("mode", "offload_optimizer", "resident", "lora_merge")),
         ]
         for key, unused, fix in inert:
             if unused and _get(self, key) != _default(type(self), key):

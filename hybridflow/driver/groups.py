@@ -12,6 +12,8 @@ on the run's ``Timeline``. Only this module names the workers' methods.
 
 from __future__ import annotations
 
+import shutil
+import tempfile
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,11 +22,13 @@ from hybridflow.algorithms.specs import TRAINED_CRITICS
 from hybridflow.batch import Batch
 from hybridflow.config.placement import Placement, resolve_placement
 from hybridflow.config.sources import SCORERS
-from hybridflow.driver.dataflow import Timeline
+from hybridflow.driver.dataflow import Call, Timeline, at_once
+from hybridflow.hybrid_engine.push import store_address as push_store
 from hybridflow.workers.actor import ActorRolloutRefWorker
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.group import ResourcePool, WorkerGroup
 from hybridflow.workers.reference import ReferenceWorker
+from hybridflow.workers.rollout import RolloutWorker
 
 TRAIN, GEN = "train", "gen"
 """The dispatch views: a batch split over the training layout's DP groups, or over the generation
@@ -85,6 +89,20 @@ class ActorGroup(_Group):
         self.group.run("arm_profile", calls, top)
 
 
+class RolloutGroup(_Group):
+    """A generation pool of its own (``RolloutWorker``, rollout.mode one_step_off or async)."""
+
+    def generate(self, batch: Batch, sampling=None) -> Batch:
+        """As ``ActorGroup.generate``, with ``weight_version`` per sample."""
+        return self._by_dp("generate", batch, GEN, sampling=sampling)
+
+    def save(self, ckpt_dir: str) -> None:
+        self.group.run("save_state", ckpt_dir)
+
+    def load(self, ckpt_dir: str) -> None:
+        self.group.run("load_state", ckpt_dir)
+
+
 class ReferenceGroup(_Group):
     """The reference's ranks where it lives apart from the actor (``ReferenceWorker``)."""
 
@@ -134,26 +152,67 @@ class Groups:
     cost_critic: CriticGroup | None = None
     scorers: dict[str, ScorerGroup] = field(default_factory=dict)
     pools: list[ResourcePool] = field(default_factory=list)
+    rollout: RolloutGroup | None = None
+    """The generation pool's group, where the run generates on a pool of its own."""
+    push_dir: str | None = None
+    """The push group's store folder (a local run with a generation pool)."""
+    push_address: str | None = None
+
+    @property
+    def generator(self) -> ActorGroup | RolloutGroup:
+        """The group that generates: the generation pool's, else the actor's."""
+        return self.rollout or self.actor
+
+    def push(self, version: int) -> dict[str, float]:
+        """Push the actor's weights as ``version`` to the generation pool, both sides at once
+        (``hybrid_engine.push``); the push's metrics: ``weight_sync/bytes``, ``weight_sync/s``
+        (the whole push: the actor's gather, the broadcasts, the check and the engines' load)
+        and ``weight_sync/verify_s`` (the sender's fingerprints and the slowest receiver's
+        check)."""
+        if self.push_address is None:
+            if self.push_dir is not None:
+                self.push_address = push_store(self.push_dir)
+            else:
+                host, port = self.actor.group.run("push_address")[0]
+                self.push_address = push_store(None, host, port)
+        size = 1 + self.rollout.group.world_size
+        start = time.perf_counter()
+        sent, received = at_once([
+            Call("send", self.actor.pool, lambda: self.timeline.timed(
+                self.actor.pool, "actor.push_weights", lambda: self.actor.group.run(
+                    "push_weights", self.push_address, size, version))),
+            Call("receive", self.rollout.pool, lambda: self.timeline.timed(
+                self.rollout.pool, "rollout.receive_weights", lambda: self.rollout.group.run(
+                    "receive_weights", self.push_address, size, version)))]).values()
+        meta = sent[0].meta
+        return {"weight_sync/bytes": meta["weight_sync/bytes"],
+                "weight_sync/s": time.perf_counter() - start,
+                "weight_sync/verify_s": meta["weight_sync/verify_s"]
+                + max(r.meta["weight_sync/verify_s"] for r in received)}
 
     def critics(self) -> dict[str, CriticGroup]:
         """The trained value models the run has, by name (``TRAINED_CRITICS``)."""
         return {name: group for name in TRAINED_CRITICS
                 if (group := getattr(self, name)) is not None}
 
-    def trained(self) -> list[ActorGroup | CriticGroup]:
-        """The groups whose state a checkpoint holds."""
-        return [self.actor, *self.critics().values()]
+    def trained(self) -> list[ActorGroup | CriticGroup | RolloutGroup]:
+        """The groups whose state a checkpoint holds: the trained ones, and the generation
+        pool's (its call counts)."""
+        return [self.actor, *self.critics().values(), *([self.rollout] if self.rollout else [])]
 
     def close(self) -> None:
         """Stop every group and free its pool."""
         wrappers = {id(w): w for w in (self.actor, self.reference, self.critic,
-                                       self.cost_critic, *self.scorers.values())
+                                       self.cost_critic, self.rollout, *self.scorers.values())
                     if w is not None}
         for wrapper in wrappers.values():
             wrapper.group.shutdown()
         for pool in self.pools:
             pool.close()
         self.pools = []
+        if self.push_dir is not None:
+            shutil.rmtree(self.push_dir, ignore_errors=True)
+            self.push_dir = None
 
 
 def start_groups(cfg, model_dir: str, checkpoints: dict[str, Any]) -> Groups:
@@ -179,8 +238,15 @@ def start_groups(cfg, model_dir: str, checkpoints: dict[str, Any]) -> Groups:
                     hybrid_engine=cfg.hybrid_engine, weight_sync=cfg.weight_sync,
                     model_dir=model_dir, seed=cfg.seed,
                     pad_token_id=cfg.pad_token_id, max_prompt_tokens=cfg.data.max_prompt_tokens,
-                    with_ref=placement.reference_in_actor)
+                    with_ref=placement.reference_in_actor, generates=cfg.rollout.mode == "sync")
                 built["actor"] = ActorGroup(group, pool, timeline)
+            elif model.name == "rollout":
+                group = WorkerGroup(RolloutWorker, size, ray_config=cfg.ray, name="rollout",
+                                    pool=pools[pool], rollout=cfg.rollout,
+                                    dtype=cfg.actor.engine.dtype, model_dir=model_dir,
+                                    seed=cfg.seed, pad_token_id=cfg.pad_token_id,
+                                    max_prompt_tokens=cfg.data.max_prompt_tokens)
+                built["rollout"] = RolloutGroup(group, pool, timeline)
             elif model.name == "reference":
                 group = WorkerGroup(ReferenceWorker, size, ray_config=cfg.ray, name="reference",
                                     pool=pools[pool], layout=model.layout,
@@ -208,7 +274,9 @@ def start_groups(cfg, model_dir: str, checkpoints: dict[str, Any]) -> Groups:
                     cost_critic=built.pop("cost_critic", None),
                     scorers={key: built[field] for key, field in SCORERS.items()
                              if field in built},
-                    pools=list(pools.values()))
+                    pools=list(pools.values()), rollout=built.pop("rollout", None))
+    if groups.rollout is not None and cfg.ray.address == "local":
+        groups.push_dir = tempfile.mkdtemp(prefix="hybridflow-push-")
     print(groups.actor.describe(), flush=True)
     print(f"workers ready in {time.perf_counter() - start:.1f}s", flush=True)
     return groups

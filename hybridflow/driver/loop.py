@@ -21,6 +21,7 @@ from hybridflow.config.loader import to_yaml
 from hybridflow.data.loader import PromptSampler
 from hybridflow.data.prompts import PromptItem
 from hybridflow.driver import step as steps
+from hybridflow.driver.pipeline import Pipeline
 from hybridflow.driver.step import Run
 from hybridflow.errors import ConfigError, Interrupted, RunError
 from hybridflow.rewards import describe_reward_fn
@@ -47,10 +48,15 @@ def fit(run: Run, items: list[PromptItem], plan: ResumePlan, identity: dict[str,
     for fn, key in ((run.reward_fn, "reward"), (run.cost_fn, "cost")):
         if fn is not None:
             print(describe_reward_fn(fn, key), flush=True)
+    # Generation on a pool of its own runs ahead of training (driver/pipeline.py).
+    pipeline = Pipeline(run, items, sampler) if cfg.rollout.mode != "sync" else None
     first = plan.step
     if plan.checkpoint is not None:
         stop.where = f"the load of {plan.checkpoint}"
-        first = load_checkpoint(run, plan.checkpoint, plan.state, sampler)
+        first = load_checkpoint(run, plan.checkpoint, plan.state, sampler, pipeline)
+    if pipeline is not None:
+        stop.where = "the first weight push"
+        pipeline.start(first)
     if plan.checkpoint is not None or plan.continues:
         print(plan.describe(), flush=True)
     # Only now, with the workers up and the state loaded, is anything of the run written.
@@ -65,7 +71,7 @@ def fit(run: Run, items: list[PromptItem], plan: ResumePlan, identity: dict[str,
     try:
         history = []
         for reached, metrics in _iterations(run, items, held_out, sampler, tracker, first,
-                                            stop, identity):
+                                            stop, identity, pipeline):
             history.append(metrics)
     finally:
         tracker.close()
@@ -75,8 +81,9 @@ def fit(run: Run, items: list[PromptItem], plan: ResumePlan, identity: dict[str,
 
 
 def _iterations(run: Run, items, held_out, sampler, tracker: Tracker, first: int,
-                stop: StopOnSignals, identity: dict[str, Any]):
-    """Yields (step, metrics) after each iteration, logged and checkpointed at their cadence."""
+                stop: StopOnSignals, identity: dict[str, Any], pipeline: Pipeline | None):
+    """Yields (step, metrics) after each iteration (``pipeline``'s where the run generates
+    ahead of training), logged and checkpointed at their cadence."""
     cfg = run.config
     bar = tqdm(total=cfg.steps, initial=first, desc=f"{cfg.algorithm.name} {cfg.name}",
                unit="step")
@@ -90,7 +97,8 @@ def _iterations(run: Run, items, held_out, sampler, tracker: Tracker, first: int
                 bar.write(f"SIGTERM: stopped before step {step}; run the same command to resume")
                 break
             stop.where = f"step {step}"
-            metrics = steps.iteration(run, lambda: [items[i] for i in next(sampler)])
+            metrics = (pipeline.iteration() if pipeline is not None else
+                       steps.iteration(run, lambda: [items[i] for i in next(sampler)]))
             if cfg.validation.due(step, cfg.steps):
                 metrics.update(_validate(run, held_out, bar, step))
             tracker.log(step, metrics)
@@ -102,7 +110,7 @@ def _iterations(run: Run, items, held_out, sampler, tracker: Tracker, first: int
             every = cfg.checkpoint.every
             if halt or stop.requested or every and (step % every == 0 or step == cfg.steps):
                 stop.where = f"the checkpoint of step {step}"
-                saved = save(run, step, sampler, tracker, identity)
+                saved = save(run, step, sampler, tracker, identity, pipeline)
                 bar.write(f"step {step}: checkpoint {saved}")
             if halt:
                 raise RunError(f"non-finite gradients at step {step} ("
@@ -128,18 +136,24 @@ def _validate(run: Run, held_out: list[PromptItem], bar, step: int) -> dict[str,
 
 # --------------------------------------------------------------------------------- checkpoints
 def save(run: Run, step: int, sampler: PromptSampler, tracker: Tracker,
-         identity: dict[str, Any]) -> Path:
-    """A checkpoint of ``step``: the trained groups' states, the sampler and the controllers."""
+         identity: dict[str, Any], pipeline: Pipeline | None = None) -> Path:
+    """A checkpoint of ``step``: the trained groups' states, the sampler and the controllers,
+    and the batches in flight where generation runs ahead (``pipeline``)."""
     state = {**identity, "sampler": sampler.state_dict(), **run.controllers.state_dict(),
              "wandb_id": tracker.wandb_id}
+    if pipeline is not None:
+        state["in_flight"] = pipeline.state_dict()
 
     def write_parts(tmp: Path) -> None:
         for group in run.groups.trained():
             group.save(str(tmp))
+        if pipeline is not None:
+            pipeline.save(tmp)
     return save_checkpoint(tracker.run_dir, step, state, write_parts, run.config.checkpoint.keep)
 
 
-def load_checkpoint(run: Run, path: Path, state: dict[str, Any], sampler: PromptSampler) -> int:
+def load_checkpoint(run: Run, path: Path, state: dict[str, Any], sampler: PromptSampler,
+                    pipeline: Pipeline | None = None) -> int:
     """Restore what ``save`` wrote; the step it holds."""
     try:
         sampler.load_state_dict(state["sampler"])
@@ -149,6 +163,8 @@ def load_checkpoint(run: Run, path: Path, state: dict[str, Any], sampler: Prompt
     for group in run.groups.trained():
         group.load(str(path))
     run.controllers.load_state_dict(state)
+    if pipeline is not None:
+        pipeline.load(path, state)
     return int(state["step"])
 
 

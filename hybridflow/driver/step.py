@@ -97,10 +97,11 @@ class timer:
 
 # --------------------------------------------------------------------------------- the phases
 def generate(run: Run, items: list[PromptItem], sampling=None) -> Batch:
-    """Responses to tokenized prompts (``items``), one row per sample, with their text."""
+    """Responses to tokenized prompts (``items``), one row per sample, with their text; from
+    the generation pool where the run has one (``Groups.generator``)."""
     batch = Batch(lists={"prompt_ids": [list(i.prompt_ids) for i in items], "item": items,
                          "group": list(range(len(items)))})
-    out = run.groups.actor.generate(batch, sampling)
+    out = run.groups.generator.generate(batch, sampling)
     out.lists["response_text"] = [
         run.tokenizer.decode(ids[span].tolist(), skip_special_tokens=True)
         for ids, span in zip(out["input_ids"], response_span(out))]
@@ -285,8 +286,22 @@ def iteration(run: Run, draw: Callable[[], list[PromptItem]]) -> dict[str, float
     metrics."""
     start = time.perf_counter()
     batch, metrics = collect(run, draw)
+    return finish(run, train(run, batch, metrics), metrics, start)
+
+
+def train(run: Run, batch: Batch, metrics: dict[str, float]) -> Batch:
+    """A generated batch prepared, its advantages estimated and the models updated on it; the
+    update's metrics go into ``metrics``."""
     batch = advantages(run, prepare(run, batch))
     metrics.update(update(run, batch))
+    return batch
+
+
+def finish(run: Run, batch: Batch, metrics: dict[str, float], start: float
+           ) -> dict[str, float]:
+    """The step's ``metrics`` completed (``step_metrics`` of the trained ``batch``, the step's
+    seconds since ``start``, throughput, the pools' overlap and idle time, the predicted
+    phases) and the controllers moved."""
     metrics.update(step_metrics(run, batch))
     end = time.perf_counter()
     metrics["timing/step_s"] = end - start

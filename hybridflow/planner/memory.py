@@ -185,6 +185,8 @@ def pool_memory(cfg: Any, shapes: dict[str, ModelConfig], placement, pool) -> Po
         if group == "actor":
             _actor(cfg, shapes["model"], seq, samples, resident, generation, forward,
                    updates, placement.reference_in_actor)
+        elif group == "rollout":
+            _rollout(cfg, shapes["model"], seq, samples, pool.ranks, resident, generation)
         elif group == "reference":
             _reference(replace(cfg.actor, layout=layout), shapes["model"], seq,
                        cfg.rollout.sampling.max_tokens, resident, forward)
@@ -355,6 +357,9 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
     resident["actor"] = _train_state(n, actor.layout, actor.engine, shape.num_layers)
     if with_ref:
         resident["ref"] = {"weights": resident["actor"]["weights"]}
+    if r.mode != "sync":  # a generation pool of its own generates (``_rollout``)
+        _actor_training(cfg, shape, seq, samples, forward, updates)
+        return
     gen = GenLayout(train=actor.layout, tp=r.tp)
     gen_weights = {"generation weights": int(n * b / (gen.tp * gen.pp))}
     if cfg.hybrid_engine.mode == "3d":  # the training shards the generation ones copy stay
@@ -383,10 +388,28 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
     resident["rollout"], generation["rollout"] = backend.memory(
         r, weight_bytes=int(n * b), share=share, seq=seq, kv_per_token=per_token,
         logit_bytes=shape.vocab_size * (b + 4))
-    response = r.sampling.max_tokens
-    forward["actor"] = _forward_transient(shape, actor, seq, response)
-    updates["actor update"] = ("actor", _training_activations(shape, actor, seq, samples,
+    _actor_training(cfg, shape, seq, samples, forward, updates)
+
+
+def _actor_training(cfg, shape: ModelConfig, seq: int, samples: int, forward, updates) -> None:
+    """The actor's forward transient and its update's activations."""
+    response = cfg.rollout.sampling.max_tokens
+    forward["actor"] = _forward_transient(shape, cfg.actor, seq, response)
+    updates["actor update"] = ("actor", _training_activations(shape, cfg.actor, seq, samples,
                                                               response))
+
+
+def _rollout(cfg, shape: ModelConfig, seq: int, samples: int, replicas: int, resident,
+             generation) -> None:
+    """A generation pool of its own (rollout.mode one_step_off, async): each rank a replica
+    holding the full weights, pushed to it, and what its backend holds beside them."""
+    r, b = cfg.rollout, DTYPE_BYTES[cfg.actor.engine.dtype]
+    n = param_count(shape)
+    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * b
+    resident["rollout"], generation["rollout"] = r.backend_class.memory(
+        r, weight_bytes=int(n * b), share=math.ceil(samples / replicas), seq=seq,
+        kv_per_token=per_token, logit_bytes=shape.vocab_size * (b + 4))
+    resident["rollout"] = {"pushed weights": int(n * b), **resident["rollout"]}
 
 
 @functools.lru_cache(maxsize=256)

@@ -13,19 +13,22 @@ import torch
 
 from hybridflow.algorithms import ActorObjective, actor_loss, prepare_rollout_correction
 from hybridflow.batch import Batch
+from hybridflow.hybrid_engine import push
 from hybridflow.hybrid_engine.switch import HybridEngine
 from hybridflow.models.hf import load_hf_config
+from hybridflow.models.params import DTYPES, llama_param_metas
 from hybridflow.parallel.groups import generation_process_groups
 from hybridflow.parallel.layout import GenLayout
-from hybridflow.rollout.base import RolloutSetup, call_seed, rollout_batch
+from hybridflow.rollout.base import RolloutSetup, call_seed
 from hybridflow.rollout.multi_turn import Tools
 from hybridflow.training.engine import TrainEngine
 from hybridflow.training.loading import load_hf_into_engine
 from hybridflow.training.megatron_ckpt import load_train_state, save_train_state
 from hybridflow.training.micro_batches import to_batch_order
-from hybridflow.workers.group import Rendezvous, Worker
-from hybridflow.workers.updates import (engine_batch, load_rank_state, logprob_batch, ppo_updates,
-                                       reference_log_probs, save_rank_state, train_view)
+from hybridflow.workers.group import Rendezvous, Worker, node_address
+from hybridflow.workers.updates import (engine_batch, load_rank_state, logprob_batch,
+                                       pack_rollout, ppo_updates, reference_log_probs,
+                                       save_rank_state, train_view)
 
 
 class ActorRolloutRefWorker(Worker):
@@ -34,12 +37,15 @@ class ActorRolloutRefWorker(Worker):
     config) and the
     run-wide values it needs: the sampling ``seed``, ``pad_token_id`` and the prompt width
     ``max_prompt_tokens``. ``with_ref=False``: the reference lives in a group of its own
-    (``ReferenceWorker``), and this one holds none."""
+    (``ReferenceWorker``), and this one holds none. ``generates=False``: a generation pool of
+    its own generates (``rollout.mode`` one_step_off, async): this one holds no rollout engine
+    and no switch, and pushes its weights there instead (``push_weights``)."""
 
     def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, *, actor, rollout, ref,
                  hybrid_engine, weight_sync, model_dir: str, seed: int, pad_token_id: int,
-                 max_prompt_tokens: int, with_ref: bool = True):
+                 max_prompt_tokens: int, with_ref: bool = True, generates: bool = True):
         super().__init__(rank, world_size, rendezvous)
+        self.rendezvous_timeout_s = rendezvous.timeout_s
         self.actor_cfg, self.rollout_cfg, self.ref_cfg = actor, rollout, ref
         self.model_dir, self.seed, self.pad_token_id = model_dir, seed, pad_token_id
         self.max_prompt_tokens = max_prompt_tokens
@@ -55,6 +61,12 @@ class ActorRolloutRefWorker(Worker):
             load_hf_into_engine(self.ref, model_dir)
             if ref.offload:
                 self.ref.offload_weights()
+        self.dp_group = self.actor.pg.dp
+        self.weight_sync = weight_sync
+        self._push, self._pushes = None, 0  # the push group (made at the first push), pushes
+        self.rollout = self.hybrid = None
+        if not generates:
+            return
         self.gen = GenLayout(train=actor.layout, tp=rollout.tp)
         self.rollout = self._make_rollout()
         self.tools = Tools.build(rollout.multi_turn, model_dir)
@@ -65,7 +77,6 @@ class ActorRolloutRefWorker(Worker):
                                    blocks=self.rollout.takes_stacked,
                                    lora_merge=hybrid_engine.lora_merge,
                                    verify=weight_sync.verify)
-        self.dp_group = self.actor.pg.dp
 
     def _make_rollout(self):
         r = self.rollout_cfg
@@ -93,6 +104,9 @@ class ActorRolloutRefWorker(Worker):
         return train_view(self.actor_cfg.layout, self.rank)
 
     def describe(self) -> str:
+        if self.hybrid is None:
+            return ("actor: generation on a pool of its own (rollout.mode="
+                    f"{self.rollout_cfg.mode}); the weights pushed to it after every update")
         return self.hybrid.summary
 
     # ----------------------------------------------------------------------------- generation
@@ -120,7 +134,8 @@ class ActorRolloutRefWorker(Worker):
             # Whatever happened, back to a training engine: a LoRA base merged in place is
             # written back, so a checkpoint saved after a failed generation holds the base.
             self.hybrid.to_training()
-        out = self._pack(outputs, batch, sampling)
+        out = pack_rollout(outputs, batch, self.pad_token_id, self.max_prompt_tokens,
+                           sampling.max_tokens, with_tools=bool(self.tools))
         out.meta.update({
             "timing/reshard_s": weights.seconds, "timing/weight_load_s": loaded - start
             - weights.seconds - weights.verify_seconds, "timing/generate_s": generated - loaded,
@@ -134,20 +149,6 @@ class ActorRolloutRefWorker(Worker):
             # own training shards the generation weights hold a second copy of (0: resident)
             "reshard/redundant_bytes": weights.redundant_bytes, **memory})
         return out
-
-    def _pack(self, outputs, batch: Batch, sampling) -> Batch:
-        # Fixed widths: every replica's rows have the same length, so the controller can
-        # concatenate them.
-        tensors = rollout_batch(outputs, self.pad_token_id,
-                                prompt_width=self.max_prompt_tokens,
-                                response_width=sampling.max_tokens)
-        tensors["response_mask"] = tensors["response_mask"].float()
-        index = [o.prompt_index for o in outputs]
-        lists = {k: [v[j] for j in index] for k, v in batch.lists.items()}
-        lists["finish_reason"] = [o.finish_reason for o in outputs]
-        if self.tools:
-            lists["tools"] = [o.tools for o in outputs]
-        return Batch(tensors, lists)
 
     # ----------------------------------------------------------------------------- scoring
     def compute_log_prob(self, batch: Batch) -> Batch:
@@ -196,6 +197,29 @@ class ActorRolloutRefWorker(Worker):
         merged in)."""
         return self.actor.full_weights(merged=True)
 
+    def push_address(self) -> tuple[str, int]:
+        """This node's address and a free port on it: the push group's store, on a cluster."""
+        return node_address()
+
+    def push_weights(self, address: str, size: int, version: int) -> Batch:
+        """Push the full weights (LoRA merged) as ``version`` to the generation pool's ranks
+        (``hybrid_engine.push``: this rank 0 sends, ``size - 1`` receive; collective over the
+        actor's ranks, which gather them). Meta: ``weight_sync/bytes`` (what each generation rank
+        receives) and the sender's ``weight_sync/verify_s``."""
+        full = self.actor.full_weights(merged=True)
+        if self.rank != 0:
+            return Batch()
+        if self._push is None:
+            self._push = push.push_group(address, 0, size, self.rendezvous_timeout_s)
+            self._plan = push.PushPlan.build(llama_param_metas(self.model_config),
+                                             DTYPES[self.actor_cfg.engine.dtype], 1,
+                                             self.rollout_cfg.bucket_mb)
+        self._pushes += 1
+        verify_s = push.send(self._push, self._plan, full, version,
+                             push.verified(self.weight_sync.verify, self._pushes))
+        return Batch(meta={"weight_sync/bytes": float(self._plan.nbytes),
+                           "weight_sync/verify_s": verify_s})
+
     # ----------------------------------------------------------------------------- checkpoints
     def save_state(self, ckpt_dir: str) -> None:
         """Write the actor's weights and optimizer state and this rank's RNG and rollout state
@@ -205,5 +229,6 @@ class ActorRolloutRefWorker(Worker):
 
     def load_state(self, ckpt_dir: str) -> None:
         load_train_state(self.actor, Path(ckpt_dir) / "actor")
-        self.hybrid.drop_base_copy()  # the LoRA base may differ from the one copied
+        if self.hybrid is not None:
+            self.hybrid.drop_base_copy()  # the LoRA base may differ from the one copied
         load_rank_state(Path(ckpt_dir) / f"actor-rank{self.rank:04d}.pt", self.rollout)

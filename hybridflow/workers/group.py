@@ -387,7 +387,7 @@ def max_memory_meta(metas: list[dict[str, Any]]) -> dict[str, float]:
     return out
 
 
-def _node_address() -> tuple[str, int]:
+def node_address() -> tuple[str, int]:
     """This node's address and a free port on it (runs where rank 0 will run)."""
     import ray  # deferred: Ray
     ip = ray.util.get_node_ip_address()
@@ -485,7 +485,7 @@ class WorkerGroup:
         else:
             # On a cluster rank 0 may land on any node: ask the node of bundle 0 for its address
             # and a free port.
-            probe = ray.remote(num_cpus=0)(_node_address).options(
+            probe = ray.remote(num_cpus=0)(node_address).options(
                 scheduling_strategy=placement[0]["scheduling_strategy"])
             addr, port = self._wait([probe.remote()], "finding rank 0's address",
                                     cfg.start_timeout_s, "ray.start_timeout_s")[0]

@@ -12,6 +12,7 @@ import torch.distributed as dist
 from hybridflow.batch import Batch
 from hybridflow.checkpoint import writing
 from hybridflow.errors import ConfigError
+from hybridflow.rollout.base import rollout_batch
 
 # Fields each engine call needs from a Batch; everything else stays on the controller.
 MODEL_INPUTS = ("input_ids", "attention_mask")
@@ -83,6 +84,23 @@ def ppo_updates(engine, data: dict[str, torch.Tensor], schedule, agg: str, dp_gr
                 step[loss_key] = loss
             rows.append(step)
     return Batch(meta={**mean_metrics(rows), f"{prefix}/nonfinite_skipped": float(skipped)})
+
+
+def pack_rollout(outputs, batch: Batch, pad_token_id: int, prompt_width: int,
+                 response_width: int, with_tools: bool = False) -> Batch:
+    """A generate call's ``outputs`` (``RolloutOutput``s of ``batch``'s prompts) as the rows the
+    controller concatenates: left-padded prompts and right-padded responses of fixed widths
+    (every replica's rows alike), ``rollout_logprobs``, and ``batch``'s lists repeated per sample
+    with each sample's ``finish_reason`` (and its ``tools`` record, ``with_tools``)."""
+    tensors = rollout_batch(outputs, pad_token_id, prompt_width=prompt_width,
+                            response_width=response_width)
+    tensors["response_mask"] = tensors["response_mask"].float()
+    index = [o.prompt_index for o in outputs]
+    lists = {k: [v[j] for j in index] for k, v in batch.lists.items()}
+    lists["finish_reason"] = [o.finish_reason for o in outputs]
+    if with_tools:
+        lists["tools"] = [o.tools for o in outputs]
+    return Batch(tensors, lists)
 
 
 def save_rank_state(path: Path, rollout=None) -> None:
