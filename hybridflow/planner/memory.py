@@ -30,26 +30,38 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   ranks; the grad buffer stays whole); with ``layout.last_stage_layers`` set, p is replaced by
   ``L / L_max``, L_max the most layers a stage holds (``busiest_stage_share``);
 * stored activations of training: what autograd keeps for the backward in the engine's layer
-  (Megatron-Core's local spec: RMSNorm, unfused attention with its softmax in fp32, SwiGLU, no
-  dropout), per layer and token of a micro-batch of b sequences of s = data.max_prompt_tokens +
-  rollout.sampling.max_tokens tokens, h hidden, f FFN, a heads, in the dtype's bytes B:
-  ``B*(4h/t' + 3h/t + h/t + 4f/t) + (4 + B)*a*s/t`` (16-bit; ``4*a*s/t`` in fp32), where the
-  terms are the inputs of the two norms, linear_qkv and linear_fc1 (t' = t with sequence
-  parallelism, else 1: they are replicated over TP), the query and the keys and values repeated to
-  every query head (with one query head per group the keys and values are views of linear_qkv's
-  output, which they keep whole: 5h/t), linear_proj's input, fc1's output [gate; up], SiLU's
-  output and fc2's input, and the attention probabilities, fp32 and cast back. (Korthikanti et
-  al. 2022's ``s*b*h*(34 + 5*a*s/h)`` is for GPT's GeLU MLP with dropout; it undercounts
-  SwiGLU.) Under 1F1B the first pipeline stage holds min(p, m) micro-batches in flight (m:
-  micro-batches per optimizer step and data-parallel rank) of its L/p layers; the last stage
-  one (of its ``last_stage_layers`` layers when set, the first then holding
-  ``(L - last)/(p - 1)``), plus the logits: ``b*r*V/t`` entries of ``B + 8`` bytes (the logits,
-  the cross entropy's fp32 copy, turned into the softmax it keeps, and its gradient beside them:
-  measured, on an H200 at 0.9B, micro-batches of 8 and 32), r = min(s,
+  (Megatron-Core's local spec with SDPA core attention, ``training/attention.py``; our RMSNorm,
+  SwiGLU, no dropout), per layer and token of a micro-batch of b sequences of s =
+  data.max_prompt_tokens + rollout.sampling.max_tokens tokens, h hidden, f FFN, a heads of
+  head_dim d (q = a*d), in the dtype's bytes B:
+  ``2*(2*B*h + 4)/t' + (B*(Q + 5f) + 4*a)/t + B*s`` (``layer_activation_bytes``), Q = 4q with
+  grouped query heads, 6q with one query head per group. The terms: each of the two norms keeps
+  its input, its output (linear_qkv's and linear_fc1's input) and its fp32 reciprocal RMS
+  (CUDA's fused ``rms_norm``; t' = t with sequence parallelism, else 1: replicated over TP);
+  SDPA keeps the rotated queries, the keys and values repeated to every query head and its
+  output (linear_proj's input is a view of it), 4q, and the fp32 logsumexp of each query and
+  head; with one query head per group the values are a view of linear_qkv's output, kept whole
+  (3q), and the rotated keys a tensor of their own: 6q; the MLP keeps fc1's output [gate; up],
+  the up half plus Megatron's GLU offset (a copy), SiLU's output and fc2's input, 5f; and each
+  layer converts the [b, 1, s, s] boolean mask to the dtype for SDPA, which keeps it: B*s a
+  token, whole on every TP rank. On CUDA, with a mask, SDPA runs the memory-efficient kernel
+  (flash takes no mask): it keeps the output and logsumexp, O(s), never the [s, s] scores (the
+  unfused attention before d1ebdc9 kept them, fp32 and cast: ``(4 + B)*a*s/t`` a token). On CPU
+  the flash CPU kernel keeps the same, but the norms are composite: each keeps its input in
+  fp32 (a copy in bf16, the input itself in fp32), the fp32 normalised product and its output,
+  ``(8 + B)*h`` a norm (``device="cpu"``; ``tests/unit/test_memory_terms.py`` pins every term
+  against the tensors autograd saves there). Korthikanti et al. 2022's
+  ``s*b*h*(34 + 5*a*s/h)`` is for GPT's GeLU MLP with dropout and unfused attention; it
+  undercounts SwiGLU and overcounts SDPA. Under 1F1B the first pipeline stage holds min(p, m)
+  micro-batches in flight (m: micro-batches per optimizer step and data-parallel rank) of its
+  L/p layers; the last stage one (of its ``last_stage_layers`` layers when set, the first then
+  holding ``(L - last)/(p - 1)``), plus the logits: ``b*r*V/t`` entries of ``B + 8`` bytes (the
+  logits, the cross entropy's fp32 copy, turned into the softmax it keeps, and its gradient
+  beside them: measured, on an H200 at 0.9B, micro-batches of 8 and 32), r = min(s,
   rollout.sampling.max_tokens + 1) the columns the engine computes them over (``logit_columns``:
   from the column before the first response token). The estimate takes the larger.
   With ``engine.max_tokens_per_micro_batch`` = T a micro-batch is T tokens at width s' = min(s, T)
-  (b = T/s', the widest one the budget allows: the scores grow with s' at a given T), m is at
+  (b = T/s', the widest one the budget allows: the mask grows with s' at a given T), m is at
   most one micro-batch per sequence, and the logits are T entries' (a micro-batch of short
   sequences can be all response);
 * with ``actor.lora``: the actor's grads and optimizer state are its adapters' (A parameters)
@@ -149,15 +161,27 @@ def _param_count(fields: tuple, head: str) -> int:
     return n
 
 
+NORM_BYTES = {"cuda": lambda b: 2 * b, "cpu": lambda b: 8 + b}
+"""Bytes an RMSNorm keeps per feature (its output, the next linear's input, included), by the
+device its kernel runs on: CUDA's fused ``rms_norm`` keeps its input and its output; the CPU's
+composite one keeps the input upcast to fp32 (the input itself in fp32), the normalised fp32
+product and the output (module docstring)."""
+
+
 def layer_activation_bytes(shape: ModelConfig, seq: int, micro_batch: int, tp: int,
-                           sequence_parallel: bool, dtype: str) -> float:
-    """Stored activations of one transformer layer for one micro-batch (what autograd keeps in
-    the engine's layer; see the module docstring)."""
+                           sequence_parallel: bool, dtype: str, device: str = "cuda") -> float:
+    """Stored activations of one transformer layer for one micro-batch of ``micro_batch``
+    sequences of ``seq`` tokens: what autograd keeps for the backward in the engine's layer with
+    SDPA attention, its norms on ``device`` ("cuda" or "cpu": the module docstring's terms)."""
     s, b, h, f, a = seq, micro_batch, shape.hidden_size, shape.ffn_hidden_size, shape.num_heads
     B = DTYPE_BYTES[dtype]
-    qkv = 3 * h if shape.num_heads > shape.num_kv_heads else 5 * h
-    per_token = (B * (4 * h / (tp if sequence_parallel else 1) + (qkv + h + 4 * f) / tp)
-                 + (4 + (B if B < 4 else 0)) * a * s / tp)
+    q = a * shape.head_dim
+    # the rotated queries, keys and values at every query head, SDPA's output (linear_proj's
+    # input is a view of it); with one query head per group the values are a view of
+    # linear_qkv's whole output, kept whole, and the rotated keys a tensor of their own
+    attention = 4 * q if a > shape.num_kv_heads else 6 * q
+    norms = 2 * (NORM_BYTES[device](B) * h + 4) / (tp if sequence_parallel else 1)
+    per_token = norms + (B * (attention + 5 * f) + 4 * a) / tp + B * s
     return s * b * per_token
 
 
@@ -281,8 +305,8 @@ def _train_state(n: int, layout, engine, num_layers: int) -> dict[str, int]:
 
 def _micro_batch_shape(eng, seq: int, forward: bool) -> tuple[int, float]:
     """(width, sequences) of the largest micro-batch: with a token budget, the one of the full
-    width ``seq`` (or the budget, if shorter) filled to the budget -- attention's stored scores
-    grow with width x tokens, so for a given token count the widest costs most."""
+    width ``seq`` (or the budget, if shorter) filled to the budget -- the attention mask SDPA
+    keeps grows with width x tokens, so for a given token count the widest costs most."""
     if eng.max_tokens_per_micro_batch is not None:
         width = min(seq, eng.max_tokens_per_micro_batch)
         return width, eng.max_tokens_per_micro_batch / width
