@@ -87,6 +87,7 @@ buffers, the reshard's buckets, embedding and output layers sitting on one pipel
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass, replace
@@ -235,28 +236,155 @@ def pool_memory(cfg: Any, shapes: dict[str, ModelConfig], placement, pool) -> Po
     return PoolMemory(groups=groups, ranks=pool.ranks, phases=phases)
 
 
-def check_memory_fits(cfg: Any, estimate: MemoryEstimate) -> None:
-    """A ConfigError naming the layout key to change where a GPU's peak exceeds
-    ``cluster.gpu_memory_gb``."""
-    limit = cfg.cluster.gpu_memory_gb * GIB
+def device_memory(cfg: Any) -> tuple[float, str] | None:
+    """(GiB, the key that says it) of one GPU where the config knows its size: ``ray.gpu_memory_gib``
+    (each worker's allocator cap) or, with ``cluster.nodes`` declared, ``cluster.gpu_memory_gb``;
+    the smaller where both are set; None where neither is."""
+    known = [(cfg.ray.gpu_memory_gib, "ray.gpu_memory_gib")] if cfg.ray.gpu_memory_gib else []
+    if cfg.cluster.nodes is not None:
+        known.append((cfg.cluster.gpu_memory_gb, "cluster.gpu_memory_gb"))
+    return min(known) if known else None
+
+
+def check_memory_fits(cfg: Any, estimate: MemoryEstimate,
+                      shapes: dict[str, ModelConfig] | None = None) -> None:
+    """A ConfigError where a GPU's peak exceeds the GPU's memory (``device_memory``; nothing is
+    checked where it is unknown), naming the phase, the estimate against the memory and the key
+    to change; with ``shapes`` (the run's model shapes) also each single change of
+    ``fitting_changes`` predicted to make it fit."""
+    known = device_memory(cfg)
+    if known is None:
+        return
+    gib, source = known
     for pool in estimate.pools:
         phase, total = pool.peak
-        if total <= limit:
+        if total <= gib * GIB:
             continue
         roles = pool.phases[phase]
         role = max(roles, key=lambda r: pool.role_bytes(phase, r))
         parts = ", ".join(f"{r} {pool.role_bytes(phase, r) / GIB:.1f}" for r in roles
                           if pool.role_bytes(phase, r))
         key, fix = _fix(cfg, role, roles[role])
+        changes = fitting_changes(cfg, shapes, gib) if shapes is not None else []
         raise ConfigError(key, f"the {phase} phase needs an estimated {total / GIB:.1f} GiB per "
                                f"GPU on the GPUs of {' + '.join(pool.groups)} ({parts} GiB), "
-                               f"more than cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}; "
-                               f"the largest part is {role}'s: {fix}")
+                               f"more than {source}={gib:g} GiB; the largest part is {role}'s: "
+                               f"{fix}" + (
+                                   "; predicted to fit with any one of: " + ", ".join(
+                                       f"{k}={_yaml(v)} ({peak / GIB:.1f} GiB)"
+                                       for k, v, peak in changes) if changes else
+                                   "; no single change of micro-batch, token budget, offload, "
+                                   "LoRA or layout is predicted to fit"))
+
+
+def fitting_changes(cfg: Any, shapes: dict[str, ModelConfig], gib: float
+                    ) -> list[tuple[str, Any, int]]:
+    """The single-key changes of ``cfg`` whose estimated peak fits ``gib`` GiB a GPU, each as
+    (key, value, peak bytes): the largest smaller micro-batch or token budget of each trained
+    role, ``ref.offload``, ``hybrid_engine.offload_optimizer``, LoRA of rank 16 on the actor,
+    and twice the actor's tp or pp at half its dp. Changes the config contract refuses are
+    left out."""
+    out = []
+    for key, values in _change_candidates(cfg, shapes):
+        for value in values:  # the mildest change first
+            try:
+                c = _with_key(cfg, key, value)
+                peak = estimate_memory(c, shapes).peak[2]
+            except ConfigError:
+                continue
+            if peak <= gib * GIB:
+                out.append((key, value, peak))
+                break
+    return out
+
+
+def _yaml(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _change_candidates(cfg: Any, shapes: dict[str, ModelConfig]) -> list[tuple[str, list]]:
+    """(key, values to try, mildest first) for ``fitting_changes``."""
+    out = []
+    for section in ("actor", "critic") if cfg.algorithm.spec.critic else ("actor",):
+        eng = getattr(cfg, section).engine
+        if eng.max_tokens_per_micro_batch is not None:
+            seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
+            budget, values = eng.max_tokens_per_micro_batch, []
+            while budget // 2 >= seq:  # a budget holds the longest sequence
+                budget //= 2
+                values.append(budget)
+            out.append((f"{section}.engine.max_tokens_per_micro_batch", values))
+        else:
+            out.append((f"{section}.engine.micro_batch_size",
+                        [m for m in (32, 16, 8, 4, 2, 1) if m < eng.micro_batch_size]))
+    if not cfg.ref.offload and not cfg.actor.lora.enabled:
+        out.append(("ref.offload", [True]))
+    if not cfg.hybrid_engine.offload_optimizer:
+        out.append(("hybrid_engine.offload_optimizer", [True]))
+    if not cfg.actor.lora.enabled:
+        out.append(("actor.lora.rank", [16]))
+    lay, shape = cfg.actor.layout, shapes["model"]
+    if lay.dp % 2 == 0 and cfg.placement.preset in (None, "colocate") and not cfg.placement.layouts:
+        if all(n % (lay.tp * 2) == 0 for n in (shape.num_heads, shape.num_kv_heads,
+                                               shape.ffn_hidden_size, shape.vocab_size)):
+            out.append(("actor.layout.tp", [lay.tp * 2]))
+        if shape.num_layers % (lay.pp * 2) == 0:
+            out.append(("actor.layout.pp", [lay.pp * 2]))
+    return out
+
+
+def _with_key(cfg: Any, key: str, value: Any) -> Any:
+    """A copy of ``cfg`` with the dotted ``key`` set (a layout's tp or pp at half its dp), checked
+    by the config contract (its ConfigError where refused)."""
+    c = copy.deepcopy(cfg)
+    *path, last = key.split(".")
+    if key in ("actor.layout.tp", "actor.layout.pp"):
+        lay = c.actor.layout
+        c.actor.layout = TrainLayout(**{"tp": lay.tp, "pp": lay.pp, "dp": lay.dp // 2,
+                                        last: value})
+    else:
+        where = c
+        for part in path:
+            where = getattr(where, part)
+        setattr(where, last, value)
+    c.__post_init__()
+    return c
+
+
+PHASE_CALLS = {"generation": ("generate",),
+               "inference": ("compute_log_prob", "compute_ref_log_prob", "compute_values",
+                             "compute_scores")}
+"""Phase of the estimate -> the worker methods that run in it; each trained model's update
+(``update_actor``, ``update_critic``) runs in its group's ``<group> update`` phase."""
+
+
+def out_of_memory_notes(cfg: Any, estimate: MemoryEstimate) -> dict[str, dict[str, str]]:
+    """group -> worker method -> what a CUDA out-of-memory error in that method on that group's
+    GPUs adds to its one line (``WorkerGroup.memory_notes``): the method's phase, the estimate
+    for it against the GPU's memory where the config knows it, and the key to turn (``_fix``'s,
+    for the phase's largest role)."""
+    known = device_memory(cfg)
+    of = "" if known is None else f" of {known[1]}={known[0]:g}"
+    notes: dict[str, dict[str, str]] = {}
+    for pool in estimate.pools:
+        for group in pool.groups:
+            update = "update_actor" if group == "actor" else "update_critic"
+            for phase, calls in {**PHASE_CALLS, f"{group} update": (update,)}.items():
+                if phase not in pool.phases:
+                    continue
+                roles = pool.phases[phase]
+                role = max(roles, key=lambda r: pool.role_bytes(phase, r))
+                key, fix = _fix(cfg, role, roles[role])
+                note = (f"the {phase} phase, estimated at {pool.total(phase) / GIB:.1f} GiB per "
+                        f"GPU{of} ({role}'s the largest part); {key}: {fix}")
+                notes.setdefault(group, {}).update(dict.fromkeys(calls, note))
+    return notes
 
 
 def describe(cfg: Any, estimate: MemoryEstimate) -> list[str]:
-    """Lines for ``hybridflow check``: each pool's per-GPU estimate per phase."""
-    limit = cfg.cluster.gpu_memory_gb
+    """Lines for ``hybridflow check``: each pool's per-GPU estimate per phase (``cfg``'s GPU
+    size known: ``device_memory``)."""
+    gib, source = device_memory(cfg)
     lines = []
     for pool in estimate.pools:
         phases = ", ".join(f"{p} {pool.total(p) / GIB:.1f}" for p in pool.phases)
@@ -264,7 +392,7 @@ def describe(cfg: Any, estimate: MemoryEstimate) -> list[str]:
         roles = ", ".join(f"{r} {pool.role_bytes(phase, r) / GIB:.1f}"
                           for r in pool.phases[phase] if pool.role_bytes(phase, r))
         lines.append(f"memory per GPU of {' + '.join(pool.groups)} ({pool.ranks} GPUs), estimate "
-                     f"in GiB of cluster.gpu_memory_gb={limit:g}: {phases}; peak {phase}: "
+                     f"in GiB of {source}={gib:g}: {phases}; peak {phase}: "
                      f"{roles}")
     return lines
 

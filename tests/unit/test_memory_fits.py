@@ -1,0 +1,71 @@
+"""A run predicted not to fit its GPU's memory is refused before any process starts, where the
+GPU's size is known (``cluster.nodes`` with ``cluster.gpu_memory_gb``, or ``ray.gpu_memory_gib``):
+one line naming the phase, the estimate against the memory, and the changes predicted to fit."""
+
+import pytest
+
+from hybridflow.cli import main
+
+# A 7B LoRA actor beside a 7B reward model, one GPU each: the update's stored activations of
+# 16 sequences of 1024 tokens are most of its 122.7 GiB; 8 sequences need 74.1 GiB.
+RUN = ["model=llama2-7b", "reward_model=llama2-7b", "data.source=synthetic",
+       "data.max_prompt_tokens=512", "rollout.sampling.max_tokens=512", "rollout.backend=megatron",
+       "actor.engine.dtype=bf16", "critic.engine.dtype=bf16", "ray.gpus_per_worker=1",
+       "actor.lora.rank=16", "actor.engine.micro_batch_size=16", "train_batch_size=16"]
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_a_run_over_the_gpu_cap_is_refused_in_one_line(command, tmp_path, capsys):
+    out = tmp_path / "runs"
+    assert main([command, *RUN, "ray.gpu_memory_gib=75", f"tracking.out_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "hybridflow: error: actor.engine.micro_batch_size: the actor update phase needs an "
+        "estimated 122.7 GiB per GPU on the GPUs of actor + reward_model"), err
+    assert "more than ray.gpu_memory_gib=75 GiB" in err
+    assert err.rstrip().endswith("predicted to fit with any one of: "
+                                 "actor.engine.micro_batch_size=8 (74.1 GiB)"), err
+    assert not out.exists()
+
+
+def test_the_smaller_of_the_cap_and_the_declared_gpu_counts(capsys, tmp_path):
+    out = f"tracking.out_dir={tmp_path}"
+    # 80 GiB GPUs declared, each worker capped at 75: the cap is the limit
+    assert main(["check", *RUN, "cluster.nodes=1", "cluster.gpus_per_node=1",
+                 "ray.gpu_memory_gib=75", out]) == 2
+    assert "more than ray.gpu_memory_gib=75 GiB" in capsys.readouterr().err
+    # no cap: the declared GPU's 80; a micro-batch of 8 fits it, and the check prints the
+    # estimate against it
+    assert main(["check", *RUN, "cluster.nodes=1", "cluster.gpus_per_node=1",
+                 "actor.engine.micro_batch_size=8", out]) == 0
+    assert "estimate in GiB of cluster.gpu_memory_gb=80" in capsys.readouterr().out
+
+
+def test_no_single_change_that_fits_is_said(capsys, tmp_path):
+    # At 40 GiB the generation phase (the KV cache of 16 sequences beside both models' weights)
+    # does not fit whatever the micro-batch, and LoRA leaves no reference to offload.
+    assert main(["check", *RUN, "ray.gpu_memory_gib=40", f"tracking.out_dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.rstrip().endswith(
+        "no single change of micro-batch, token budget, offload, LoRA or layout is predicted "
+        "to fit")
+
+
+def test_the_notes_a_cuda_out_of_memory_error_names():
+    # what WorkerGroup adds to a CUDA out-of-memory error of each worker method: the phase,
+    # the estimate against the GPU's memory and the key (tests/unit/test_worker_oom.py)
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.rl import RLConfig
+    from hybridflow.config.sources import model_sources
+    from hybridflow.planner.memory import estimate_memory, out_of_memory_notes
+
+    cfg = load_config(RLConfig, None, [*RUN, "actor.engine.micro_batch_size=8",
+                                       "ray.gpu_memory_gib=75"])
+    notes = out_of_memory_notes(cfg, estimate_memory(cfg, model_sources(cfg)[1]))
+    assert sorted(notes) == ["actor", "reward_model"]
+    assert notes["actor"]["update_actor"] == (
+        "the actor update phase, estimated at 74.1 GiB per GPU of ray.gpu_memory_gib=75 "
+        "(actor's the largest part); actor.engine.micro_batch_size: lower it: the stored "
+        "activations grow with it")
+    assert notes["actor"]["generate"].startswith("the generation phase, estimated at 69.4 GiB")
+    assert notes["reward_model"]["compute_scores"].startswith("the inference phase")
+    assert "update_critic" not in notes["reward_model"]  # no critic update phase: not trained
