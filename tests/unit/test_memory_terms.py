@@ -1,14 +1,18 @@
 """The stored activations of ``planner.memory.layer_activation_bytes`` against what autograd
-keeps in the engine's real transformer layer (SDPA attention, RMSNorm, SwiGLU), measured on CPU.
+keeps in the engine's real transformer layer (SDPA attention, RMSNorm, SwiGLU), measured on the
+device the engine builds on: the CPU here, the GPU where CUDA is available (the same test then
+checks the CUDA terms: the fused norms, SDPA's CUDA kernel).
 
-One process (gloo), tp = 1. A saved-tensors hook records the storage of every tensor autograd
+One process (gloo; nccl on a GPU), tp = 1. A saved-tensors hook records the storage of every tensor autograd
 keeps for the backward during a forward of layers 0 and 1 chained, and of layer 0 alone: the
 difference is one layer's, the cos/sin RoPE tables (one per forward, shared by every layer) and
 the weights (not activations) left out. Shapes: grouped and one-per-group query heads, fp32 and
 bf16, widths from 16 to 384, micro-batches of 1 to 3. On CPU every term is computed exactly --
 the norms' fp32 intermediates of the composite CPU kernel (``device="cpu"``), SDPA's flash CPU
 kernel's output, logsumexp and the mask it converts to the dtype -- so the tolerance is 0.5%
-(the figures agree to the byte today). The formula before (the unfused attention's fp32 score
+(the figures agree to the byte today). On CUDA it is 1%: the memory-efficient kernel pads its
+logsumexp to 32 queries and may pad the mask's rows to 16 keys, which the estimate leaves out
+(0.3% at 16 tokens). The formula before (the unfused attention's fp32 score
 matrices, ``(4 + B) a s`` bytes a token) misses every case by 7% or more: 15-22% low at 16
 tokens, 52-194% high at 384.
 """
@@ -23,6 +27,8 @@ SHAPES = {"grouped": dict(vocab_size=256, hidden_size=128, ffn_hidden_size=352, 
                                 num_layers=2, num_heads=6, num_kv_heads=6, head_dim=16,
                                 max_position_embeddings=512)}
 CASES = [(16, 3), (128, 2), (384, 1)]  # (width, sequences)
+TOLERANCE = {"cpu": 0.005, "cuda": 0.01}
+BACKEND = "nccl" if torch.cuda.is_available() else "gloo"
 
 
 def saved_bytes(run_layers, params: set) -> int:
@@ -46,6 +52,7 @@ def measure(rank, world, model_kw, dtype):
     from hybridflow.training.engine import TrainEngine
     from hybridflow.training.model import batch_attention_mask
 
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # where TrainEngine builds
     model = ModelConfig(**model_kw)
     gpt = TrainEngine(model, TrainLayout(), EngineConfig(dtype=dtype)).chunks[0].module
     layers = gpt.decoder.layers
@@ -54,8 +61,8 @@ def measure(rank, world, model_kw, dtype):
     out = {}
     for s, b in CASES:
         x = torch.randn(s, b, model.hidden_size, dtype=layers[0].input_layernorm.weight.dtype,
-                        requires_grad=True)
-        mask = batch_attention_mask(torch.ones(b, s, dtype=torch.long))
+                        device=device, requires_grad=True)
+        mask = batch_attention_mask(torch.ones(b, s, dtype=torch.long, device=device))
         rope = gpt.rotary_pos_emb(s)
 
         def run(n):
@@ -65,7 +72,7 @@ def measure(rank, world, model_kw, dtype):
                     h = layer(h, mask, rotary_pos_emb=rope)[0]
             return forward
         out[s, b] = saved_bytes(run(2), params) - saved_bytes(run(1), params)
-    return out
+    return device, out
 
 
 def test_one_layer_stores_what_the_estimate_counts():
@@ -74,8 +81,8 @@ def test_one_layer_stores_what_the_estimate_counts():
 
     for name, model_kw in SHAPES.items():
         for dtype in ("fp32", "bf16"):
-            measured = spawn(measure, 1, model_kw, dtype)[0]
+            device, measured = spawn(measure, 1, model_kw, dtype, backend=BACKEND)[0]
             for (s, b), got in measured.items():
                 want = layer_activation_bytes(ModelConfig(**model_kw), s, b, tp=1,
-                                              sequence_parallel=False, dtype=dtype, device="cpu")
-                assert abs(want / got - 1) < 0.005, (name, dtype, s, b, got, want)
+                                              sequence_parallel=False, dtype=dtype, device=device)
+                assert abs(want / got - 1) < TOLERANCE[device], (name, dtype, s, b, got, want)
