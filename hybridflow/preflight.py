@@ -26,6 +26,7 @@ import yaml
 from hybridflow.checkpoint import ResumePlan, plan_resume, run_identity
 from hybridflow.config.loader import to_yaml
 from hybridflow.config.rl import RLConfig
+from hybridflow.config.cluster import device_memory
 from hybridflow.config.placement import ACTOR_SIDE, resolve_placement
 from hybridflow.config.sources import CRITIC, critic_shape, model_names, model_sources
 from hybridflow.data.loader import tokenize_prompts
@@ -38,7 +39,7 @@ from hybridflow.models.params import llama_param_metas
 from hybridflow.models.source import preset_has_no_weights
 from hybridflow.parallel.layout import GenLayout
 from hybridflow.planner.memory import (DTYPE_BYTES, MemoryEstimate, check_memory_fits, describe,
-                                       device_memory, estimate_memory)
+                                       estimate_memory)
 from hybridflow.rewards import as_reward_fn, math_reward_fn, reasoning_gym_reward_fn
 from hybridflow.rollout.multi_turn import ToolGlue
 from hybridflow.training.model import check_model_fits_layout
@@ -73,7 +74,7 @@ class RunCheck:
     """Config key -> shape preset name, for the models given as shape presets (no weights)."""
     memory: MemoryEstimate | None
     """Per-GPU memory per pool and phase, where the GPU's size is known (``cluster.nodes`` or
-    ``ray.gpu_memory_gib``: ``planner.memory.device_memory``)."""
+    ``ray.gpu_memory_gib``: ``config.cluster.device_memory``)."""
     notes: list[str]
     """What was not checked, and why (``hybridflow check`` prints them)."""
     shapes: dict[str, ModelConfig]

@@ -94,6 +94,7 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridflow.algorithms.specs import TRAINED_CRITICS
+from hybridflow.config.cluster import device_memory
 from hybridflow.config.placement import ACTOR_SIDE, resolve_placement
 from hybridflow.config.sources import critic_shape
 from hybridflow.errors import ConfigError
@@ -236,16 +237,6 @@ def pool_memory(cfg: Any, shapes: dict[str, ModelConfig], placement, pool) -> Po
     return PoolMemory(groups=groups, ranks=pool.ranks, phases=phases)
 
 
-def device_memory(cfg: Any) -> tuple[float, str] | None:
-    """(GiB, the key that says it) of one GPU where the config knows its size: ``ray.gpu_memory_gib``
-    (each worker's allocator cap) or, with ``cluster.nodes`` declared, ``cluster.gpu_memory_gb``;
-    the smaller where both are set; None where neither is."""
-    known = [(cfg.ray.gpu_memory_gib, "ray.gpu_memory_gib")] if cfg.ray.gpu_memory_gib else []
-    if cfg.cluster.nodes is not None:
-        known.append((cfg.cluster.gpu_memory_gb, "cluster.gpu_memory_gb"))
-    return min(known) if known else None
-
-
 def check_memory_fits(cfg: Any, estimate: MemoryEstimate,
                       shapes: dict[str, ModelConfig] | None = None) -> None:
     """A ConfigError where a GPU's peak exceeds the GPU's memory (``device_memory``; nothing is
@@ -275,6 +266,48 @@ def check_memory_fits(cfg: Any, estimate: MemoryEstimate,
                                        for k, v, peak in changes) if changes else
                                    "; no single change of micro-batch, token budget, offload, "
                                    "LoRA or layout is predicted to fit"))
+
+
+HEADROOM = 0.9
+"""``size_to_memory`` chooses a setting whose estimated peak is at most this share of the GPU's
+memory: the rest for what the estimate leaves out (the CUDA context, the allocator's
+fragmentation) and its error (within 10% of the allocator's peak on the runs docs/planner.md
+lists)."""
+
+
+def size_to_memory(cfg: Any, shapes: dict[str, ModelConfig]) -> tuple[Any, str]:
+    """``cfg`` with its ``auto`` micro-batch key (``RLConfig.SIZE_KEYS``) set to the largest
+    value whose estimated peak fits ``HEADROOM`` of the GPU's memory (``device_memory``), and
+    the line that says so. Micro-batch sizes are powers of two up to a data-parallel rank's
+    share of a mini-batch; token budgets the widest sequence times a power of two, up to that
+    share. ConfigError where even the smallest does not fit."""
+    (key,) = cfg.auto
+    gib, source = device_memory(cfg)
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
+    share = max(1, cfg.train_batch_size * cfg.rollout.sampling.n
+                // (cfg.actor.layout.dp * cfg.actor.mini_batches))
+    sizes = [2 ** k for k in range(share.bit_length()) if 2 ** k <= share]
+    values = sizes if key.endswith("micro_batch_size") else [seq * m for m in sizes]
+    c = copy.deepcopy(cfg)
+    c.auto = []
+    best = None
+    for value in values:
+        candidate = _with_key(c, key, value)
+        _, phase, peak = estimate_memory(candidate, shapes).peak
+        if peak > HEADROOM * gib * GIB:
+            break  # the estimate grows with the micro-batch
+        best = (value, candidate, peak)
+    if best is None:
+        raise ConfigError(key, f"auto: even {values[0]} is estimated at {peak / GIB:.1f} GiB per "
+                               f"GPU (the {phase} phase), above {HEADROOM:.0%} of {source}="
+                               f"{gib:g} GiB; `hybridflow check` with a value names the changes "
+                               "predicted to fit")
+    value, chosen, peak = best
+    return chosen, (f"{key} auto -> {value}: predicted peak {peak / GIB:.1f} GiB of {source}="
+                    f"{gib:g} GiB, the largest of {values[0]}-{values[-1]} within "
+                    f"{HEADROOM:.0%} of it" + ("" if key.endswith("max_tokens_per_micro_batch")
+                                               else " (no cluster.calibration to rank them by "
+                                                    "time)"))
 
 
 def fitting_changes(cfg: Any, shapes: dict[str, ModelConfig], gib: float
@@ -323,8 +356,8 @@ def _change_candidates(cfg: Any, shapes: dict[str, ModelConfig]) -> list[tuple[s
         out.append(("hybrid_engine.offload_optimizer", [True]))
     if not cfg.actor.lora.enabled:
         out.append(("actor.lora.rank", [16]))
-    lay, shape = cfg.actor.layout, shapes["model"]
-    if lay.dp % 2 == 0 and cfg.placement.preset in (None, "colocate") and not cfg.placement.layouts:
+    lay, shape, place = cfg.actor.layout, shapes["model"], cfg.placement
+    if lay.dp % 2 == 0 and place.preset in (None, "colocate") and not place.layouts:
         if all(n % (lay.tp * 2) == 0 for n in (shape.num_heads, shape.num_kv_heads,
                                                shape.ffn_hidden_size, shape.vocab_size)):
             out.append(("actor.layout.tp", [lay.tp * 2]))

@@ -69,3 +69,52 @@ def test_the_notes_a_cuda_out_of_memory_error_names():
     assert notes["actor"]["generate"].startswith("the generation phase, estimated at 69.4 GiB")
     assert notes["reward_model"]["compute_scores"].startswith("the inference phase")
     assert "update_critic" not in notes["reward_model"]  # no critic update phase: not trained
+
+
+# ------------------------------------------------------------------------------------------------
+# micro_batch_size: auto and max_tokens_per_micro_batch: auto, sized to the GPU's memory
+
+
+@pytest.mark.parametrize("key, line", [
+    # 8 sequences of 1024 tokens need 74.1 GiB, over 90% of 80; the generation phase (69.4 GiB)
+    # is the peak at 4 and below
+    ("actor.engine.micro_batch_size", "actor.engine.micro_batch_size auto -> 4: predicted peak "
+     "69.4 GiB of ray.gpu_memory_gib=80 GiB, the largest of 1-64 within 90% of it (no "
+     "cluster.calibration to rank them by time)"),
+    ("actor.engine.max_tokens_per_micro_batch", "actor.engine.max_tokens_per_micro_batch auto "
+     "-> 4096: predicted peak 69.4 GiB of ray.gpu_memory_gib=80 GiB, the largest of 1024-65536 "
+     "within 90% of it")])
+def test_auto_takes_the_largest_setting_that_fits(key, line, capsys, tmp_path):
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.rl import RLConfig
+    from hybridflow.planner.search import plan_layout
+
+    run = [o for o in RUN if not o.startswith("actor.engine.micro_batch_size")]
+    cfg = load_config(RLConfig, None, [*run, "ray.gpu_memory_gib=80", f"{key}=auto"])
+    assert cfg.auto == [key]
+    logged = []
+    chosen = plan_layout(cfg, log=logged.append)
+    assert logged == [line]
+    assert chosen.auto == [] and str(chosen.actor.engine.__dict__[key.split(".")[-1]]) in line
+    # hybridflow check logs the same line and passes the chosen setting's memory check
+    assert main(["check", *run, "ray.gpu_memory_gib=80", f"{key}=auto",
+                 f"tracking.out_dir={tmp_path}"]) == 0
+    assert line in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor.engine.micro_batch_size=auto"], "auto chooses the largest setting that fits the "
+     "GPU's memory, which is unknown: set ray.gpu_memory_gib, or cluster.nodes and "
+     "cluster.gpu_memory_gb"),
+    (["actor.engine.micro_batch_size=auto", "ray.gpu_memory_gib=75"], "auto: even 1 is "
+     "estimated at 69.4 GiB per GPU (the generation phase), above 90% of ray.gpu_memory_gib=75 "
+     "GiB"),
+    (["actor.engine.micro_batch_size=auto", "actor.engine.max_tokens_per_micro_batch=auto",
+      "ray.gpu_memory_gib=80"], "set one of the two to auto"),
+    # RUN sets micro_batch_size=16, which a budget leaves unread
+    (["actor.engine.max_tokens_per_micro_batch=auto", "ray.gpu_memory_gib=80"],
+     "actor.engine.micro_batch_size: has no effect beside max_tokens_per_micro_batch: auto")])
+def test_auto_refusals(overrides, message, capsys, tmp_path):
+    assert main(["check", *RUN, *overrides, f"tracking.out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
