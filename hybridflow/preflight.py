@@ -1,6 +1,6 @@
 """What can be known about an RL run before any process starts: the model's shape against the
 layouts, the files the run reads, the reward functions, the reshard plan, and with
-``cluster.nodes`` set, the memory per GPU.
+the GPU's size known (``cluster.nodes`` or ``ray.gpu_memory_gib``), the memory per GPU.
 
 ``check_run(cfg)`` raises a ``ConfigError`` naming the key at fault, or returns a ``RunCheck``
 that ``hybridflow check`` prints and ``RLTrainer`` uses (model paths, shapes). It reads config.json
@@ -26,6 +26,7 @@ import yaml
 from hybridflow.checkpoint import ResumePlan, plan_resume, run_identity
 from hybridflow.config.loader import to_yaml
 from hybridflow.config.rl import RLConfig
+from hybridflow.config.cluster import device_memory
 from hybridflow.config.placement import ACTOR_SIDE, resolve_placement
 from hybridflow.config.sources import CRITIC, critic_shape, model_names, model_sources
 from hybridflow.data.loader import tokenize_prompts
@@ -72,7 +73,8 @@ class RunCheck:
     presets: dict[str, str]
     """Config key -> shape preset name, for the models given as shape presets (no weights)."""
     memory: MemoryEstimate | None
-    """Per-GPU memory per pool and phase, where ``cluster.nodes`` is set."""
+    """Per-GPU memory per pool and phase, where the GPU's size is known (``cluster.nodes`` or
+    ``ray.gpu_memory_gib``: ``config.cluster.device_memory``)."""
     notes: list[str]
     """What was not checked, and why (``hybridflow check`` prints them)."""
     shapes: dict[str, ModelConfig]
@@ -187,9 +189,9 @@ def check_run(cfg: RLConfig, reward_fn: Callable | None = None,
     gen = GenLayout(train=cfg.actor.layout, tp=cfg.rollout.tp)
     recv, naive = _reshard_bytes(model, gen, cfg)
     memory = None
-    if cfg.cluster.nodes is not None:
+    if device_memory(cfg) is not None:
         memory = estimate_memory(cfg, shapes)
-        check_memory_fits(cfg, memory)
+        check_memory_fits(cfg, memory, shapes)
     resume = resume_plan(cfg, model)
     return RunCheck(checkpoints=checkpoints, model=model, gen=gen, reshard_recv_bytes=recv,
                     naive_recv_bytes=naive, prompts=prompts, reward_fn=functions["reward"],

@@ -24,6 +24,7 @@ from hybridflow.driver import step as steps
 from hybridflow.driver.groups import Groups, start_groups
 from hybridflow.driver.step import Controllers, Run
 from hybridflow.errors import ConfigError, check_int
+from hybridflow.planner.memory import estimate_memory
 from hybridflow.planner.search import plan_layout, run_prediction
 from hybridflow.preflight import check_run, resume_plan
 from hybridflow.rollout.base import SamplingConfig
@@ -95,8 +96,9 @@ class RLTrainer:
     def start(self) -> Run:
         """Start the worker groups (once); the handle the driver's functions take."""
         if self.groups is None:
+            memory = self.checked.memory or estimate_memory(self.config, self.checked.shapes)
             self.groups = start_groups(self.config, str(self.model_dir),
-                                       self.checked.model_dirs)
+                                       self.checked.model_dirs, memory)
             if self.prediction is not None:
                 print(self.prediction.describe(self.config.cluster.calibration), flush=True)
         return Run(self.config, self.groups, self.tokenizer, self.reward_fn, self.cost_fn,

@@ -100,3 +100,13 @@ def check_cluster(cfg: Any) -> None:
                                   f"tile the nodes of {node} GPUs (TP all-reduces every layer: "
                                   f"it must stay in one node); use a divisor of {node} and more "
                                   "pp")
+
+
+def device_memory(cfg: Any) -> tuple[float, str] | None:
+    """(GiB, the key that says it) of one GPU where the RLConfig ``cfg`` knows its size:
+    ``ray.gpu_memory_gib`` (each worker's allocator cap) or, with ``cluster.nodes`` declared,
+    ``cluster.gpu_memory_gb``; the smaller where both are set; None where neither is."""
+    known = [(cfg.ray.gpu_memory_gib, "ray.gpu_memory_gib")] if cfg.ray.gpu_memory_gib else []
+    if cfg.cluster.nodes is not None:
+        known.append((cfg.cluster.gpu_memory_gb, "cluster.gpu_memory_gb"))
+    return min(known) if known else None

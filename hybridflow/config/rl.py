@@ -18,7 +18,7 @@ from hybridflow.algorithms.mismatch import RolloutCorrectionConfig
 from hybridflow.algorithms.specs import (ALGORITHMS, OPTIONAL_OPTIONS, AlgorithmSpec,
                                          algorithm_spec, having, readers)
 from hybridflow.checkpoint import CheckpointConfig
-from hybridflow.config.cluster import ClusterConfig, check_cluster
+from hybridflow.config.cluster import ClusterConfig, check_cluster, device_memory
 from hybridflow.config.placement import PlacementConfig, resolve_placement
 from hybridflow.data.prompts import PromptDataConfig, source_readers, unread_options
 from hybridflow.errors import ConfigError, check_choice, check_float, check_int
@@ -418,13 +418,19 @@ class RLConfig:
     auto: list[str] = field(default_factory=list)
     """Single keys the planner chooses, the others staying as configured: what ``key: auto`` in a
     file or ``key=auto`` on the command line sets (any of AUTO_KEYS; the actor's tp, pp or dp
-    needs cluster.nodes, which gives the number of devices)."""
+    needs cluster.nodes, which gives the number of devices). A micro-batch key alone
+    (``sized_to_memory``) is the largest that fits the GPU's memory, which must be known."""
 
     SHORTHANDS = {"placement": "preset"}
     """Sections a bare name may stand for: ``placement: auto`` is ``placement.preset: auto``."""
 
-    AUTO_KEYS = ("actor.layout.tp", "actor.layout.pp", "actor.layout.dp", "rollout.tp",
-                 "actor.engine.micro_batch_size")
+    LAYOUT_KEYS = ("actor.layout.tp", "actor.layout.pp", "actor.layout.dp", "rollout.tp",
+                   "actor.engine.micro_batch_size")
+    """What ``layout: auto`` leaves to the planner."""
+    SIZE_KEYS = ("actor.engine.micro_batch_size", "actor.engine.max_tokens_per_micro_batch")
+    """Micro-batch keys that ``auto`` alone may size to the GPU's memory
+    (``planner.memory.size_to_memory``) without the planner's rates."""
+    AUTO_KEYS = (*LAYOUT_KEYS, "actor.engine.max_tokens_per_micro_batch")
 
     @staticmethod
     def left_unread(file: Mapping[str, Any], key: str, value: Any) -> list[str]:
@@ -439,7 +445,16 @@ class RLConfig:
     @property
     def planned_keys(self) -> tuple[str, ...]:
         """The keys the planner chooses at start-up (none for a manual layout)."""
-        return self.AUTO_KEYS if self.layout == "auto" else tuple(self.auto)
+        return self.LAYOUT_KEYS if self.layout == "auto" else tuple(self.auto)
+
+    @property
+    def sized_to_memory(self) -> bool:
+        """Whether the keys left to the planner are a micro-batch key sized to the GPU's memory
+        (``SIZE_KEYS``): the largest that fits, where no rates (``cluster.calibration``) rank
+        micro-batch sizes by time; a token budget always (the planner ranks no budgets)."""
+        keys = set(self.planned_keys)
+        return bool(keys) and keys <= set(self.SIZE_KEYS) and (
+            self.cluster.calibration is None or "actor.engine.max_tokens_per_micro_batch" in keys)
 
     def _check_auto(self) -> None:
         check_choice("layout", self.layout, ("manual", "auto"))
@@ -459,6 +474,9 @@ class RLConfig:
             raise ConfigError("placement", f"{what}: the layout planner maps every model onto "
                               "the same devices (placement.preset: colocate); for other "
                               "placements use placement: auto, or set the layouts")
+        if self.sized_to_memory:
+            self._check_size_auto()
+            return
         if self.cluster.calibration is None:
             raise ConfigError("cluster.calibration", f"{what} needs the rates of the devices: run "
                               "`hybridflow calibrate --out calibration.json` on one of them and "
@@ -468,6 +486,25 @@ class RLConfig:
             raise ConfigError(world[0], "auto needs the number of devices to map onto: set "
                                         "cluster.nodes and cluster.gpus_per_node, or use layout: "
                                         "auto, which keeps the configured world size")
+
+    def _check_size_auto(self) -> None:
+        """``micro_batch_size: auto`` or ``max_tokens_per_micro_batch: auto`` alone: sized to the
+        GPU's memory, which must be known; the two exclude each other."""
+        key = self.auto[0]
+        if len(self.auto) > 1:
+            raise ConfigError(key, "auto: a token budget forms the micro-batches in place of "
+                                   "micro_batch_size; set one of the two to auto")
+        eng = self.actor.engine
+        for name in ("micro_batch_size", "forward_micro_batch_size"):
+            if (key.endswith("max_tokens_per_micro_batch")
+                    and getattr(eng, name) != _default(type(self), f"actor.engine.{name}")):
+                raise ConfigError(f"actor.engine.{name}", "has no effect beside "
+                                  "max_tokens_per_micro_batch: auto (the budget forms the "
+                                  "micro-batches); remove it")
+        if device_memory(self) is None:
+            raise ConfigError(key, "auto chooses the largest setting that fits the GPU's memory, "
+                                   "which is unknown: set ray.gpu_memory_gib, or cluster.nodes "
+                                   "and cluster.gpu_memory_gb")
 
     def _check_placement_auto(self) -> None:
         """``placement: auto`` needs what the placement search reads: the cluster's devices and

@@ -24,6 +24,7 @@ from hybridflow.config.placement import Placement, resolve_placement
 from hybridflow.config.sources import SCORERS
 from hybridflow.driver.dataflow import Call, Timeline, at_once
 from hybridflow.hybrid_engine.push import store_address as push_store
+from hybridflow.planner.memory import MemoryEstimate, out_of_memory_notes
 from hybridflow.workers.actor import ActorRolloutRefWorker
 from hybridflow.workers.critic import CriticWorker
 from hybridflow.workers.group import ResourcePool, WorkerGroup
@@ -215,11 +216,13 @@ class Groups:
             self.push_dir = None
 
 
-def start_groups(cfg, model_dir: str, checkpoints: dict[str, Any]) -> Groups:
+def start_groups(cfg, model_dir: str, checkpoints: dict[str, Any],
+                 memory: MemoryEstimate) -> Groups:
     """Start the run's groups (``cfg`` an RLConfig; ``model_dir`` the actor's and reference's
     checkpoint; ``checkpoints``: config key -> checkpoint directory of the other models the run
     names: ``critic.model`` (absent: the actor's), ``reward_model``, ``cost_model``), each on
-    its pool. Each worker gets its own role's config only."""
+    its pool. Each worker gets its own role's config only; each group the notes of ``memory``
+    (the run's memory estimate) that a CUDA out-of-memory error of its workers names."""
     start = time.perf_counter()
     placement = resolve_placement(cfg)
     timeline = Timeline()
@@ -268,6 +271,9 @@ def start_groups(cfg, model_dir: str, checkpoints: dict[str, Any]) -> Groups:
         for pool in pools.values():
             pool.close()
         raise
+    notes = out_of_memory_notes(cfg, memory)
+    for name, wrapper in built.items():
+        wrapper.group.memory_notes = notes.get(name, {})
     actor = built.pop("actor")
     groups = Groups(actor=actor, reference=built.pop("reference", actor), placement=placement,
                     timeline=timeline, critic=built.pop("critic", None),

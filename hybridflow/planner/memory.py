@@ -30,26 +30,38 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   ranks; the grad buffer stays whole); with ``layout.last_stage_layers`` set, p is replaced by
   ``L / L_max``, L_max the most layers a stage holds (``busiest_stage_share``);
 * stored activations of training: what autograd keeps for the backward in the engine's layer
-  (Megatron-Core's local spec: RMSNorm, unfused attention with its softmax in fp32, SwiGLU, no
-  dropout), per layer and token of a micro-batch of b sequences of s = data.max_prompt_tokens +
-  rollout.sampling.max_tokens tokens, h hidden, f FFN, a heads, in the dtype's bytes B:
-  ``B*(4h/t' + 3h/t + h/t + 4f/t) + (4 + B)*a*s/t`` (16-bit; ``4*a*s/t`` in fp32), where the
-  terms are the inputs of the two norms, linear_qkv and linear_fc1 (t' = t with sequence
-  parallelism, else 1: they are replicated over TP), the query and the keys and values repeated to
-  every query head (with one query head per group the keys and values are views of linear_qkv's
-  output, which they keep whole: 5h/t), linear_proj's input, fc1's output [gate; up], SiLU's
-  output and fc2's input, and the attention probabilities, fp32 and cast back. (Korthikanti et
-  al. 2022's ``s*b*h*(34 + 5*a*s/h)`` is for GPT's GeLU MLP with dropout; it undercounts
-  SwiGLU.) Under 1F1B the first pipeline stage holds min(p, m) micro-batches in flight (m:
-  micro-batches per optimizer step and data-parallel rank) of its L/p layers; the last stage
-  one (of its ``last_stage_layers`` layers when set, the first then holding
-  ``(L - last)/(p - 1)``), plus the logits: ``b*r*V/t`` entries of ``B + 8`` bytes (the logits,
-  the cross entropy's fp32 copy, turned into the softmax it keeps, and its gradient beside them:
-  measured, on an H200 at 0.9B, micro-batches of 8 and 32), r = min(s,
+  (Megatron-Core's local spec with SDPA core attention, ``training/attention.py``; our RMSNorm,
+  SwiGLU, no dropout), per layer and token of a micro-batch of b sequences of s =
+  data.max_prompt_tokens + rollout.sampling.max_tokens tokens, h hidden, f FFN, a heads of
+  head_dim d (q = a*d), in the dtype's bytes B:
+  ``2*(2*B*h + 4)/t' + (B*(Q + 5f) + 4*a)/t + B*s`` (``layer_activation_bytes``), Q = 4q with
+  grouped query heads, 6q with one query head per group. The terms: each of the two norms keeps
+  its input, its output (linear_qkv's and linear_fc1's input) and its fp32 reciprocal RMS
+  (CUDA's fused ``rms_norm``; t' = t with sequence parallelism, else 1: replicated over TP);
+  SDPA keeps the rotated queries, the keys and values repeated to every query head and its
+  output (linear_proj's input is a view of it), 4q, and the fp32 logsumexp of each query and
+  head; with one query head per group the values are a view of linear_qkv's output, kept whole
+  (3q), and the rotated keys a tensor of their own: 6q; the MLP keeps fc1's output [gate; up],
+  the up half plus Megatron's GLU offset (a copy), SiLU's output and fc2's input, 5f; and each
+  layer converts the [b, 1, s, s] boolean mask to the dtype for SDPA, which keeps it: B*s a
+  token, whole on every TP rank. On CUDA, with a mask, SDPA runs the memory-efficient kernel
+  (flash takes no mask): it keeps the output and logsumexp, O(s), never the [s, s] scores (the
+  unfused attention before d1ebdc9 kept them, fp32 and cast: ``(4 + B)*a*s/t`` a token). On CPU
+  the flash CPU kernel keeps the same, but the norms are composite: each keeps its input in
+  fp32 (a copy in bf16, the input itself in fp32), the fp32 normalised product and its output,
+  ``(8 + B)*h`` a norm (``device="cpu"``; ``tests/unit/test_memory_terms.py`` pins every term
+  against the tensors autograd saves there). Korthikanti et al. 2022's
+  ``s*b*h*(34 + 5*a*s/h)`` is for GPT's GeLU MLP with dropout and unfused attention; it
+  undercounts SwiGLU and overcounts SDPA. Under 1F1B the first pipeline stage holds min(p, m)
+  micro-batches in flight (m: micro-batches per optimizer step and data-parallel rank) of its
+  L/p layers; the last stage one (of its ``last_stage_layers`` layers when set, the first then
+  holding ``(L - last)/(p - 1)``), plus the logits: ``b*r*V/t`` entries of ``B + 8`` bytes (the
+  logits, the cross entropy's fp32 copy, turned into the softmax it keeps, and its gradient
+  beside them: measured, on an H200 at 0.9B, micro-batches of 8 and 32), r = min(s,
   rollout.sampling.max_tokens + 1) the columns the engine computes them over (``logit_columns``:
   from the column before the first response token). The estimate takes the larger.
   With ``engine.max_tokens_per_micro_batch`` = T a micro-batch is T tokens at width s' = min(s, T)
-  (b = T/s', the widest one the budget allows: the scores grow with s' at a given T), m is at
+  (b = T/s', the widest one the budget allows: the mask grows with s' at a given T), m is at
   most one micro-batch per sequence, and the logits are T entries' (a micro-batch of short
   sequences can be all response);
 * with ``actor.lora``: the actor's grads and optimizer state are its adapters' (A parameters)
@@ -75,12 +87,14 @@ buffers, the reshard's buckets, embedding and output layers sitting on one pipel
 
 from __future__ import annotations
 
+import copy
 import functools
 import math
 from dataclasses import dataclass, replace
 from typing import Any
 
 from hybridflow.algorithms.specs import TRAINED_CRITICS
+from hybridflow.config.cluster import device_memory
 from hybridflow.config.placement import ACTOR_SIDE, resolve_placement
 from hybridflow.config.sources import critic_shape
 from hybridflow.errors import ConfigError
@@ -149,15 +163,27 @@ def _param_count(fields: tuple, head: str) -> int:
     return n
 
 
+NORM_BYTES = {"cuda": lambda b: 2 * b, "cpu": lambda b: 8 + b}
+"""Bytes an RMSNorm keeps per feature (its output, the next linear's input, included), by the
+device its kernel runs on: CUDA's fused ``rms_norm`` keeps its input and its output; the CPU's
+composite one keeps the input upcast to fp32 (the input itself in fp32), the normalised fp32
+product and the output (module docstring)."""
+
+
 def layer_activation_bytes(shape: ModelConfig, seq: int, micro_batch: int, tp: int,
-                           sequence_parallel: bool, dtype: str) -> float:
-    """Stored activations of one transformer layer for one micro-batch (what autograd keeps in
-    the engine's layer; see the module docstring)."""
+                           sequence_parallel: bool, dtype: str, device: str = "cuda") -> float:
+    """Stored activations of one transformer layer for one micro-batch of ``micro_batch``
+    sequences of ``seq`` tokens: what autograd keeps for the backward in the engine's layer with
+    SDPA attention, its norms on ``device`` ("cuda" or "cpu": the module docstring's terms)."""
     s, b, h, f, a = seq, micro_batch, shape.hidden_size, shape.ffn_hidden_size, shape.num_heads
     B = DTYPE_BYTES[dtype]
-    qkv = 3 * h if shape.num_heads > shape.num_kv_heads else 5 * h
-    per_token = (B * (4 * h / (tp if sequence_parallel else 1) + (qkv + h + 4 * f) / tp)
-                 + (4 + (B if B < 4 else 0)) * a * s / tp)
+    q = a * shape.head_dim
+    # the rotated queries, keys and values at every query head, SDPA's output (linear_proj's
+    # input is a view of it); with one query head per group the values are a view of
+    # linear_qkv's whole output, kept whole, and the rotated keys a tensor of their own
+    attention = 4 * q if a > shape.num_kv_heads else 6 * q
+    norms = 2 * (NORM_BYTES[device](B) * h + 4) / (tp if sequence_parallel else 1)
+    per_token = norms + (B * (attention + 5 * f) + 4 * a) / tp + B * s
     return s * b * per_token
 
 
@@ -213,28 +239,187 @@ def pool_memory(cfg: Any, shapes: dict[str, ModelConfig], placement, pool) -> Po
     return PoolMemory(groups=groups, ranks=pool.ranks, phases=phases)
 
 
-def check_memory_fits(cfg: Any, estimate: MemoryEstimate) -> None:
-    """A ConfigError naming the layout key to change where a GPU's peak exceeds
-    ``cluster.gpu_memory_gb``."""
-    limit = cfg.cluster.gpu_memory_gb * GIB
+def check_memory_fits(cfg: Any, estimate: MemoryEstimate,
+                      shapes: dict[str, ModelConfig] | None = None) -> None:
+    """A ConfigError where a GPU's peak exceeds the GPU's memory (``device_memory``; nothing is
+    checked where it is unknown), naming the phase, the estimate against the memory and the key
+    to change; with ``shapes`` (the run's model shapes) also each single change of
+    ``fitting_changes`` predicted to make it fit."""
+    known = device_memory(cfg)
+    if known is None:
+        return
+    gib, source = known
     for pool in estimate.pools:
         phase, total = pool.peak
-        if total <= limit:
+        if total <= gib * GIB:
             continue
         roles = pool.phases[phase]
         role = max(roles, key=lambda r: pool.role_bytes(phase, r))
         parts = ", ".join(f"{r} {pool.role_bytes(phase, r) / GIB:.1f}" for r in roles
                           if pool.role_bytes(phase, r))
         key, fix = _fix(cfg, role, roles[role])
+        changes = fitting_changes(cfg, shapes, gib) if shapes is not None else []
         raise ConfigError(key, f"the {phase} phase needs an estimated {total / GIB:.1f} GiB per "
                                f"GPU on the GPUs of {' + '.join(pool.groups)} ({parts} GiB), "
-                               f"more than cluster.gpu_memory_gb={cfg.cluster.gpu_memory_gb:g}; "
-                               f"the largest part is {role}'s: {fix}")
+                               f"more than {source}={gib:g} GiB; the largest part is {role}'s: "
+                               f"{fix}" + (
+                                   "; predicted to fit with any one of: " + ", ".join(
+                                       f"{k}={_yaml(v)} ({peak / GIB:.1f} GiB)"
+                                       for k, v, peak in changes) if changes else
+                                   "; no single change of micro-batch, token budget, offload, "
+                                   "LoRA or layout is predicted to fit"))
+
+
+HEADROOM = 0.9
+"""``size_to_memory`` chooses a setting whose estimated peak is at most this share of the GPU's
+memory: the rest for what the estimate leaves out (the CUDA context, the allocator's
+fragmentation) and its error (within 10% of the allocator's peak on the runs docs/planner.md
+lists)."""
+
+
+def size_to_memory(cfg: Any, shapes: dict[str, ModelConfig]) -> tuple[Any, str]:
+    """``cfg`` with its ``auto`` micro-batch key (``RLConfig.SIZE_KEYS``) set to the largest
+    value whose estimated peak fits ``HEADROOM`` of the GPU's memory (``device_memory``), and
+    the line that says so. Micro-batch sizes are powers of two up to a data-parallel rank's
+    share of a mini-batch; token budgets the widest sequence times a power of two, up to that
+    share. ConfigError where even the smallest does not fit."""
+    (key,) = cfg.auto
+    gib, source = device_memory(cfg)
+    seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
+    share = max(1, cfg.train_batch_size * cfg.rollout.sampling.n
+                // (cfg.actor.layout.dp * cfg.actor.mini_batches))
+    sizes = [2 ** k for k in range(share.bit_length()) if 2 ** k <= share]
+    values = sizes if key.endswith("micro_batch_size") else [seq * m for m in sizes]
+    c = copy.deepcopy(cfg)
+    c.auto = []
+    best = None
+    for value in values:
+        candidate = _with_key(c, key, value)
+        _, phase, peak = estimate_memory(candidate, shapes).peak
+        if peak > HEADROOM * gib * GIB:
+            break  # the estimate grows with the micro-batch
+        best = (value, candidate, peak)
+    if best is None:
+        raise ConfigError(key, f"auto: even {values[0]} is estimated at {peak / GIB:.1f} GiB per "
+                               f"GPU (the {phase} phase), above {HEADROOM:.0%} of {source}="
+                               f"{gib:g} GiB; `hybridflow check` with a value names the changes "
+                               "predicted to fit")
+    value, chosen, peak = best
+    return chosen, (f"{key} auto -> {value}: predicted peak {peak / GIB:.1f} GiB of {source}="
+                    f"{gib:g} GiB, the largest of {values[0]}-{values[-1]} within "
+                    f"{HEADROOM:.0%} of it" + ("" if key.endswith("max_tokens_per_micro_batch")
+                                               else " (no cluster.calibration to rank them by "
+                                                    "time)"))
+
+
+def fitting_changes(cfg: Any, shapes: dict[str, ModelConfig], gib: float
+                    ) -> list[tuple[str, Any, int]]:
+    """The single-key changes of ``cfg`` whose estimated peak fits ``gib`` GiB a GPU, each as
+    (key, value, peak bytes): the largest smaller micro-batch or token budget of each trained
+    role, ``ref.offload``, ``hybrid_engine.offload_optimizer``, LoRA of rank 16 on the actor,
+    and twice the actor's tp or pp at half its dp. Changes the config contract refuses are
+    left out."""
+    out = []
+    for key, values in _change_candidates(cfg, shapes):
+        for value in values:  # the mildest change first
+            try:
+                c = _with_key(cfg, key, value)
+                peak = estimate_memory(c, shapes).peak[2]
+            except ConfigError:
+                continue
+            if peak <= gib * GIB:
+                out.append((key, value, peak))
+                break
+    return out
+
+
+def _yaml(value: Any) -> str:
+    return str(value).lower() if isinstance(value, bool) else str(value)
+
+
+def _change_candidates(cfg: Any, shapes: dict[str, ModelConfig]) -> list[tuple[str, list]]:
+    """(key, values to try, mildest first) for ``fitting_changes``."""
+    out = []
+    for section in ("actor", "critic") if cfg.algorithm.spec.critic else ("actor",):
+        eng = getattr(cfg, section).engine
+        if eng.max_tokens_per_micro_batch is not None:
+            seq = cfg.data.max_prompt_tokens + cfg.rollout.sampling.max_tokens
+            budget, values = eng.max_tokens_per_micro_batch, []
+            while budget // 2 >= seq:  # a budget holds the longest sequence
+                budget //= 2
+                values.append(budget)
+            out.append((f"{section}.engine.max_tokens_per_micro_batch", values))
+        else:
+            out.append((f"{section}.engine.micro_batch_size",
+                        [m for m in (32, 16, 8, 4, 2, 1) if m < eng.micro_batch_size]))
+    if not cfg.ref.offload and not cfg.actor.lora.enabled:
+        out.append(("ref.offload", [True]))
+    if not cfg.hybrid_engine.offload_optimizer:
+        out.append(("hybrid_engine.offload_optimizer", [True]))
+    if not cfg.actor.lora.enabled:
+        out.append(("actor.lora.rank", [16]))
+    lay, shape, place = cfg.actor.layout, shapes["model"], cfg.placement
+    if lay.dp % 2 == 0 and place.preset in (None, "colocate") and not place.layouts:
+        if all(n % (lay.tp * 2) == 0 for n in (shape.num_heads, shape.num_kv_heads,
+                                               shape.ffn_hidden_size, shape.vocab_size)):
+            out.append(("actor.layout.tp", [lay.tp * 2]))
+        if shape.num_layers % (lay.pp * 2) == 0:
+            out.append(("actor.layout.pp", [lay.pp * 2]))
+    return out
+
+
+def _with_key(cfg: Any, key: str, value: Any) -> Any:
+    """A copy of ``cfg`` with the dotted ``key`` set (a layout's tp or pp at half its dp), checked
+    by the config contract (its ConfigError where refused)."""
+    c = copy.deepcopy(cfg)
+    *path, last = key.split(".")
+    if key in ("actor.layout.tp", "actor.layout.pp"):
+        lay = c.actor.layout
+        c.actor.layout = TrainLayout(**{"tp": lay.tp, "pp": lay.pp, "dp": lay.dp // 2,
+                                        last: value})
+    else:
+        where = c
+        for part in path:
+            where = getattr(where, part)
+        setattr(where, last, value)
+    c.__post_init__()
+    return c
+
+
+PHASE_CALLS = {"generation": ("generate",),
+               "inference": ("compute_log_prob", "compute_ref_log_prob", "compute_values",
+                             "compute_scores")}
+"""Phase of the estimate -> the worker methods that run in it; each trained model's update
+(``update_actor``, ``update_critic``) runs in its group's ``<group> update`` phase."""
+
+
+def out_of_memory_notes(cfg: Any, estimate: MemoryEstimate) -> dict[str, dict[str, str]]:
+    """group -> worker method -> what a CUDA out-of-memory error in that method on that group's
+    GPUs adds to its one line (``WorkerGroup.memory_notes``): the method's phase, the estimate
+    for it against the GPU's memory where the config knows it, and the key to turn (``_fix``'s,
+    for the phase's largest role)."""
+    known = device_memory(cfg)
+    of = "" if known is None else f" of {known[1]}={known[0]:g}"
+    notes: dict[str, dict[str, str]] = {}
+    for pool in estimate.pools:
+        for group in pool.groups:
+            update = "update_actor" if group == "actor" else "update_critic"
+            for phase, calls in {**PHASE_CALLS, f"{group} update": (update,)}.items():
+                if phase not in pool.phases:
+                    continue
+                roles = pool.phases[phase]
+                role = max(roles, key=lambda r: pool.role_bytes(phase, r))
+                key, fix = _fix(cfg, role, roles[role])
+                note = (f"the {phase} phase, estimated at {pool.total(phase) / GIB:.1f} GiB per "
+                        f"GPU{of} ({role}'s the largest part); {key}: {fix}")
+                notes.setdefault(group, {}).update(dict.fromkeys(calls, note))
+    return notes
 
 
 def describe(cfg: Any, estimate: MemoryEstimate) -> list[str]:
-    """Lines for ``hybridflow check``: each pool's per-GPU estimate per phase."""
-    limit = cfg.cluster.gpu_memory_gb
+    """Lines for ``hybridflow check``: each pool's per-GPU estimate per phase (``cfg``'s GPU
+    size known: ``device_memory``)."""
+    gib, source = device_memory(cfg)
     lines = []
     for pool in estimate.pools:
         phases = ", ".join(f"{p} {pool.total(p) / GIB:.1f}" for p in pool.phases)
@@ -242,7 +427,7 @@ def describe(cfg: Any, estimate: MemoryEstimate) -> list[str]:
         roles = ", ".join(f"{r} {pool.role_bytes(phase, r) / GIB:.1f}"
                           for r in pool.phases[phase] if pool.role_bytes(phase, r))
         lines.append(f"memory per GPU of {' + '.join(pool.groups)} ({pool.ranks} GPUs), estimate "
-                     f"in GiB of cluster.gpu_memory_gb={limit:g}: {phases}; peak {phase}: "
+                     f"in GiB of {source}={gib:g}: {phases}; peak {phase}: "
                      f"{roles}")
     return lines
 
@@ -283,8 +468,8 @@ def _train_state(n: int, layout, engine, num_layers: int) -> dict[str, int]:
 
 def _micro_batch_shape(eng, seq: int, forward: bool) -> tuple[int, float]:
     """(width, sequences) of the largest micro-batch: with a token budget, the one of the full
-    width ``seq`` (or the budget, if shorter) filled to the budget -- attention's stored scores
-    grow with width x tokens, so for a given token count the widest costs most."""
+    width ``seq`` (or the budget, if shorter) filled to the budget -- the attention mask SDPA
+    keeps grows with width x tokens, so for a given token count the widest costs most."""
     if eng.max_tokens_per_micro_batch is not None:
         width = min(seq, eng.max_tokens_per_micro_batch)
         return width, eng.max_tokens_per_micro_batch / width

@@ -22,7 +22,7 @@ from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import TrainLayout
 from hybridflow.planner.cost import Prediction, predict
-from hybridflow.planner.memory import check_memory_fits
+from hybridflow.planner.memory import check_memory_fits, size_to_memory
 from hybridflow.planner.rates import Calibration
 from hybridflow.training.model import check_model_fits_layout
 
@@ -169,12 +169,18 @@ def resolve_auto(cfg: Any, shapes: dict[str, ModelConfig]) -> tuple[Any, Mapping
 def plan_layout(cfg: Any, log=print) -> Any:
     """``resolve_auto`` for a run about to start (the trainer, ``hybridflow check``): the model
     shapes looked up, the choice logged in one line; with ``placement: auto`` the placement
-    search's fastest placement (``placements.choose_placement``)."""
+    search's fastest placement (``placements.choose_placement``); a micro-batch key alone
+    without rates to rank it (``RLConfig.sized_to_memory``) the largest that fits the GPU
+    (``memory.size_to_memory``)."""
     if cfg.placement.preset == "auto":
         from hybridflow.planner.placements import choose_placement
         return choose_placement(cfg, model_sources(cfg)[1], load_calibration(cfg), log)
     if not cfg.planned_keys:
         return cfg
+    if cfg.sized_to_memory:  # a micro-batch key alone: the largest that fits the GPU
+        chosen, line = size_to_memory(cfg, model_sources(cfg)[1])
+        log(line)
+        return chosen
     chosen, mapping = resolve_auto(cfg, model_sources(cfg)[1])
     log(f"planner ({', '.join(cfg.planned_keys)}): {mapping.describe()}, predicted step "
         f"{mapping.prediction.step:.3g} s; as overrides: "

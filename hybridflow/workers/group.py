@@ -475,6 +475,9 @@ class WorkerGroup:
         if pool.world_size != world_size:
             raise ValueError(f"a pool of {pool.world_size} bundles cannot hold {world_size} ranks")
         self.name, self.world_size, self.pool = name, world_size, pool
+        self.memory_notes: dict[str, str] = {}
+        """Worker method -> its phase and the memory estimate's note for a CUDA out-of-memory
+        error in it (``planner.memory.out_of_memory_notes``); set by the driver."""
         placement = [pool.options(r) for r in range(world_size)]
         self._rendezvous_dir, self.pids, self.actors = None, [None] * world_size, []
         self.call_timeout_s = cfg.call_timeout_s
@@ -539,6 +542,9 @@ class WorkerGroup:
                     # A rank's error in a collective is often the echo of another rank's death:
                     # report the death if one shows within a few seconds.
                     self._raise_if_died(pending, rank_of, wait_s=5.0)
+                    if isinstance(e.cause, torch.OutOfMemoryError):
+                        self._kill()  # the other ranks may wait in a collective for this one
+                        raise self._cuda_out_of_memory(rank, method) from None
                     _raise_task_error(e)
                 except ray.exceptions.RayActorError as e:
                     self._kill()
@@ -559,6 +565,14 @@ class WorkerGroup:
                         "last checkpoint, if any, is intact). Give the run less to hold (smaller "
                         "micro-batches, rollout.kv_cache_mb, shorter sequences, fewer colocated "
                         "models) or stop what else uses this node's memory")
+
+    def _cuda_out_of_memory(self, rank: int, method: str) -> RunError:
+        """This rank's CUDA allocator found no room during ``method``: one line naming them and,
+        where the driver gave it, the method's phase, the estimate for it and the key to turn."""
+        note = self.memory_notes.get(method)
+        return RunError(f"worker group '{self.name}' rank {rank}: CUDA out of memory in "
+                        f"{method}" + (f", {note}" if note else "") + "; the run stopped (its "
+                        "last checkpoint, if any, is intact)")
 
     def _died(self, rank: int, e) -> RunError:
         return RunError(f"worker group '{self.name}' rank {rank} (pid "

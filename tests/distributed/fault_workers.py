@@ -43,6 +43,13 @@ class FaultWorker(Worker):
         if self.rank == 1:
             raise KeyError("a bug")
 
+    def update_actor(self) -> float:
+        """Rank 1's allocator finds no room (torch's CUDA out-of-memory error, raised as the
+        allocator raises it) while rank 0 waits for it in an all_reduce."""
+        if self.rank == 1:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+        return self.world_sum()
+
     def sleep(self, seconds: float) -> None:
         time.sleep(seconds)
 

@@ -113,6 +113,36 @@ def test_config_error_in_a_worker_arrives_as_config_error(local_ray):
     assert e.value.field == "reward_model"
 
 
+def test_a_cuda_out_of_memory_stops_the_run_in_one_line_with_the_estimate(local_ray):
+    """Rank 1 of the actor runs out of CUDA memory in its update, rank 0 waiting for it in a
+    collective: one RunError names the group, rank, method and phase, the estimate for the phase
+    against the GPU's memory and the key to turn (the notes the driver gives each group), and
+    the group's processes are gone."""
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.rl import RLConfig
+    from hybridflow.config.sources import model_sources
+    from hybridflow.planner.memory import estimate_memory, out_of_memory_notes
+    from tests.unit.test_memory_fits import RUN
+
+    cfg = load_config(RLConfig, None, [*RUN, "actor.engine.micro_batch_size=8",
+                                       "ray.gpu_memory_gib=75"])
+    notes = out_of_memory_notes(cfg, estimate_memory(cfg, model_sources(cfg)[1]))
+    group = WorkerGroup(FaultWorker, 2, ray_config=RayConfig(num_cpus=1), name="actor")
+    group.memory_notes = notes["actor"]
+    pids = list(group.pids)
+    try:
+        with pytest.raises(RunError) as e:
+            group.run("update_actor")
+    finally:
+        group.shutdown()
+    assert str(e.value) == (
+        "worker group 'actor' rank 1: CUDA out of memory in update_actor, the actor update "
+        "phase, estimated at 74.1 GiB per GPU of ray.gpu_memory_gib=75 (actor's the largest "
+        "part); actor.engine.micro_batch_size: lower it: the stored activations grow with it; "
+        "the run stopped (its last checkpoint, if any, is intact)")
+    assert wait_gone(pids, 15) == []
+
+
 def test_calls_and_collectives_time_out(local_ray):
     cfg = RayConfig(num_cpus=1, call_timeout_s=2, collective_timeout_s=2)
     group = WorkerGroup(FaultWorker, 2, ray_config=cfg, name="actor")

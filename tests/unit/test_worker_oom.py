@@ -54,3 +54,37 @@ def test_the_cost_critic_names_its_memory_metrics_apart_from_the_critic():
         names[role] = [worker.memory_name(m) for m in ("compute_values", "update_critic")]
     assert names == {"critic": ["compute_values", "update_critic"],
                      "cost_critic": ["compute_cost_values", "update_cost_critic"]}
+
+
+def test_a_cuda_out_of_memory_is_one_line_with_the_estimate_and_the_knob(monkeypatch):
+    # torch's error raised in rank 0's update_actor reaches the driver inside Ray's task error;
+    # tests/distributed/test_faults.py raises it in a real worker process.
+    import torch
+
+    group = object.__new__(WorkerGroup)  # no processes: only _wait's handling is under test
+    group.name, group.actors, group.pids = "actor", [], [None, None]
+    group.memory_notes = {"update_actor": "the actor update phase, estimated at 74.1 GiB per "
+                                          "GPU of ray.gpu_memory_gib=75 (actor's the largest "
+                                          "part); actor.engine.micro_batch_size: lower it"}
+    killed = []
+    monkeypatch.setattr(group, "_kill", lambda: killed.append(True))
+    monkeypatch.setattr(group, "_raise_if_died", lambda *a, **kw: None)
+    monkeypatch.setattr(ray, "wait", lambda pending, **kw: ([pending[0]], pending[1:]))
+    cause = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    def get(ref):
+        raise ray.exceptions.RayTaskError("update_actor", "Traceback ...", cause)
+    monkeypatch.setattr(ray, "get", get)
+    with pytest.raises(RunError) as e:
+        group._wait(["rank0", "rank1"], "update_actor", 0, "ray.call_timeout_s")
+    assert str(e.value) == (
+        "worker group 'actor' rank 0: CUDA out of memory in update_actor, the actor update "
+        "phase, estimated at 74.1 GiB per GPU of ray.gpu_memory_gib=75 (actor's the largest "
+        "part); actor.engine.micro_batch_size: lower it; the run stopped (its last checkpoint, "
+        "if any, is intact)")
+    assert killed
+    # a method of no phase (no note): the group, rank and method alone
+    group.memory_notes = {}
+    with pytest.raises(RunError, match=r"^worker group 'actor' rank 0: CUDA out of memory in "
+                                       r"save_state; the run stopped"):
+        group._wait(["rank0"], "save_state", 0, "ray.call_timeout_s")

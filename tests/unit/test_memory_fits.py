@@ -1,0 +1,120 @@
+"""A run predicted not to fit its GPU's memory is refused before any process starts, where the
+GPU's size is known (``cluster.nodes`` with ``cluster.gpu_memory_gb``, or ``ray.gpu_memory_gib``):
+one line naming the phase, the estimate against the memory, and the changes predicted to fit."""
+
+import pytest
+
+from hybridflow.cli import main
+
+# A 7B LoRA actor beside a 7B reward model, one GPU each: the update's stored activations of
+# 16 sequences of 1024 tokens are most of its 122.7 GiB; 8 sequences need 74.1 GiB.
+RUN = ["model=llama2-7b", "reward_model=llama2-7b", "data.source=synthetic",
+       "data.max_prompt_tokens=512", "rollout.sampling.max_tokens=512", "rollout.backend=megatron",
+       "actor.engine.dtype=bf16", "critic.engine.dtype=bf16", "ray.gpus_per_worker=1",
+       "actor.lora.rank=16", "actor.engine.micro_batch_size=16", "train_batch_size=16"]
+
+
+@pytest.mark.parametrize("command", ["check", "train"])
+def test_a_run_over_the_gpu_cap_is_refused_in_one_line(command, tmp_path, capsys):
+    out = tmp_path / "runs"
+    assert main([command, *RUN, "ray.gpu_memory_gib=75", f"tracking.out_dir={out}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith(
+        "hybridflow: error: actor.engine.micro_batch_size: the actor update phase needs an "
+        "estimated 122.7 GiB per GPU on the GPUs of actor + reward_model"), err
+    assert "more than ray.gpu_memory_gib=75 GiB" in err
+    assert err.rstrip().endswith("predicted to fit with any one of: "
+                                 "actor.engine.micro_batch_size=8 (74.1 GiB)"), err
+    assert not out.exists()
+
+
+def test_the_smaller_of_the_cap_and_the_declared_gpu_counts(capsys, tmp_path):
+    out = f"tracking.out_dir={tmp_path}"
+    # 80 GiB GPUs declared, each worker capped at 75: the cap is the limit
+    assert main(["check", *RUN, "cluster.nodes=1", "cluster.gpus_per_node=1",
+                 "ray.gpu_memory_gib=75", out]) == 2
+    assert "more than ray.gpu_memory_gib=75 GiB" in capsys.readouterr().err
+    # no cap: the declared GPU's 80; a micro-batch of 8 fits it, and the check prints the
+    # estimate against it
+    assert main(["check", *RUN, "cluster.nodes=1", "cluster.gpus_per_node=1",
+                 "actor.engine.micro_batch_size=8", out]) == 0
+    assert "estimate in GiB of cluster.gpu_memory_gb=80" in capsys.readouterr().out
+
+
+def test_no_single_change_that_fits_is_said(capsys, tmp_path):
+    # At 40 GiB the generation phase (the KV cache of 16 sequences beside both models' weights)
+    # does not fit whatever the micro-batch, and LoRA leaves no reference to offload.
+    assert main(["check", *RUN, "ray.gpu_memory_gib=40", f"tracking.out_dir={tmp_path}"]) == 2
+    assert capsys.readouterr().err.rstrip().endswith(
+        "no single change of micro-batch, token budget, offload, LoRA or layout is predicted "
+        "to fit")
+
+
+def test_the_notes_a_cuda_out_of_memory_error_names():
+    # what WorkerGroup adds to a CUDA out-of-memory error of each worker method: the phase,
+    # the estimate against the GPU's memory and the key (tests/unit/test_worker_oom.py)
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.rl import RLConfig
+    from hybridflow.config.sources import model_sources
+    from hybridflow.planner.memory import estimate_memory, out_of_memory_notes
+
+    cfg = load_config(RLConfig, None, [*RUN, "actor.engine.micro_batch_size=8",
+                                       "ray.gpu_memory_gib=75"])
+    notes = out_of_memory_notes(cfg, estimate_memory(cfg, model_sources(cfg)[1]))
+    assert sorted(notes) == ["actor", "reward_model"]
+    assert notes["actor"]["update_actor"] == (
+        "the actor update phase, estimated at 74.1 GiB per GPU of ray.gpu_memory_gib=75 "
+        "(actor's the largest part); actor.engine.micro_batch_size: lower it: the stored "
+        "activations grow with it")
+    assert notes["actor"]["generate"].startswith("the generation phase, estimated at 69.4 GiB")
+    assert notes["reward_model"]["compute_scores"].startswith("the inference phase")
+    assert "update_critic" not in notes["reward_model"]  # no critic update phase: not trained
+
+
+# ------------------------------------------------------------------------------------------------
+# micro_batch_size: auto and max_tokens_per_micro_batch: auto, sized to the GPU's memory
+
+
+@pytest.mark.parametrize("key, line", [
+    # 8 sequences of 1024 tokens need 74.1 GiB, over 90% of 80; the generation phase (69.4 GiB)
+    # is the peak at 4 and below
+    ("actor.engine.micro_batch_size", "actor.engine.micro_batch_size auto -> 4: predicted peak "
+     "69.4 GiB of ray.gpu_memory_gib=80 GiB, the largest of 1-64 within 90% of it (no "
+     "cluster.calibration to rank them by time)"),
+    ("actor.engine.max_tokens_per_micro_batch", "actor.engine.max_tokens_per_micro_batch auto "
+     "-> 4096: predicted peak 69.4 GiB of ray.gpu_memory_gib=80 GiB, the largest of 1024-65536 "
+     "within 90% of it")])
+def test_auto_takes_the_largest_setting_that_fits(key, line, capsys, tmp_path):
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.rl import RLConfig
+    from hybridflow.planner.search import plan_layout
+
+    run = [o for o in RUN if not o.startswith("actor.engine.micro_batch_size")]
+    cfg = load_config(RLConfig, None, [*run, "ray.gpu_memory_gib=80", f"{key}=auto"])
+    assert cfg.auto == [key]
+    logged = []
+    chosen = plan_layout(cfg, log=logged.append)
+    assert logged == [line]
+    assert chosen.auto == [] and str(chosen.actor.engine.__dict__[key.split(".")[-1]]) in line
+    # hybridflow check logs the same line and passes the chosen setting's memory check
+    assert main(["check", *run, "ray.gpu_memory_gib=80", f"{key}=auto",
+                 f"tracking.out_dir={tmp_path}"]) == 0
+    assert line in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("overrides, message", [
+    (["actor.engine.micro_batch_size=auto"], "auto chooses the largest setting that fits the "
+     "GPU's memory, which is unknown: set ray.gpu_memory_gib, or cluster.nodes and "
+     "cluster.gpu_memory_gb"),
+    (["actor.engine.micro_batch_size=auto", "ray.gpu_memory_gib=75"], "auto: even 1 is "
+     "estimated at 69.4 GiB per GPU (the generation phase), above 90% of ray.gpu_memory_gib=75 "
+     "GiB"),
+    (["actor.engine.micro_batch_size=auto", "actor.engine.max_tokens_per_micro_batch=auto",
+      "ray.gpu_memory_gib=80"], "set one of the two to auto"),
+    # RUN sets micro_batch_size=16, which a budget leaves unread
+    (["actor.engine.max_tokens_per_micro_batch=auto", "ray.gpu_memory_gib=80"],
+     "actor.engine.micro_batch_size: has no effect beside max_tokens_per_micro_batch: auto")])
+def test_auto_refusals(overrides, message, capsys, tmp_path):
+    assert main(["check", *RUN, *overrides, f"tracking.out_dir={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and message in err, err
