@@ -57,6 +57,9 @@ it already as ``output_layer.weight`` (Megatron keeps that copy equal to the emb
 all-reducing their grads), so ``generation_metas`` adds it to the plan as a last-stage parameter
 and the last generation stage gathers it like any other; its generation tensor is named
 ``output_layer.weight`` (``convert`` names it ``model.embed_tokens.weight`` for a tied model).
+With one generation stage that copy is no generation parameter but a second source of the
+embedding (``tied_copy``): the first and the last training stage each send part of its rows, so
+neither pads its segment of the embedding's all-gather for the other (``plan.py``).
 """
 
 from __future__ import annotations
@@ -130,6 +133,15 @@ def generation_metas(metas: list[ParamMeta], tie_embeddings: bool, gen: GenLayou
     embed = next(m for m in metas if m.position == "pre" and m.tp_dim == 0)
     return list(metas) + [ParamMeta(name=TIED_OUTPUT, shape=embed.shape, tp_dim=0, layer=None,
                                     position="post")]
+
+
+def tied_copy(metas: list[ParamMeta], tie_embeddings: bool, gen: GenLayout) -> str | None:
+    """The name of the last training stage's copy of a tied embedding where it is no generation
+    parameter (one generation stage), for ``plan_reshard(tied_copy=...)`` to send from; else
+    None."""
+    if not tie_embeddings or gen.train.pp == 1 or TIED_OUTPUT in {m.name for m in metas}:
+        return None
+    return TIED_OUTPUT
 
 
 def naive_recv_bytes(gen: GenLayout, metas: list[ParamMeta], rank: int, dtype_bytes: int) -> int:
@@ -234,7 +246,10 @@ class HybridEngine:
         self.dtype = dtypes.pop()
         self.dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.plan = plan_reshard(self.gen, self.metas, self.dtype_bytes,
-                                 bucket_bytes=max(1, int(bucket_mb * 2**20)), blocks=blocks)
+                                 bucket_bytes=max(1, int(bucket_mb * 2**20)), blocks=blocks,
+                                 tied_copy=tied_copy(self.metas,
+                                                     engine.model_config.tie_embeddings,
+                                                     self.gen))
         # Collective over the whole world: every rank builds the same groups in the same order,
         # once; the naive path reuses Megatron's TP and PP groups (and its verification the
         # micro-DP groups, which hold the sources of each generation shard).
