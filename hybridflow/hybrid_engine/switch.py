@@ -161,9 +161,11 @@ def naive_recv_bytes(gen: GenLayout, metas: list[ParamMeta], rank: int, dtype_by
 
 
 def switch_recv_bytes(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int,
-                      mode: str = "3d", bucket_bytes: int = 256 * 2**20) -> list[int]:
+                      mode: str = "3d", bucket_bytes: int = 256 * 2**20,
+                      tie_embeddings: bool = False) -> list[int]:
     """Bytes each training rank receives in one switch to ``gen`` (by rank; padding excluded):
-    what the reshard plan of ``bucket_bytes`` buckets gathers into it (mode "3d"), or
+    what the reshard plan of ``bucket_bytes`` buckets gathers into it (mode "3d"; with
+    ``tie_embeddings`` the last stage's copy sends as in the switch, ``tied_copy``), or
     ``naive_gather``'s TP all-gather and PP broadcast (mode "naive"). What ``hybridflow check``
     reports and the cost model times, from the layouts alone."""
     if mode not in MODES:
@@ -171,7 +173,8 @@ def switch_recv_bytes(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int,
     ranks = range(gen.train.world_size)
     if mode == "naive":
         return [naive_recv_bytes(gen, metas, r, dtype_bytes) for r in ranks]
-    plan = plan_reshard(gen, metas, dtype_bytes, bucket_bytes)
+    plan = plan_reshard(gen, metas, dtype_bytes, bucket_bytes,
+                        tied_copy=tied_copy(metas, tie_embeddings, gen))
     return [plan.ranks[r].recv_bytes for r in ranks]
 
 

@@ -34,6 +34,9 @@ CASES = [
     # tied, two generation stages: the last one gathers the output layer (the embedding's copy)
     ((2, 2, 1), (1, 2), True),
     ((2, 2, 1), (1, 1), True),
+    # tied, one generation stage at the training TP: the last stage's copy sends half the
+    # embedding (plan_reshard(tied_copy=...))
+    ((2, 2, 1), (2, 1), True),
     # uneven stages (Megatron's num_layers_in_last_pipeline_stage): 3 layers, then 1 and the
     # output layer, gathered whole; and 1 then 3, kept as two generation stages
     ((2, 2, 1, 1), (1, 1), True),
