@@ -336,7 +336,7 @@ def _reshard_bytes(model: ModelConfig, gen: GenLayout, cfg: RLConfig) -> tuple[l
     metas = generation_metas(llama_param_metas(model), model.tie_embeddings, gen)
     dtype_bytes = DTYPE_BYTES[cfg.actor.engine.dtype]
     recv = switch_recv_bytes(gen, metas, dtype_bytes, cfg.hybrid_engine.mode,
-                             int(cfg.rollout.bucket_mb * 2**20))
+                             int(cfg.rollout.bucket_mb * 2**20), model.tie_embeddings)
     return recv, max(switch_recv_bytes(gen, metas, dtype_bytes, "naive"))
 
 

@@ -90,7 +90,7 @@ from hybridflow.hybrid_engine.execute import (  # noqa: E402
     gather_generation_weights, naive_gather, new_storage, place_shards)
 from hybridflow.hybrid_engine.plan import ReshardPlan, plan_reshard, resident_offsets  # noqa: E402
 from hybridflow.hybrid_engine.switch import (TIED_OUTPUT, generation_metas,  # noqa: E402
-                                             naive_recv_bytes, redundant_bytes)
+                                             naive_recv_bytes, redundant_bytes, tied_copy)
 from hybridflow.hybrid_engine.verify import SyncCheck  # noqa: E402
 from hybridflow.models.config import ModelConfig  # noqa: E402
 from hybridflow.models.params import (  # noqa: E402
@@ -360,7 +360,8 @@ class MegatronReshard:
         pg = init_megatron_parallel(train)
         self.src = _build_chunks(cfg, train, transformer_config(cfg, train, engine), pg)[0]
         for name, p in self.src.named_parameters():
-            # A tied output layer's last-stage copy is not in ``shards``: the target has none.
+            # A tied output layer's last-stage copy is in ``shards`` where our plan sends from it
+            # (``tied_copy``); Megatron's target has no output layer, so it sends nothing of it.
             p.data = shards.get(global_name(self.src, name), p.data)
         gen_pg = generation_process_groups(gen)
         # Megatron's planner reads the target's DP group: the ranks holding the same generation
@@ -482,8 +483,9 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
     dtype = DTYPES[args.dtype]
     esz = torch.empty((), dtype=dtype).element_size()
     metas = generation_metas(llama_param_metas(cfg), cfg.tie_embeddings, gen)
+    copy = tied_copy(metas, cfg.tie_embeddings, gen)  # the last stage's, as the switch sends it
     plan = plan_reshard(gen, metas, esz, bucket_bytes=_mb(args.bucket_mb),
-                        min_view_bytes=_mb(args.min_view_mb))
+                        min_view_bytes=_mb(args.min_view_mb), tied_copy=copy)
     knobs = {} if args.coalesce_mb is None else {"coalesce_bytes": _mb(args.coalesce_mb)}
     rp = plan.ranks[rank]
     st = plan.stages[rp.gen_pp_rank]
@@ -507,6 +509,10 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
                                                                 cfg.tie_embeddings), dtype, device)
               for m in metas
               if owner_stage(m, train.pp, num_layers, train.last_stage_layers) == pp_rank}
+    if plan.tied is not None and pp_rank == train.pp - 1:  # the tied output layer's copy
+        shards[plan.tied.copy.name] = fill_shard(plan.tied.copy, train.tp, tp_rank,
+                                                 salt_of(plan.tied.copy.name, args.seed, True),
+                                                 dtype, device)
     last = "" if train.last_stage_layers is None else f"l{train.last_stage_layers}"
     layout = f"t{train.tp}p{train.pp}{last}d{train.dp}->tg{gen.tp}pg{gen.pp}"
     direct = sum(all(b.direct(k) is not None for k in range(b.members)) for b in st.buckets)
@@ -593,7 +599,7 @@ def run(args: argparse.Namespace, device: torch.device, train_tp: int, train_pp:
     # ---- resident: stacked shards; the training shards move into the storage and out again
     resident = {}
     rplan = plan_reshard(gen, metas, esz, bucket_bytes=_mb(args.bucket_mb),
-                         min_view_bytes=_mb(args.min_view_mb), blocks=True)
+                         min_view_bytes=_mb(args.min_view_mb), blocks=True, tied_copy=copy)
     offsets = resident_offsets(rplan, rank)
     if "resident" not in skip and all_max(len(offsets), device):
         home = {"shards": shards}  # where the training shards live between switches

@@ -505,7 +505,7 @@ def _check_shards(plan: ReshardPlan, rank: int, train_shards: Mapping[str, torch
     st = plan.stages[rp.gen_pp_rank]
     need = {p.name for pieces in rp.buckets for p in pieces}
     need |= {name for name, p in st.params.items() if p.mode == "alias"}
-    metas = {m.name: m for m in plan.metas}
+    metas = plan.source_metas()
     for name in need:
         want = metas[name].shard_shape(plan.gen.train.tp)
         if name not in train_shards:

@@ -67,7 +67,27 @@ other merged stage when ``q > 1``. Pre/post parameters live on one stage only: a
 stage 0 already holds the embedding shard and receives that much less, the others receive it, and
 the members whose stage lacks a matching pre/post parameter pad their segments for that row:
 ``padding_bytes`` (received by a rank, not counted in ``recv_bytes``). With equal segments the
-padding is the least possible: the busiest member sets the total all-gather size.
+padding is the least possible: the busiest member sets the total all-gather size. (A tied
+embedding split with its copy moves the ranks' ``recv_bytes`` but not their sum; next paragraph.)
+
+Tied embeddings (``tied_copy``). A model whose output layer is tied to its embedding keeps, with
+``pp > 1``, a copy of the embedding on the last training stage (``output_layer.weight``, which
+Megatron keeps equal to it by all-reducing their grads over the embedding group). Where it is no
+generation parameter of its own (one generation stage: ``pg == 1``) and each generation shard is
+one training shard (``s == 1``), that copy is a second source of the embedding's row: the member
+of stage 0 sends the first ``ceil(rows/2)`` rows of its shard, the member of the last stage the
+rest from its copy, so the segments are half a shard and neither pads one for the other
+(``TiedSplit``). Otherwise the last stage's member pads a whole embedding-sized segment, which an
+all-gather (NCCL) sends: for Llama-3.2-1B shapes at PP=2 -> 1, 0.489 GiB of padding received by
+stage 0's rank; now 0, and each of the two ranks receives half the embedding (stage 0 the half it
+already has: the all-gather gives every member every segment), so the larger ``recv_bytes``
+drops by half an embedding and the group's sum is unchanged. At ``q == 2`` the two halves are
+adjacent in the gathered buffer and the embedding stays a view; with ``q > 2`` the middle stages
+pad half segments and the halves are copied out of a transient buffer ("concat"). The embedding
+of stage 0 is then no longer one whole piece, so it is not resident (``resident_offsets``): its
+generation storage holds the embedding beside the training one, as the last stage's already did
+beside its copy, and the larger of the two ranks' memory is unchanged. With TP merges (``s > 1``)
+the halves would interleave in the gathered buffer, so the copy is not used there.
 """
 
 from __future__ import annotations
@@ -223,10 +243,32 @@ class ReshardPlan:
     """Per generation pipeline stage."""
     ranks: tuple[RankPlan, ...]
     """Per global rank."""
+    tied: TiedSplit | None = None
+    """How the embedding's row is split with its tied copy (``plan_reshard(tied_copy=...)``);
+    None where the copy is not used."""
+
+    def source_metas(self) -> dict[str, ParamMeta]:
+        """{name: meta} of every training shard the plan reads: ``metas`` and the tied copy."""
+        out = {m.name: m for m in self.metas}
+        if self.tied is not None:
+            out[self.tied.copy.name] = self.tied.copy
+        return out
 
     def groups(self) -> list[tuple[int, ...]]:
         """All micro-DP groups, in the order ``GenLayout.micro_dp_groups`` gives them."""
         return [tuple(g) for g in self.gen.micro_dp_groups()]
+
+
+@dataclass(frozen=True)
+class TiedSplit:
+    """The embedding's row sent half by its owner, half by the last stage's tied copy."""
+
+    embedding: str
+    copy: ParamMeta
+    """The last training stage's copy (a tied output layer): same shape and split."""
+    row: int
+    """First row of each training shard that the copy's holders send; the rows before it the
+    embedding's holders send."""
 
 
 @dataclass
@@ -245,7 +287,8 @@ class _Row:
 
 
 def plan_reshard(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int, bucket_bytes: int, *,
-                 min_view_bytes: int | None = None, blocks: bool = False) -> ReshardPlan:
+                 min_view_bytes: int | None = None, blocks: bool = False,
+                 tied_copy: str | None = None) -> ReshardPlan:
     """Plan the train -> generation reshard of the parameters ``metas`` (full model, model order).
 
     ``bucket_bytes`` bounds the output of one all-gather of packed rows (all segments, padding
@@ -253,7 +296,9 @@ def plan_reshard(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int, bucke
     which a row is direct: an all-gather of its own, straight from the training shards (a view
     into the storage when the layouts allow, see the module docstring). ``blocks``: the
     consumer of the generation weights takes stacked shards (see the module docstring), so that
-    no parameter needs a copy.
+    no parameter needs a copy. ``tied_copy``: the name of the last training stage's copy of the
+    embedding (a tied output layer that is not itself in ``metas``), which then sends part of the
+    embedding's row where the layouts allow (see Tied embeddings in the module docstring).
     """
     train = gen.train
     if train.vpp not in (None, 1):
@@ -277,9 +322,15 @@ def plan_reshard(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int, bucke
                 for m in metas}
     if min_view_bytes is None:
         min_view_bytes = min(bucket_bytes, 1 << 20)
+    if tied_copy in stage_of:
+        raise ValueError(f"tied_copy {tied_copy!r} is resharded itself (it is in metas)")
+    tied = _tied_split(gen, metas, tied_copy) if tied_copy is not None else None
 
     stages = tuple(_plan_stage(gen, metas, stage_of, gp, num_layers, dtype_bytes, bucket_bytes,
-                               min_view_bytes, blocks) for gp in range(gen.pp))
+                               min_view_bytes, blocks, tied) for gp in range(gen.pp))
+    if tied is not None and not any(p.name == tied.copy.name for b in stages[0].buckets
+                                    for pieces in b.pieces for p in pieces):
+        tied = None  # the stage did not use the copy (see _plan_stage)
     ranks: list[RankPlan | None] = [None] * train.world_size
     for group in gen.micro_dp_groups():
         for member, rank in enumerate(group):
@@ -295,7 +346,25 @@ def plan_reshard(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int, bucke
                                                 for b in st.buckets for k in others))
     return ReshardPlan(gen=gen, metas=tuple(metas), dtype_bytes=dtype_bytes,
                        bucket_bytes=bucket_bytes, blocks=blocks, stages=stages,
-                       ranks=tuple(ranks))
+                       ranks=tuple(ranks), tied=tied)
+
+
+def _tied_split(gen: GenLayout, metas: list[ParamMeta], copy: str) -> TiedSplit | None:
+    """How the embedding's row is split with the last stage's copy ``copy``: where one micro-DP
+    group holds both (one generation stage over several training ones) and each generation shard
+    is one training shard (``tp_stride == 1``: with TP merges the halves would not be adjacent in
+    the gathered buffer, and the embedding would be copied instead of viewed); else None."""
+    if gen.pp != 1 or gen.train.pp == 1 or gen.tp_stride != 1:
+        return None
+    embed = next((m for m in metas if m.position == "pre" and m.tp_dim == 0
+                  and m.tp_chunks == 1), None)
+    if embed is None:
+        return None
+    rows = embed.shard_shape(gen.train.tp)[0]
+    if rows < 2:
+        return None
+    meta = ParamMeta(name=copy, shape=embed.shape, tp_dim=0, layer=None, position="post")
+    return TiedSplit(embedding=embed.name, copy=meta, row=(rows + 1) // 2)
 
 
 def resident_offsets(plan: ReshardPlan, rank: int) -> dict[str, int]:
@@ -304,7 +373,7 @@ def resident_offsets(plan: ReshardPlan, rank: int) -> dict[str, int]:
     of the storage; kept there (its training parameter a view of the storage), the all-gather of
     that bucket is in place and the generation weights hold no second copy of it."""
     rp = plan.ranks[rank]
-    metas = {m.name: m for m in plan.metas}
+    metas = plan.source_metas()
     tp = plan.gen.train.tp
     found: dict[str, list[int | None]] = {}
     for bucket in rp.stage.buckets:
@@ -382,9 +451,10 @@ def _aligned_rows(metas: list[ParamMeta], stage_of: dict[str, int], stages: list
 
 
 def _row_units(row: dict[int, ParamMeta], t: int, s: int, q: int, dtype_bytes: int,
-               min_view_bytes: int, blocks: bool) -> list[_Row]:
+               min_view_bytes: int, blocks: bool, tied: TiedSplit | None = None) -> list[_Row]:
     """Split one aligned row into packing units: one direct unit (two for fc1 when ``s > 1``: a
-    gate row and an up row; one with ``blocks``, and for any size), or one packed unit."""
+    gate row and an up row; one with ``blocks``, and for any size), or one packed unit.
+    ``tied``: the row is the embedding's, split with the last stage's copy (``s == 1``)."""
     n = s * q
 
     def member(i: int, j: int) -> int:
@@ -392,6 +462,14 @@ def _row_units(row: dict[int, ParamMeta], t: int, s: int, q: int, dtype_bytes: i
 
     def shard_numel(m: ParamMeta) -> int:
         return math.prod(m.shard_shape(t)) if m.tp_dim is not None else m.numel
+
+    def whole(i: int, m: ParamMeta) -> list[tuple[int, tuple[str, int, int]]]:
+        """(merged stage, slice) of what is sent of the training shard of ``m`` of stage ``i``:
+        all of it, or its first ``tied.row`` rows and, from the copy, the rest."""
+        if tied is None or m.name != tied.embedding:
+            return [(i, (m.name, 0, shard_numel(m)))]
+        cut = tied.row * math.prod(m.shard_shape(t)[1:])
+        return [(i, (m.name, 0, cut)), (q - 1, (tied.copy.name, cut, shard_numel(m) - cut))]
 
     split = [m for m in row.values() if m.tp_dim is not None]
     if blocks and s > 1 and split and len(split) == len(row):  # whole shards, kept: stacked views
@@ -405,8 +483,10 @@ def _row_units(row: dict[int, ParamMeta], t: int, s: int, q: int, dtype_bytes: i
     if big and s == 1:  # every member sends its stage's tensor whole; every tensor is a view
         slices: list[list[tuple[str, int, int]]] = [[] for _ in range(n)]
         for i, m in row.items():
-            slices[member(i, 0)].append((m.name, 0, shard_numel(m)))
-        return [_Row(slices, solo=True, keep=True)]
+            for k, piece in whole(i, m):
+                slices[member(k, 0)].append(piece)
+        # the embedding split with its copy is a view when the two members are adjacent
+        return [_Row(slices, solo=True, keep=tied is None or q == 2)]
     kinds = {(m.tp_dim, m.tp_chunks) for m in split}
     if big and s > 1 and len(split) == len(row) and len(kinds) == 1:
         ((dim, c),) = kinds
@@ -425,8 +505,9 @@ def _row_units(row: dict[int, ParamMeta], t: int, s: int, q: int, dtype_bytes: i
     slices = [[] for _ in range(n)]
     for i, m in row.items():
         for j in range(s):
-            if m.tp_dim is not None:
-                slices[member(i, j)].append((m.name, 0, shard_numel(m)))
+            if m.tp_dim is not None:  # with ``tied``, s == 1: j == 0
+                for k, piece in whole(i, m):
+                    slices[member(k, j)].append(piece)
             elif q > 1:
                 off, size = _split(m.numel, s)[j]
                 if size:
@@ -440,7 +521,7 @@ _Where = dict[tuple[str, int], list[tuple[int, int, int, int]]]
 
 def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int], gp: int,
                 num_layers: int, dtype_bytes: int, bucket_bytes: int,
-                min_view_bytes: int, blocks: bool) -> StagePlan:
+                min_view_bytes: int, blocks: bool, tied: TiedSplit | None) -> StagePlan:
     """The plan of generation pipeline stage ``gp``: its buckets and its generation tensors."""
     t, s, q = gen.train.tp, gen.tp_stride, gen.pp_stride
     n = s * q
@@ -448,9 +529,17 @@ def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int]
 
     units: list[_Row] = []
     if n > 1:
-        for row in _aligned_rows(metas, stage_of, stages, num_layers, gen.train.pp,
-                                 gen.train.last_stage_layers):
-            units += _row_units(row, t, s, q, dtype_bytes, min_view_bytes, blocks)
+        rows = _aligned_rows(metas, stage_of, stages, num_layers, gen.train.pp,
+                             gen.train.last_stage_layers)
+        if tied is not None and any(row.get(0) is not None and row[0].name == tied.embedding
+                                    and q - 1 in row for row in rows):
+            tied = None  # the last stage sends a parameter of its own in that row
+        for row in rows:
+            here = tied if tied is not None and tied.embedding in {m.name for m in row.values()} \
+                else None
+            units += _row_units(row, t, s, q, dtype_bytes, min_view_bytes, blocks, here)
+    else:
+        tied = None
     buckets, where, storage = _place(_group_units(units, n, dtype_bytes, bucket_bytes), n, s)
 
     params: dict[str, GenParam] = {}
@@ -461,7 +550,7 @@ def _plan_stage(gen: GenLayout, metas: list[ParamMeta], stage_of: dict[str, int]
         if n == 1 or (m.tp_dim is None and q == 1):
             params[m.name] = GenParam(m.name, m.shard_shape(gen.tp), "alias", (), 0, (), None)
             continue
-        params[m.name], storage = _gen_param(m, i, gen, blocks, buckets, where, storage)
+        params[m.name], storage = _gen_param(m, i, gen, blocks, buckets, where, storage, tied)
     return StagePlan(gen_pp_rank=gp, members=n, buckets=tuple(buckets), params=params,
                      storage_numel=storage)
 
@@ -506,7 +595,7 @@ def _place(grouped: list[list[_Row]], n: int, s: int) -> tuple[list[Bucket], _Wh
                     where.setdefault((name, k), []).append((b, fill[k], off, numel))
                     fill[k] += numel
         seg = max(fill)
-        keep = s == 1 or (rows[0].solo and rows[0].keep)
+        keep = rows[0].keep if rows[0].solo else s == 1
         buckets.append(Bucket(seg_numel=seg, pieces=tuple(tuple(ps) for ps in pieces),
                               storage_offset=storage if keep else None))
         storage += n * seg if keep else 0
@@ -522,13 +611,21 @@ def _locate(where: _Where, name: str, k: int, start: int, shape: tuple[int, ...]
     raise AssertionError(f"{name}: elements {start}..{start + numel} of member {k} not placed")
 
 
-def _gen_chunks(m: ParamMeta, i: int, gen: GenLayout, blocks: bool, where: _Where
-                ) -> tuple[tuple[Chunk, ...], int, tuple[int, ...], int]:
+def _gen_chunks(m: ParamMeta, i: int, gen: GenLayout, blocks: bool, where: _Where,
+                tied: TiedSplit | None) -> tuple[tuple[Chunk, ...], int, tuple[int, ...], int]:
     """The chunks of ``m`` (of merged stage ``i``) in generation order, the dim and shape they
     are concatenated along and into, and the number of stacked blocks."""
     t, s = gen.train.tp, gen.tp_stride
     stacked = 1
-    if m.tp_dim is not None and blocks and s > 1:  # the s whole shards, stacked
+    if tied is not None and m.name == tied.embedding:  # s == 1: its rows, then the copy's
+        shape = m.shard_shape(t)
+        rest = shape[1:]
+        last = (gen.pp_stride - 1) * s
+        chunks = (_locate(where, m.name, i * s, 0, (tied.row, *rest)),
+                  _locate(where, tied.copy.name, last, tied.row * math.prod(rest),
+                          (shape[0] - tied.row, *rest)))
+        cat_dim, cat_shape = 0, shape
+    elif m.tp_dim is not None and blocks and s > 1:  # the s whole shards, stacked
         shard_shape = m.shard_shape(t)
         chunks = tuple(_locate(where, m.name, i * s + j, 0, (1, *shard_shape)) for j in range(s))
         stacked = s if stacked_layout(m) else 1
@@ -549,10 +646,10 @@ def _gen_chunks(m: ParamMeta, i: int, gen: GenLayout, blocks: bool, where: _Wher
 
 
 def _gen_param(m: ParamMeta, i: int, gen: GenLayout, blocks: bool, buckets: list[Bucket],
-               where: _Where, storage: int) -> tuple[GenParam, int]:
+               where: _Where, storage: int, tied: TiedSplit | None) -> tuple[GenParam, int]:
     """How ``m`` (of merged stage ``i``) is obtained: a view when its chunks are adjacent in
     the storage, else a copy placed at ``storage``; returns it and the storage's new end."""
-    chunks, cat_dim, cat_shape, stacked = _gen_chunks(m, i, gen, blocks, where)
+    chunks, cat_dim, cat_shape, stacked = _gen_chunks(m, i, gen, blocks, where, tied)
     pos = [_position(buckets, c) for c in chunks]
     adjacent = (all(p is not None for p in pos)
                 and all(pos[x] + chunks[x].numel == pos[x + 1] for x in range(len(pos) - 1))

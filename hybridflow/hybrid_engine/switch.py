@@ -57,6 +57,9 @@ it already as ``output_layer.weight`` (Megatron keeps that copy equal to the emb
 all-reducing their grads), so ``generation_metas`` adds it to the plan as a last-stage parameter
 and the last generation stage gathers it like any other; its generation tensor is named
 ``output_layer.weight`` (``convert`` names it ``model.embed_tokens.weight`` for a tied model).
+With one generation stage that copy is no generation parameter but a second source of the
+embedding (``tied_copy``): the first and the last training stage each send part of its rows, so
+neither pads its segment of the embedding's all-gather for the other (``plan.py``).
 """
 
 from __future__ import annotations
@@ -132,6 +135,15 @@ def generation_metas(metas: list[ParamMeta], tie_embeddings: bool, gen: GenLayou
                                     position="post")]
 
 
+def tied_copy(metas: list[ParamMeta], tie_embeddings: bool, gen: GenLayout) -> str | None:
+    """The name of the last training stage's copy of a tied embedding where it is no generation
+    parameter (one generation stage), for ``plan_reshard(tied_copy=...)`` to send from; else
+    None."""
+    if not tie_embeddings or gen.train.pp == 1 or TIED_OUTPUT in {m.name for m in metas}:
+        return None
+    return TIED_OUTPUT
+
+
 def naive_recv_bytes(gen: GenLayout, metas: list[ParamMeta], rank: int, dtype_bytes: int) -> int:
     """Bytes ``naive_gather`` makes ``rank`` receive: the other TP ranks' shards of every
     TP-split parameter of its stage, and every parameter of the other stages in full."""
@@ -149,9 +161,11 @@ def naive_recv_bytes(gen: GenLayout, metas: list[ParamMeta], rank: int, dtype_by
 
 
 def switch_recv_bytes(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int,
-                      mode: str = "3d", bucket_bytes: int = 256 * 2**20) -> list[int]:
+                      mode: str = "3d", bucket_bytes: int = 256 * 2**20,
+                      tie_embeddings: bool = False) -> list[int]:
     """Bytes each training rank receives in one switch to ``gen`` (by rank; padding excluded):
-    what the reshard plan of ``bucket_bytes`` buckets gathers into it (mode "3d"), or
+    what the reshard plan of ``bucket_bytes`` buckets gathers into it (mode "3d"; with
+    ``tie_embeddings`` the last stage's copy sends as in the switch, ``tied_copy``), or
     ``naive_gather``'s TP all-gather and PP broadcast (mode "naive"). What ``hybridflow check``
     reports and the cost model times, from the layouts alone."""
     if mode not in MODES:
@@ -159,7 +173,8 @@ def switch_recv_bytes(gen: GenLayout, metas: list[ParamMeta], dtype_bytes: int,
     ranks = range(gen.train.world_size)
     if mode == "naive":
         return [naive_recv_bytes(gen, metas, r, dtype_bytes) for r in ranks]
-    plan = plan_reshard(gen, metas, dtype_bytes, bucket_bytes)
+    plan = plan_reshard(gen, metas, dtype_bytes, bucket_bytes,
+                        tied_copy=tied_copy(metas, tie_embeddings, gen))
     return [plan.ranks[r].recv_bytes for r in ranks]
 
 
@@ -234,7 +249,10 @@ class HybridEngine:
         self.dtype = dtypes.pop()
         self.dtype_bytes = torch.empty((), dtype=self.dtype).element_size()
         self.plan = plan_reshard(self.gen, self.metas, self.dtype_bytes,
-                                 bucket_bytes=max(1, int(bucket_mb * 2**20)), blocks=blocks)
+                                 bucket_bytes=max(1, int(bucket_mb * 2**20)), blocks=blocks,
+                                 tied_copy=tied_copy(self.metas,
+                                                     engine.model_config.tie_embeddings,
+                                                     self.gen))
         # Collective over the whole world: every rank builds the same groups in the same order,
         # once; the naive path reuses Megatron's TP and PP groups (and its verification the
         # micro-DP groups, which hold the sources of each generation shard).

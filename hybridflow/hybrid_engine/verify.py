@@ -193,7 +193,9 @@ class SyncCheck:
     for every member of its micro-DP group, and that group's members hold every training shard
     they are made of. Before the gather each member sums, per generation tensor, the samples of
     the training shards it sends (``sent``: a TP-split parameter's own shard; a replicated one by
-    the member at TP offset 0 of its stage only, so that it is counted once); after it, one
+    the member at TP offset 0 of its stage only, so that it is counted once; an embedding split
+    with its tied copy, ``ReshardPlan.tied``, by the first stage for its first rows and by the
+    last stage, from the copy, for the rest); after it, one
     all-reduce over the group gives the expected fingerprints, and ``verify`` compares them with
     the ones recomputed from the tensors the rank holds (``held``)."""
 
@@ -209,6 +211,7 @@ class SyncCheck:
         metas = {m.name: m for m in plan.metas}
         num_layers = num_layers_of(list(plan.metas))
         _, pp_rank, tp_rank = train.coords(rank)
+        tied = plan.tied if stacked else None  # naive_gather sends the embedding whole
         for slot, (name, gp) in enumerate(rp.stage.params.items()):
             m = metas[name]
             smp = sample(m.shape)
@@ -216,6 +219,17 @@ class SyncCheck:
             self.shapes[name] = gp.shape if stacked else m.shard_shape(gen.tp)
             self.held.add(name, slot, locate(m, smp, gen.tp, rp.gen_tp_rank, blocks),
                           self.shapes[name])
+            if tied is not None and name == tied.embedding:
+                # its first rows from the embedding, the rest from the last stage's copy
+                first = pp_rank != train.pp - 1
+                if pp_rank not in (0, train.pp - 1):
+                    continue
+                index, weights = locate(m, smp, train.tp, tp_rank)
+                keep = (index[0] < tied.row) == first
+                self.sent.add(name if first else tied.copy.name, slot,
+                              (tuple(i[keep] for i in index), weights[keep]),
+                              m.shard_shape(train.tp))
+                continue
             if owner_stage(m, train.pp, num_layers, train.last_stage_layers) != pp_rank:
                 continue
             if m.tp_dim is not None:

@@ -506,7 +506,8 @@ def _generate(cfg: Any, shape: ModelConfig, calib: Calibration) -> dict[str, flo
 
 
 def switch_bytes(gen, metas: list, dtype_bytes: int, mode: str = "3d",
-                 bucket_bytes: int = 256 * 2**20) -> tuple[int, int]:
+                 bucket_bytes: int = 256 * 2**20, tie_embeddings: bool = False
+                 ) -> tuple[int, int]:
     """(bytes the busiest rank receives in one switch, bytes of the largest generation shard):
     the paper's Table 2 "communication volume" and "peak memory" of the generation weights, from
     our own reshard plan (``mode`` "3d") or verl's per-tensor path ("naive")."""
@@ -516,7 +517,8 @@ def switch_bytes(gen, metas: list, dtype_bytes: int, mode: str = "3d",
                       if owner_stage(m, train.pp, layers, train.last_stage_layers)
                       // gen.pp_stride == stage)
                   for stage in range(gen.pp)) * dtype_bytes
-    return max(switch_recv_bytes(gen, metas, dtype_bytes, mode, bucket_bytes)), storage
+    return max(switch_recv_bytes(gen, metas, dtype_bytes, mode, bucket_bytes,
+                                 tie_embeddings)), storage
 
 
 @functools.lru_cache(maxsize=1024)
@@ -528,7 +530,7 @@ def _switch_recv(fields: tuple, t: int, p: int, last: int | None, tg: int, b: in
     shape = ModelConfig(**dict(fields))
     gen = GenLayout(train=TrainLayout(tp=t, pp=p, last_stage_layers=last), tp=tg)
     metas = generation_metas(llama_param_metas(shape), shape.tie_embeddings, gen)
-    return switch_bytes(gen, metas, b, mode, bucket)[0]
+    return switch_bytes(gen, metas, b, mode, bucket, shape.tie_embeddings)[0]
 
 
 def _reshard(cfg: Any, shape: ModelConfig, calib: Calibration,

@@ -6,7 +6,9 @@ layout by all ranks), which keeps the process start-up cost to once per world si
 runs five ways: coalesced launches (all buckets in one or a few), gathered by broadcasts (gloo's
 default) and by all-gathers; one launch per bucket; with the training shards resident in the
 generation storage (in place); and resident with stacked shards (``blocks=True``), where a TP
-merge copies no training shard either.
+merge copies no training shard either. The tied (qwen2) models hold the last stage's copy of the
+embedding, which sends part of it where one generation stage merges the pipeline
+(``plan_reshard(tied_copy=...)``).
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ from hybridflow.hybrid_engine.execute import (back_to_training, broadcast_gather
                                               naive_gather, new_storage, place_shards)
 from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
 from hybridflow.models.config import ModelConfig
-from hybridflow.hybrid_engine.switch import redundant_bytes
+from hybridflow.hybrid_engine.switch import TIED_OUTPUT, redundant_bytes, tied_copy
 from hybridflow.models.params import (llama_param_metas, num_layers_of, owner_stage, shard,
                                       stacked_layout)
 from hybridflow.parallel.layout import GenLayout, TrainLayout
@@ -74,7 +76,7 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
     out = torch.empty(6 * world_size)
     broadcast_gather(out, torch.arange(6.0) + 10 * rank)
     assert torch.equal(out, torch.cat([torch.arange(6.0) + 10 * r for r in range(world_size)]))
-    done, modes = [], set()
+    done, modes, tied_cases = [], set(), []
     for (t, p, d, *last), gens, qwen, single, min_view_bytes in cases:
         last = last[0] if last else None
         model = ModelConfig(**MODEL, arch="qwen2" if qwen else "llama", qkv_bias=qwen,
@@ -86,6 +88,9 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
         num_layers = num_layers_of(metas)
         shards = {m.name: shard(full[m.name], m, t, tp_rank) for m in metas
                   if owner_stage(m, p, num_layers, last) == pp_rank}
+        if qwen and p > 1 and pp_rank == p - 1:  # the tied output layer: a copy of the embedding
+            embed = metas[0]
+            shards[TIED_OUTPUT] = shard(full[embed.name], embed, t, tp_rank).clone()
         before = {k: v.clone() for k, v in shards.items()}
         train_groups = create_train_groups(train)
         for tg, pg in gens:
@@ -94,8 +99,12 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
             _, gen_pp, gen_tp = gen.coords(rank)
             want = {m.name: shard(full[m.name], m, tg, gen_tp) for m in metas
                     if owner_stage(m, p, num_layers, last) // gen.pp_stride == gen_pp}
+            copy = tied_copy(metas, qwen, gen)
             plan = plan_reshard(gen, metas, dtype_bytes=4, bucket_bytes=48 * 1024,
-                                min_view_bytes=min_view_bytes)
+                                min_view_bytes=min_view_bytes, tied_copy=copy)
+            if copy is not None and gen.pp == 1 and gen.tp_stride == 1:
+                tied_cases.append(what)
+                assert plan.tied is not None, what
             groups = create_micro_dp_groups(gen)
             got = gather_generation_weights(plan, rank, shards, groups, single=single)
             _check(got, want, plan, gen_pp, shards, what, modes)
@@ -103,8 +112,10 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
             rp = plan.ranks[rank]
             packed = 4 * sum(piece.numel for b in plan.stages[gen_pp].buckets
                              if b.direct(rp.member) is None for piece in b.pieces[rp.member])
+            # stage 0's embedding split with the tied copy is a generation tensor of its own
+            split = 4 * metas[0].numel // t if plan.tied is not None and pp_rank == 0 else 0
             if tg == t:
-                assert redundant_bytes(got, shards, metas, gen, rank) == packed, what
+                assert redundant_bytes(got, shards, metas, gen, rank) == packed + split, what
             back_to_training(got, shards)
             # The same with all-gathers.
             got = gather_generation_weights(plan, rank, shards, groups, single=single,
@@ -141,7 +152,8 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
             # (but the norms when TP and PP merge at once).
             s = gen.tp_stride
             stacked_plan = plan_reshard(gen, metas, dtype_bytes=4, bucket_bytes=48 * 1024,
-                                        min_view_bytes=min_view_bytes, blocks=True)
+                                        min_view_bytes=min_view_bytes, blocks=True,
+                                        tied_copy=copy)
             storage = new_storage(stacked_plan, rank, "cpu", torch.float32)
             resident = place_shards(shards, resident_offsets(stacked_plan, rank), storage)
             got = gather_generation_weights(stacked_plan, rank, resident, groups, single=single,
@@ -154,7 +166,7 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
             norms = 4 * sum(m.numel for m in metas if m.tp_dim is None
                             and owner_stage(m, p, num_layers, last) == pp_rank)
             assert redundant_bytes(got, resident, metas, gen, rank) == (
-                norms if s > 1 and gen.pp_stride > 1 else 0), what
+                norms if s > 1 and gen.pp_stride > 1 else 0) + split, what
             back_to_training(got, resident)
 
             for name, tensor in shards.items():
@@ -162,6 +174,7 @@ def run_cases(rank: int, world_size: int, cases) -> tuple[list[str], set[str]]:
             if any(b.storage_offset is None for b in plan.stages[gen_pp].buckets):
                 modes.add("transient bucket")
             done.append(what)
+    assert tied_cases, "no case sent from the tied embedding's copy"
     return done, modes
 
 

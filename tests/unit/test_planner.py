@@ -70,6 +70,26 @@ def test_check_reports_the_switch_bytes_the_cost_model_times(mode):
     assert naive == switch_bytes(gen, metas, 4, "naive")[0] > switch_bytes(gen, metas, 4)[0]
 
 
+def test_check_and_the_cost_model_count_the_tied_copy_sending():
+    """Tied embeddings, PP=2 -> one generation stage: the last stage's copy sends half the
+    embedding in the switch, so the busiest rank receives half an embedding less, and
+    ``hybridflow check`` and the cost model say so."""
+    from hybridflow.preflight import _reshard_bytes
+    from hybridflow.hybrid_engine.switch import generation_metas, switch_recv_bytes
+    shape = ModelConfig(vocab_size=64, hidden_size=64, ffn_hidden_size=128, num_layers=4,
+                        num_heads=8, num_kv_heads=8, head_dim=8, tie_embeddings=True)
+    cfg = config("actor.layout.pp=2", "rollout.tp=1")
+    gen = GenLayout(train=cfg.actor.layout, tp=1)
+    metas = generation_metas(llama_param_metas(shape), True, gen)
+    bucket = int(cfg.rollout.bucket_mb * 2**20)
+    whole = switch_recv_bytes(gen, metas, 4, "3d", bucket)  # the embedding from stage 0 alone
+    recv, _ = _reshard_bytes(shape, gen, cfg)
+    assert recv == switch_recv_bytes(gen, metas, 4, "3d", bucket, tie_embeddings=True)
+    assert recv[1] == whole[1] - 4 * 64 * 64 // 2 and recv[0] == whole[0] + 4 * 64 * 64 // 2
+    assert switch_bytes(gen, metas, 4, "3d", bucket, tie_embeddings=True)[0] == max(recv) \
+        < max(whole)
+
+
 def config(*overrides):
     return load_config(RLConfig, None, [
         "algorithm.name=grpo", "train_batch_size=2", "rollout.sampling.n=2",

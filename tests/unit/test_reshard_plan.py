@@ -8,7 +8,7 @@ from fractions import Fraction
 import pytest
 import torch
 
-from hybridflow.hybrid_engine.plan import copied_own_bytes, plan_reshard
+from hybridflow.hybrid_engine.plan import Piece, copied_own_bytes, plan_reshard
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import (ParamMeta, llama_param_metas, num_layers_of,
                                       owner_stage, shard, stack, stacked_layout,
@@ -376,3 +376,70 @@ def test_stack_is_the_training_shards_and_unstack_its_inverse() -> None:
             assert torch.equal(stacked, torch.stack([shard(full[m.name], m, s, j)
                                                      for j in range(s)]))
             assert torch.equal(unstack(stacked, m), full[m.name])
+
+
+EMBED, TIED = "embedding.word_embeddings.weight", "output_layer.weight"
+
+
+@pytest.mark.parametrize("blocks", [False, True], ids=["standard", "stacked"])
+@pytest.mark.parametrize("t, p, last", [(1, 2, None), (2, 2, None), (1, 4, None), (1, 2, 3)])
+def test_the_tied_copy_sends_part_of_the_embedding(t: int, p: int, last, blocks: bool) -> None:
+    """Tied embeddings, PP -> one generation stage: the last stage's copy of the embedding sends
+    its last rows, the first stage its first rows; the embedding's all-gather carries no padding
+    at PP=2 (half at PP=4: the middle stages hold no copy), nothing else changes, and every rank
+    gets the full weights."""
+    metas = llama_param_metas(QWEN2)
+    gen = GenLayout(train=TrainLayout(tp=t, pp=p, dp=1, last_stage_layers=last), tp=t)
+    full = _full_weights(metas)
+    shards = _train_shards(gen.train, metas, full)
+    embed = next(m for m in metas if m.name == EMBED)
+    for rank, own in enumerate(shards):
+        if gen.train.coords(rank)[1] == p - 1:
+            own[TIED] = shard(full[EMBED], embed, t, gen.train.coords(rank)[2]).clone()
+    old = plan_reshard(gen, metas, 4, 1 << 20, min_view_bytes=1024, blocks=blocks)
+    plan = plan_reshard(gen, metas, 4, 1 << 20, min_view_bytes=1024, blocks=blocks,
+                        tied_copy=TIED)
+    rows, cols = embed.shard_shape(t)
+    assert plan.tied is not None and plan.tied.row == (rows + 1) // 2
+    st = plan.stages[0]
+    (b,) = [b for b in st.buckets if any(x.name == EMBED for x in b.pieces[0])]
+    assert b.pieces[0] == (Piece(EMBED, 0, plan.tied.row * cols, 0),)
+    assert b.pieces[p - 1] == (Piece(TIED, plan.tied.row * cols, (rows - plan.tied.row) * cols,
+                                     0),)
+    assert b.seg_numel == plan.tied.row * cols  # half the shard: nobody pads a whole one
+    assert st.params[EMBED].mode == ("view" if p == 2 else "concat")
+    e = 4 * rows * cols
+    for rank, (rp, was) in enumerate(zip(plan.ranks, old.ranks)):
+        first, lst = rp.member == 0, rp.member == p - 1
+        # who already held the embedding (or its copy) now receives the other half of it
+        assert rp.recv_bytes - was.recv_bytes == (e // 2 if first else -e // 2 if lst else 0)
+        # the embedding's padding: (p - 1) whole segments before (p - 2 for the other ranks),
+        # the middle stages' half segments now
+        pad_before = e * (p - 1 if first else p - 2)
+        pad_after = e // 2 * (p - 2 - (0 if first or lst else 1))
+        assert was.padding_bytes - rp.padding_bytes == pad_before - pad_after, rank
+    _check_storage_disjoint(st)
+    got = _simulate(plan, shards)
+    num_layers = num_layers_of(metas)
+    for rank, tensors in enumerate(got):
+        assert list(tensors) == [m.name for m in metas], rank
+        for m in metas:
+            w = tensors[m.name]
+            if w.dim() == len(m.shape) + 1:
+                w = unstack(w, m)
+            assert torch.equal(w, shard(full[m.name], m, t, gen.coords(rank)[2])), m.name
+    assert owner_stage(embed, p, num_layers, last) == 0
+
+
+def test_the_tied_copy_is_left_alone_where_it_cannot_help() -> None:
+    """No split where the generation pipeline keeps stages (the copy is a generation parameter
+    there), with TP merges (the halves would interleave), or without pipeline parallelism."""
+    metas = llama_param_metas(QWEN2)
+    for t, p, tg in [(2, 2, 1), (1, 1, 1), (2, 1, 1)]:
+        gen = GenLayout(train=TrainLayout(tp=t, pp=p, dp=1), tp=tg)
+        plan = plan_reshard(gen, metas, 4, 1 << 20, min_view_bytes=1024, tied_copy=TIED)
+        assert plan.tied is None
+        assert plan.ranks == plan_reshard(gen, metas, 4, 1 << 20, min_view_bytes=1024).ranks
+    with pytest.raises(ValueError, match="tied_copy 'embedding.word_embeddings.weight'"):
+        plan_reshard(GenLayout(train=TrainLayout(tp=1, pp=2, dp=1), tp=1), metas, 4, 1 << 20,
+                     tied_copy=EMBED)

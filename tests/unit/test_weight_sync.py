@@ -145,3 +145,29 @@ def test_a_bad_mode_is_refused_naming_the_key():
     with pytest.raises(ConfigError) as e:
         load_config(RLConfig, None, ["model=tiny-llama", "weight_sync.verify=sometimes"])
     assert e.value.field == "weight_sync.verify" and "every, first, off" in e.value.message
+
+
+def test_the_embedding_is_fingerprinted_from_whoever_sends_it():
+    """Tied embeddings at PP=2 -> 1: the last stage's copy sends the embedding's last rows
+    (``plan_reshard(tied_copy=...)``), so their samples are counted from the copy, once: a copy
+    that differs there is what arrives, and what the check expects."""
+    cfg = ModelConfig(vocab_size=64, hidden_size=32, ffn_hidden_size=64, num_layers=2,
+                      num_heads=4, num_kv_heads=2, head_dim=8, max_position_embeddings=32,
+                      tie_embeddings=True)
+    metas = llama_param_metas(cfg)
+    embed = "embedding.word_embeddings.weight"
+    gen = GenLayout(train=TrainLayout(tp=1, pp=2, dp=1), tp=1)
+    plan = plan_reshard(gen, metas, 4, 1 << 20, tied_copy="output_layer.weight")
+    weights = init_full_weights(metas, seed=1)
+    copy = weights[embed].clone()
+    copy[plan.tied.row:] += 1  # the copy drifted in the rows it sends
+    shards = [{m.name: weights[m.name] for m in metas
+               if owner_stage(m, 2, num_layers_of(metas)) == r} for r in range(2)]
+    shards[1]["output_layer.weight"] = copy
+    checks = [SyncCheck(plan, r, stacked=True) for r in range(2)]
+    sent = sum(c.sent(s, torch.device("cpu")) for c, s in zip(checks, shards))
+    arrived = dict(weights)
+    arrived[embed] = torch.cat([weights[embed][:plan.tied.row], copy[plan.tied.row:]])
+    checks[0].verify(sent.clone(), arrived, None, torch.float32, version=1)
+    with pytest.raises(WeightSyncError, match=f"weight sync 1: {embed} .* fingerprint"):
+        checks[0].verify(sent.clone(), weights, None, torch.float32, version=1)
