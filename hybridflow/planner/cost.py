@@ -54,6 +54,10 @@ calibrate`` on a probe model, ``hybridflow.planner.overhead``): per micro-batch 
 * ``host``: the host's work (Python, launches, Megatron's schedule) on the busiest stage,
   ``base + L_stage x per layer`` seconds of its kind (forward-only or training), m of them;
   left out where a pass profile prices the model (its efficiencies hold it);
+* ``weights``: the busiest rank's weights streamed from memory, m times, at B
+  (``weight_bytes_a_micro_batch``: ``N_stage b / t`` in a forward; in training twice that and
+  the fp32 grad buffer's 8 bytes a trained parameter): a micro-batch's GEMMs are too small to
+  hide them; left out beside a pass profile, as ``host``;
 * ``pipeline`` (p > 1): what the busiest stage's boundaries add, each the boundary's measured
   seconds plus a micro-batch's activations ``rows s h b`` at the point-to-point rate (both
   ways in training), m of them: 1 boundary at p = 2, 2 in a longer pipeline's middle.
@@ -65,9 +69,10 @@ micro-batch size at p = 1 and put the smallest first at p > 1 (its bubble is the
 
 Alone these are floors: no kernel reaches R or B, and the host works per micro-batch. With a pass
 profile of the model in the calibration (``hybridflow.planner.profile``, measured by
-``hybridflow calibrate --config``), the compute term (and so the bubble's share of it) is divided by the
-forward's or the training step's measured efficiency at the pass's micro-batch size (the host's
-work per micro-batch included), and the optimizer, ``generate`` and ``weight_load`` by theirs. A
+``hybridflow calibrate --config``), the compute term (and so the bubble's share of it) is
+divided by the forward's or the training step's measured efficiency at the pass's micro-batch
+size (the host's work per micro-batch included), and the optimizer, ``generate`` and
+``weight_load`` by theirs. A
 profile measured at the layout's tp holds what a TP rank adds per micro-batch (its all-reduces
 and the waits for its peers): it replaces the TP all-reduce term. A profile's seconds a pass
 costs however many micro-batches it has (``forward_fixed_s``, ``train_fixed_s``) are added once
@@ -392,7 +397,7 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
     m = max(1, math.ceil(per_rank_samples / micro_batch))
     tp_bytes = ((2 if kind == "train" else 1) * 2 * shape.num_layers * per_rank_samples * seq
                 * shape.hidden_size * b * share / lay.pp)
-    terms = {"compute": compute, "host": 0.0, "pipeline": 0.0, "bubble": 0.0,
+    terms = {"compute": compute, "host": 0.0, "weights": 0.0, "pipeline": 0.0, "bubble": 0.0,
              "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / gather_rate(calib, lay.tp)
                          if lay.tp > 1 else 0.0),
              "fixed": 0.0}
@@ -408,14 +413,33 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
         terms["compute"] /= efficiency
     costs = calib.micro_batches
     if costs is not None:
-        if profile is None:  # a profile's efficiencies hold the host's work already
+        if profile is None:  # a profile's efficiencies hold these already
             layers = max(stage_layer_counts(shape.num_layers, lay.pp, lay.last_stage_layers))
             terms["host"] = m * costs.host(kind, layers)
+            terms["weights"] = m * weight_bytes_a_micro_batch(
+                shape, lay, head, b, kind, adapters) / calib.memory_bandwidth
         if lay.pp > 1:
             terms["pipeline"] = m * costs.stage(kind, lay.pp, rows * seq * shape.hidden_size * b)
     # 1F1B: m + p - 1 micro-batch slots of the busiest stage, p - 1 of them idle
-    terms["bubble"] = (lay.pp - 1) / m * (terms["compute"] + terms["host"] + terms["pipeline"])
+    terms["bubble"] = (lay.pp - 1) / m * sum(terms[k] for k in ("compute", "host", "weights",
+                                                                "pipeline"))
     return terms
+
+
+def weight_bytes_a_micro_batch(shape: ModelConfig, lay: TrainLayout, head: str, b: int,
+                               kind: str, adapters: int | None = None) -> float:
+    """Bytes the busiest rank streams from memory for its weights in one micro-batch: its
+    matmul weights (``stage_matmul_params`` / tp) read once in a forward; in training read
+    again for the input gradients, and the fp32 grad buffer of what it trains read and written
+    by the weight-gradient GEMMs that accumulate into it (8 bytes a parameter; LoRA: the
+    adapters' alone). A micro-batch's GEMMs have a few thousand rows or fewer, too few to hide
+    these bytes behind their FLOPs (weights larger than the caches come from memory at every
+    micro-batch), so the cost model adds them, at the copy bandwidth, to the floor's FLOPs."""
+    weights = max(stage_matmul_params(shape, lay.pp, head, lay.last_stage_layers)) / lay.tp
+    if kind == "forward":
+        return weights * b
+    trained = weights if adapters is None else adapters / (lay.tp * lay.pp)
+    return 2 * weights * b + 8 * trained
 
 
 def micro_batch_rows(engine, seq: int, forward: bool) -> int:
@@ -452,7 +476,8 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
     profile = _profile(calib, shape, part)
     adam = ADAM_BYTES * per_rank / calib.memory_bandwidth
     return {"compute": steps * fwd["compute"], "host": steps * fwd["host"],
-            "pipeline": steps * fwd["pipeline"], "bubble": steps * fwd["bubble"],
+            "weights": steps * fwd["weights"], "pipeline": steps * fwd["pipeline"],
+            "bubble": steps * fwd["bubble"],
             "tp_comm": steps * fwd["tp_comm"],
             "dp_allreduce": steps * dp, "fixed": steps * fwd["fixed"],
             "optimizer": steps * adam / (profile.optimizer if profile is not None else 1.0)}

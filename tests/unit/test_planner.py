@@ -664,20 +664,29 @@ def test_host_work_a_micro_batch_makes_micro_batch_1_cost_more_at_equal_tokens()
     steps = {mb: predict(config(f"actor.engine.micro_batch_size={mb}"), {"model": SHAPE},
                          COSTS_CALIB) for mb in (1, 2, 4)}
     # the 4 samples in 4, 2 or 1 micro-batches of SHAPE's 2 layers: host work 2 ms a forward
-    # micro-batch, 7 ms a training one; the FLOPs the same
+    # micro-batch, 7 ms a training one; each micro-batch streams the N = 5712 fp32 weights at
+    # 1e9 B/s, twice in training, and reads and writes their fp32 grads; the FLOPs the same
+    fwd, train = 0.002 + 4 * N / 1e9, 0.007 + (2 * 4 + 8) * N / 1e9
     for mb, p in steps.items():
         assert p.terms["ref_logprobs"]["host"] == pytest.approx(4 // mb * 0.002)
         assert p.terms["update_actor"]["host"] == pytest.approx(4 // mb * 0.007)
+        assert p.terms["ref_logprobs"]["weights"] == pytest.approx(4 // mb * 4 * N / 1e9)
+        assert p.terms["update_actor"]["weights"] == pytest.approx(4 // mb * 16 * N / 1e9)
         assert p.terms["update_actor"]["compute"] == pytest.approx(3 * FWD)
-    assert steps[1].step - steps[2].step == pytest.approx(2 * 0.002 + 2 * 0.007)
+    assert steps[1].step - steps[2].step == pytest.approx(2 * fwd + 2 * train)
     assert steps[1].step > steps[2].step > steps[4].step
+    # LoRA: the frozen base's weights read twice, the fp32 grads the adapters' alone
+    lora = predict(config("actor.lora.rank=4"), {"model": SHAPE}, COSTS_CALIB)
+    assert lora.terms["update_actor"]["weights"] == pytest.approx(
+        2 * (2 * 4 * N + 8 * ADAPTERS) / 1e9)
     # floors alone tie them: what made micro-batch 1 come first
     floors = [predict(config(f"actor.engine.micro_batch_size={mb}"), {"model": SHAPE},
                       CALIB).step for mb in (1, 2, 4)]
     assert floors[0] == floors[1] == floors[2]
-    # a pass profile holds the host's work in its efficiencies: no host term beside it
+    # a pass profile holds the host's work and the weights' traffic in its efficiencies
     profiled = dataclasses.replace(FIXED_CALIB, micro_batches=COSTS)
-    assert predict(config(), {"model": SHAPE}, profiled).terms["update_actor"]["host"] == 0
+    update = predict(config(), {"model": SHAPE}, profiled).terms["update_actor"]
+    assert update["host"] == update["weights"] == 0
 
 
 def test_a_pipeline_stage_costs_its_transfers_and_its_bubble():
@@ -695,9 +704,14 @@ def test_a_pipeline_stage_costs_its_transfers_and_its_bubble():
     assert ref["pipeline"] == pytest.approx(2 * (0.004 + 1536 / 1e8))
     assert upd["pipeline"] == pytest.approx(2 * (0.01 + 2 * 1536 / 1e8))
     assert ref["host"] == pytest.approx(2 * 0.0015) and upd["host"] == pytest.approx(2 * 0.005)
+    # its 3376 weights streamed a micro-batch (fp32 at 1e9 B/s): once forward, in training
+    # twice and the grads read and written
+    assert ref["weights"] == pytest.approx(2 * 4 * 3376 / 1e9)
+    assert upd["weights"] == pytest.approx(2 * 16 * 3376 / 1e9)
     # 1F1B: (p - 1) / m of the busiest stage's whole micro-batch work idles
     for t in (ref, upd):
-        assert t["bubble"] == pytest.approx((t["compute"] + t["host"] + t["pipeline"]) / 2)
+        assert t["bubble"] == pytest.approx(
+            (t["compute"] + t["host"] + t["weights"] + t["pipeline"]) / 2)
     assert dp.terms["update_actor"]["pipeline"] == 0 and dp.terms["update_actor"]["bubble"] == 0
     assert pp.step > dp.step
     # calibrated on one device: no pipeline costs, and a plan at pp > 1 says what to do
