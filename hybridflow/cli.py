@@ -100,7 +100,8 @@ def main(argv: list[str] | None = None) -> int:
     defaults_p = sub.add_parser("defaults", help="print a command's default config as YAML")
     defaults_p.add_argument("job", choices=("train", "lm-demo"))
     calibrate_p = sub.add_parser("calibrate", help="measure this machine's matmul, memory and "
-                                                   "collective rates for the planner")
+                                                   "collective rates, and what a micro-batch "
+                                                   "and a pipeline stage cost, for the planner")
     calibrate_p.add_argument("--out", default="calibration.json", metavar="FILE",
                              help="JSON file to write (default: calibration.json)")
     calibrate_p.add_argument("--quick", action="store_true",

@@ -78,8 +78,9 @@ peak (the phase's fullest call, plus the other colocated worker's resident bytes
 estimate, by worker process and in total; ``peak_memory_gib`` is the fullest phase's pair.
 
 ``--calibration FILE`` (from ``hybridflow calibrate``): the cost model's seconds for the same
-phases (``predicted_s``; docs/planner.md), printed beside the measured ones: floors, unless the
-file has a profile of this model's passes, which ``--profile-passes`` measures first (what
+phases (``predicted_s``; docs/planner.md), printed beside the measured ones: floors and the
+file's micro-batch costs (floors alone in a file written before calibrate measured them), unless
+the file has a profile of this model's passes, which ``--profile-passes`` measures first (what
 ``hybridflow calibrate --config`` does for a run config) and adds to the file.
 
 Allocator (GPU): ``allocator`` has, per worker call, the mean over the timed iterations of the

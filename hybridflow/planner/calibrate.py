@@ -1,5 +1,7 @@
 """Measure the rates of this machine that the planner's cost model needs, and keep them in a
 JSON file: ``hybridflow calibrate --out FILE`` writes it, ``Calibration.from_json`` reads it.
+Besides the rates, what a micro-batch and a pipeline stage cost beyond their arithmetic
+(``hybridflow.planner.overhead``, on a probe model).
 
 Every rate is a median over repeats after a warm-up. On CPU the matmul and the copy run on one
 thread, as each of our CPU workers does; the collectives run in ``size`` local processes started by
@@ -15,6 +17,7 @@ from contextlib import contextmanager
 from datetime import datetime, timezone
 
 from hybridflow.planner.rates import COLLECTIVES, GiB, MiB, Calibration
+from hybridflow.planner.timing import timed_median
 
 def calibrate(quick: bool = False, log: Callable[[str], None] = print) -> Calibration:
     """Measure this machine's rates, logging one line per measurement.
@@ -83,11 +86,23 @@ def calibrate(quick: bool = False, log: Callable[[str], None] = print) -> Calibr
             log(f"{name} {size} ranks, {_bytes(message)} message ({backend}): "
                 f"{_si(rates[name][size], 'B/s')} received per rank")
 
+    from hybridflow.planner.overhead import micro_batch_costs
+    dtype = "bf16" if on_gpu else "fp32"
+    costs = micro_batch_costs(on_gpu, devices, matmul_flops[dtype], dtype, message, warmup,
+                              repeats)
+    log(f"micro-batch host work (probe model, {dtype}): forward {_ms(costs.forward_base_s)} + "
+        f"{_ms(costs.forward_layer_s)} a layer, training {_ms(costs.train_base_s)} + "
+        f"{_ms(costs.train_layer_s)} a layer")
+    if costs.p2p is not None:
+        log(f"pipeline stage per micro-batch (probe at pp=2, {backend}): forward "
+            f"{_ms(costs.forward_stage_s)}, training {_ms(costs.train_stage_s)}; send "
+            f"{_bytes(message)}: {_si(costs.p2p, 'B/s')}")
+
     return Calibration(
         device=torch.cuda.get_device_name(0) if on_gpu else "cpu", devices=devices,
         matmul_flops=matmul_flops, memory_bandwidth=memory_bandwidth,
         all_gather=rates["all_gather"], broadcast=rates["broadcast"],
-        host_to_device=host_to_device, torch=torch.__version__,
+        host_to_device=host_to_device, torch=torch.__version__, micro_batches=costs,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
 
 
@@ -144,22 +159,6 @@ def matmul_rate(device, dtype: str, n: int, *, warmup: int = 3, repeats: int = 1
     return 2 * n**3 / seconds
 
 
-def timed_median(fn: Callable[[], object], sync: Callable[[], None], *, warmup: int,
-                    repeats: int, inner: int) -> float:
-    """Median seconds per call of ``fn`` over ``repeats`` samples of ``inner`` calls each."""
-    for _ in range(warmup):
-        fn()
-    sync()
-    samples = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        for _ in range(inner):
-            fn()
-        sync()
-        samples.append((time.perf_counter() - start) / inner)
-    return statistics.median(samples)
-
-
 def _torch_dtype(name: str):
     import torch  # deferred: torch
     return {"fp32": torch.float32, "bf16": torch.bfloat16}[name]
@@ -187,6 +186,10 @@ def _si(value: float, unit: str) -> str:
         if value >= scale:
             return f"{value / scale:.4g} {prefix}{unit}"
     return f"{value:.4g} {unit}"
+
+
+def _ms(seconds: float) -> str:
+    return f"{seconds * 1e3:.3g} ms"
 
 
 def _bytes(n: int) -> str:

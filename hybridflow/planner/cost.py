@@ -24,9 +24,12 @@ of that dtype, B the device copy bandwidth, G(n) the all-gather rate in a group 
   them; ``N_stage``: its parameters in matmuls, the output layer's on the last; an LM head's
   output layer, ``h V``, over r = min(s, response + 1) positions only, ``2 h V r``: the engine
   computes it from the column before the first response token, ``TrainEngine``), over the data-
-  and tensor-parallel ranks at R, times the pipeline bubble ``1 + (p - 1) / m`` (m
-  micro-batches per data-parallel rank), plus the TP all-reduces of the activations, ``2 L`` of
-  ``tokens h b`` per pass and rank at G(t);
+  and tensor-parallel ranks at R, plus the micro-batch costs below (``host``, ``pipeline``),
+  plus the pipeline bubble ``bubble``: under 1F1B the busiest stage runs m + p - 1 micro-batch
+  slots for its m micro-batches (m per data-parallel rank), so ``(p - 1) / m`` of its compute,
+  host and pipeline seconds are added (the bubble's share of the pass, (p - 1) / (m + p - 1)),
+  plus the TP all-reduces of the activations, ``2 L`` of ``tokens h b`` per pass and rank at
+  G(t);
 * updates (actor, the critics): three times the forward's FLOPs per epoch (the backward is
   twice the forward) with the bubble of the training micro-batches, the TP all-reduces twice
   (forward and backward), the data-parallel gradient all-reduce (``2 (d-1)/d`` of the fp32 grads
@@ -39,14 +42,37 @@ Micro-batches are of the configured sizes, or with ``engine.max_tokens_per_micro
 ``T // s`` sequences (``micro_batch_rows``): the model counts every sequence at its full length s,
 so it takes the budget's fewest sequences a micro-batch and no padding either way (a real batch's
 shorter sequences pack more rows into a budget, and the padded path computes the batch's own
-width). The planner keeps a configured budget and does not search that role's micro-batch
-sizes.
+width). Padding is priced at the maximum: fixed-size micro-batches run at the width of the
+step's whole batch (``rollout_batch``: the longest prompt, left-padded, then the longest
+response), whatever their size, so s = ``max_prompt_tokens + max_tokens`` bounds it and the
+micro-batch size does not change it. The planner keeps a configured budget and does not search
+that role's micro-batch sizes.
+
+Micro-batch costs (``calib.micro_batches``, ``rates.MicroBatchCosts``, measured by ``hybridflow
+calibrate`` on a probe model, ``hybridflow.planner.overhead``): per micro-batch of a pass
+
+* ``host``: the host's work (Python, launches, Megatron's schedule) on the busiest stage,
+  ``base + L_stage x per layer`` seconds of its kind (forward-only or training), m of them;
+  left out where a pass profile prices the model (its efficiencies hold it);
+* ``weights``: the busiest rank's weights streamed from memory, m times, at B
+  (``weight_bytes_a_micro_batch``: ``N_stage b / t`` in a forward; in training twice that and
+  the fp32 grad buffer's 8 bytes a trained parameter): a micro-batch's GEMMs are too small to
+  hide them; left out beside a pass profile, as ``host``;
+* ``pipeline`` (p > 1): what the busiest stage's boundaries add, each the boundary's measured
+  seconds plus a micro-batch's activations ``rows s h b`` at the point-to-point rate (both
+  ways in training), m of them: 1 boundary at p = 2, 2 in a longer pipeline's middle.
+
+Without them and without a pass profile the seconds are floors alone, which tie every
+micro-batch size at p = 1 and put the smallest first at p > 1 (its bubble is the least):
+``placement: auto`` and ``auto`` keys refuse to choose from such a file
+(``check_prices_micro_batches``); ``hybridflow plan`` ranks and says so.
 
 Alone these are floors: no kernel reaches R or B, and the host works per micro-batch. With a pass
 profile of the model in the calibration (``hybridflow.planner.profile``, measured by
-``hybridflow calibrate --config``), the compute and bubble terms are divided by the forward's or
-the training step's measured efficiency at the pass's micro-batch size (the host's work per
-micro-batch included), and the optimizer, ``generate`` and ``weight_load`` by theirs. A
+``hybridflow calibrate --config``), the compute term (and so the bubble's share of it) is
+divided by the forward's or the training step's measured efficiency at the pass's micro-batch
+size (the host's work per micro-batch included), and the optimizer, ``generate`` and
+``weight_load`` by theirs. A
 profile measured at the layout's tp holds what a TP rank adds per micro-batch (its all-reduces
 and the waits for its peers): it replaces the TP all-reduce term. A profile's seconds a pass
 costs however many micro-batches it has (``forward_fixed_s``, ``train_fixed_s``) are added once
@@ -54,8 +80,8 @@ per pass (``fixed``): once per forward-only phase, once per optimizer step of an
 profile at tp = 1 serving another tp they are a lower bound (every rank does that host work;
 at tp > 1 the TP ranks' collectives and waits outside the micro-batches come on top, which one
 process does not see: ``calibrate --config`` profiles at the config's tp). Not
-modelled: the controller's own work between phases, the PP point-to-point
-transfers and the switch's packing of its buckets (docs/planner.md has the measured gaps).
+modelled: the controller's own work between phases and the switch's packing of its buckets
+(docs/planner.md has the measured gaps).
 ``Prediction`` keeps each phase apart so that the trainer can log them beside what it measures.
 
 LoRA (``actor.lora``, ``hybridflow.training.lora``), with A the adapters' parameters, W_a the
@@ -143,7 +169,12 @@ class Prediction:
     terms: dict[str, dict[str, float]] = field(default_factory=dict)
     """Phase -> the terms its seconds add up from (flops, bubble, tp_comm, ...), for ``plan``."""
     profiled: bool = False
-    """Whether the calibration had the model's pass profile (else the seconds are floors)."""
+    """Whether the calibration had the model's pass profile (its efficiencies divide the
+    floors)."""
+    micro_batch_costs: bool = False
+    """Whether the calibration had the micro-batch costs (``rates.MicroBatchCosts``): the host's
+    work per micro-batch and a pipeline stage's; without them or a profile the seconds are
+    floors alone."""
     lanes: dict[str, dict[str, float]] = field(default_factory=dict)
     """Pool -> phase -> seconds of the calls its models make (a phase of two pools, the reward
     and cost models' ``reward``, split between them); empty: one lane, the phases in turn."""
@@ -162,7 +193,10 @@ class Prediction:
 
     @property
     def kind(self) -> str:
-        return "measured efficiencies" if self.profiled else "floors"
+        if self.profiled:
+            return "measured efficiencies" + ("" if self.micro_batch_costs else
+                                              ", no pipeline transfers")
+        return "floors and micro-batch costs" if self.micro_batch_costs else "floors alone"
 
     @property
     def peak_bytes(self) -> int:
@@ -363,13 +397,13 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
     m = max(1, math.ceil(per_rank_samples / micro_batch))
     tp_bytes = ((2 if kind == "train" else 1) * 2 * shape.num_layers * per_rank_samples * seq
                 * shape.hidden_size * b * share / lay.pp)
-    terms = {"compute": compute, "bubble": (lay.pp - 1) / m * compute,
+    terms = {"compute": compute, "host": 0.0, "weights": 0.0, "pipeline": 0.0, "bubble": 0.0,
              "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / gather_rate(calib, lay.tp)
                          if lay.tp > 1 else 0.0),
              "fixed": 0.0}
     profile = _profile(calib, shape, part)
+    rows = min(micro_batch, per_rank_samples)
     if profile is not None:
-        rows = min(micro_batch, per_rank_samples)
         if profile.tp == lay.tp:  # measured at this tp: its all-reduces are in the efficiency
             efficiency = profile.efficiency(kind, rows)
             terms["tp_comm"] = 0.0
@@ -377,8 +411,35 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
             efficiency = profile.efficiency(kind, rows / lay.tp)
         terms["fixed"] = getattr(profile, f"{kind}_fixed_s")
         terms["compute"] /= efficiency
-        terms["bubble"] /= efficiency
+    costs = calib.micro_batches
+    if costs is not None:
+        if profile is None:  # a profile's efficiencies hold these already
+            layers = max(stage_layer_counts(shape.num_layers, lay.pp, lay.last_stage_layers))
+            terms["host"] = m * costs.host(kind, layers)
+            terms["weights"] = m * weight_bytes_a_micro_batch(
+                shape, lay, head, b, kind, adapters) / calib.memory_bandwidth
+        if lay.pp > 1:
+            terms["pipeline"] = m * costs.stage(kind, lay.pp, rows * seq * shape.hidden_size * b)
+    # 1F1B: m + p - 1 micro-batch slots of the busiest stage, p - 1 of them idle
+    terms["bubble"] = (lay.pp - 1) / m * sum(terms[k] for k in ("compute", "host", "weights",
+                                                                "pipeline"))
     return terms
+
+
+def weight_bytes_a_micro_batch(shape: ModelConfig, lay: TrainLayout, head: str, b: int,
+                               kind: str, adapters: int | None = None) -> float:
+    """Bytes the busiest rank streams from memory for its weights in one micro-batch: its
+    matmul weights (``stage_matmul_params`` / tp) read once in a forward; in training read
+    again for the input gradients, and the fp32 grad buffer of what it trains read and written
+    by the weight-gradient GEMMs that accumulate into it (8 bytes a parameter; LoRA: the
+    adapters' alone). A micro-batch's GEMMs have a few thousand rows or fewer, too few to hide
+    these bytes behind their FLOPs (weights larger than the caches come from memory at every
+    micro-batch), so the cost model adds them, at the copy bandwidth, to the floor's FLOPs."""
+    weights = max(stage_matmul_params(shape, lay.pp, head, lay.last_stage_layers)) / lay.tp
+    if kind == "forward":
+        return weights * b
+    trained = weights if adapters is None else adapters / (lay.tp * lay.pp)
+    return 2 * weights * b + 8 * trained
 
 
 def micro_batch_rows(engine, seq: int, forward: bool) -> int:
@@ -414,7 +475,9 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
           if lay.dp > 1 else 0.0)
     profile = _profile(calib, shape, part)
     adam = ADAM_BYTES * per_rank / calib.memory_bandwidth
-    return {"compute": steps * fwd["compute"], "bubble": steps * fwd["bubble"],
+    return {"compute": steps * fwd["compute"], "host": steps * fwd["host"],
+            "weights": steps * fwd["weights"], "pipeline": steps * fwd["pipeline"],
+            "bubble": steps * fwd["bubble"],
             "tp_comm": steps * fwd["tp_comm"],
             "dp_allreduce": steps * dp, "fixed": steps * fwd["fixed"],
             "optimizer": steps * adam / (profile.optimizer if profile is not None else 1.0)}
@@ -628,5 +691,38 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration,
     terms = {p: terms[p] for p in PHASES if p in terms}
     return Prediction(phases={k: sum(v.values()) for k, v in terms.items()},
                       memory=memory, terms=terms, lanes=lanes,
-                      profiled=_profile(calib, shapes["model"], cfg.actor) is not None)
+                      profiled=_profile(calib, shapes["model"], cfg.actor) is not None,
+                      micro_batch_costs=calib.micro_batches is not None)
 
+
+def check_prices_micro_batches(calib: Calibration, path) -> None:
+    """ConfigError where the planner would choose from floors alone: ``calib`` (read from
+    ``path``) has no micro-batch costs (a file written before ``calibrate`` measured them).
+    Floors price neither the host's work per micro-batch nor a pipeline stage's transfers, so
+    they favour the smallest micro-batch and deep pipelines: on the quickstart they put
+    micro-batch 1 first, and tie every micro-batch size at pp = 1."""
+    if calib.micro_batches is None:
+        raise ConfigError("cluster.calibration", f"{path} has no micro-batch costs (written "
+                          "before `hybridflow calibrate` measured the host's work per "
+                          "micro-batch and a pipeline stage's), and floors alone favour the "
+                          "smallest micro-batch: the planner does not choose from them; rerun "
+                          f"`hybridflow calibrate --out {path}` on the machine to plan for "
+                          "(with --config to profile the model again)")
+
+
+def basis_line(prediction: Prediction, path) -> str:
+    """``hybridflow plan``'s last line: what its seconds rest on (``Prediction.kind``)."""
+    if not prediction.micro_batch_costs:
+        return ("predicted seconds are " + ("at the model's measured efficiencies, without a "
+                                            "pipeline stage's transfers" if prediction.profiled
+                                            else "FLOORS ALONE, which favour the smallest "
+                                            "micro-batch and deep pipelines")
+                + f": {path} has no micro-batch costs (`hybridflow calibrate` measures them; "
+                "an older file, or rates stated by hand, has none), so `auto` refuses to choose "
+                "from it (docs/planner.md)")
+    return ("predicted seconds are " + (
+        "at the calibrated rates and the model's measured efficiencies, with a pipeline "
+        "stage's costs" if prediction.profiled else
+        "floors at the calibrated rates plus the calibrated host work per micro-batch and a "
+        "pipeline stage's costs; `hybridflow calibrate --config CONFIG` measures the model's "
+        "efficiencies") + " (docs/planner.md)")

@@ -43,8 +43,9 @@ from hybridflow.config.sources import critic_shape
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import GenLayout, TrainLayout
-from hybridflow.planner.cost import (Fabric, Prediction, _at, model_terms, predict, stage_times,
-                                     staged_step)
+from hybridflow.planner.cost import (Fabric, Prediction, _at, basis_line,
+                                     check_prices_micro_batches, model_terms, predict,
+                                     stage_times, staged_step)
 from hybridflow.planner.memory import GIB, pool_memory
 from hybridflow.planner.rates import Calibration
 
@@ -410,6 +411,7 @@ def choose_placement(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibratio
     """``cfg`` with ``placement: auto`` resolved: the fastest placement's config (its pools,
     models and layouts written out), the choice logged in one line. ConfigError where none
     fits."""
+    check_prices_micro_batches(calib, cfg.cluster.calibration)
     best, priced, refused = ranked(cfg, shapes, calib, top=1)
     if not best:
         raise ConfigError("placement", f"auto: no placement of {', '.join(run_models(cfg))} on "
@@ -457,8 +459,6 @@ def placement_lines(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration
     if best:
         lines.append("the fastest: " + " ".join(
             f"{k}={'null' if v is None else v}" for k, v in best[0].plan.overrides(cfg).items()))
-    lines.append("predicted seconds are " + (
-        "at the calibrated rates and the model's measured efficiencies"
-        if best and best[0].prediction.profiled else
-        "floors at the calibrated rates") + " (docs/planner.md)")
+    if best:
+        lines.append(basis_line(best[0].prediction, c.calibration))
     return lines

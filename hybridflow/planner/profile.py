@@ -55,7 +55,7 @@ from typing import Any
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import GenLayout, TrainLayout
-from hybridflow.planner.calibrate import timed_median
+from hybridflow.planner.timing import timed_median
 from hybridflow.planner.rates import PassProfile, lora_key
 
 

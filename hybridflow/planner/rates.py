@@ -59,6 +59,12 @@ class Calibration:
     """The efficiencies of one model's passes (``hybridflow calibrate --config CONFIG``), one
     per model shape and dtype; without one for a run's model the cost model's seconds are floors.
     Optional in the file."""
+    micro_batches: MicroBatchCosts | None = None
+    """What a micro-batch and a pipeline stage cost beyond their arithmetic (``calibrate``
+    measures them on a probe model); None in files written before they were measured: then,
+    without a pass profile of the run's model, the cost model's seconds are floors alone, which
+    favour the smallest micro-batch, and the planner refuses to choose from them. Optional in
+    the file."""
 
     def __post_init__(self):
         if not isinstance(self.device, str) or not self.device:
@@ -86,6 +92,11 @@ class Calibration:
             raise ArgumentError("passes", f"must be a list of pass profiles, got {self.passes!r}")
         self.passes = [p if isinstance(p, PassProfile) else _profile_from(p)
                        for p in self.passes]
+        if isinstance(self.micro_batches, dict):
+            self.micro_batches = _costs_from(self.micro_batches)
+        elif not isinstance(self.micro_batches, (MicroBatchCosts, type(None))):
+            raise ArgumentError("micro_batches", f"must be null or the micro-batch costs, got "
+                                                 f"{self.micro_batches!r}")
         if not isinstance(self.torch, str):
             raise ArgumentError("torch", f"must be a version string, got {self.torch!r}")
         try:
@@ -135,7 +146,7 @@ class Calibration:
         if not isinstance(data, dict):
             raise ConfigError(FIELD, f"{path}: not a JSON object; {fix}")
         names = {f.name for f in dataclasses.fields(cls)}
-        optional = {"passes", "inter_node"}
+        optional = {"passes", "inter_node", "micro_batches"}
         for what, keys in (("missing", names - optional - data.keys()),
                            ("unknown", data.keys() - names)):
             if keys:
@@ -161,6 +172,72 @@ def _profile_from(data) -> PassProfile:
         raise ArgumentError("passes", f"each entry must have exactly the fields "
                                       f"{', '.join(sorted(names))}, got {data!r}"[:300])
     return PassProfile(**data)
+
+
+def _costs_from(data: dict) -> MicroBatchCosts:
+    """MicroBatchCosts from its JSON object; ArgumentError naming the field when it is not one."""
+    names = {f.name for f in dataclasses.fields(MicroBatchCosts)}
+    if set(data) != names:
+        raise ArgumentError("micro_batches", f"must have exactly the fields "
+                                             f"{', '.join(sorted(names))}, got {data!r}"[:300])
+    return MicroBatchCosts(**data)
+
+
+@dataclass(kw_only=True)
+class MicroBatchCosts:
+    """The seconds a micro-batch costs beyond its arithmetic, and what a pipeline stage adds, as
+    ``calibrate`` measures them on a probe model (``hybridflow.planner.overhead``): the host's
+    work per micro-batch (Python, kernel launches, Megatron's schedule), which floors leave out
+    and which makes small micro-batches slow, and the point-to-point transfers of pipeline
+    parallelism. A pass profile of the run's model (``PassProfile``) holds the host's work in
+    its efficiencies; these serve every model that has none, and the pipeline terms every
+    model at pp > 1 (a profile is measured at pp = 1)."""
+
+    forward_base_s: float
+    """Host seconds of one forward-only micro-batch that do not grow with the layers (the
+    embedding, the output layer and loss's launches, the schedule's step)."""
+    forward_layer_s: float
+    """Host seconds one transformer layer adds to a forward-only micro-batch."""
+    train_base_s: float
+    """The same for a training micro-batch (forward and backward)."""
+    train_layer_s: float
+    """The same per layer for a training micro-batch."""
+    forward_stage_s: float | None
+    """Seconds a pipeline stage boundary adds to a forward-only micro-batch beyond its layers'
+    host work, at pp = 2 on the probe (the schedule's send and receive calls and their latency;
+    its activations are a few KiB); None where the node has one device."""
+    train_stage_s: float | None
+    """The same for a training micro-batch (activations forward, their gradients back)."""
+    p2p: float | None
+    """Bytes/s of one point-to-point send between two ranks (what a stage boundary moves of a
+    real model's activations); None where the node has one device."""
+
+    def __post_init__(self):
+        for name in ("forward_base_s", "forward_layer_s", "train_base_s", "train_layer_s"):
+            check_float(name, getattr(self, name), low=0)
+        for name in ("forward_stage_s", "train_stage_s"):
+            check_float(name, getattr(self, name), low=0, none_ok=True)
+        check_float("p2p", self.p2p, low=0, low_open=True, none_ok=True)
+
+    def host(self, kind: str, layers: int) -> float:
+        """Host seconds of one micro-batch of ``kind`` ("forward", "train") on a stage of
+        ``layers`` layers: the base and the layers' share."""
+        return getattr(self, f"{kind}_base_s") + layers * getattr(self, f"{kind}_layer_s")
+
+    def stage(self, kind: str, pp: int, activation_bytes: float) -> float:
+        """Seconds pipeline parallelism adds to one micro-batch of ``kind`` on its busiest stage:
+        the boundary's fixed seconds and ``activation_bytes`` (one micro-batch's activations)
+        at the point-to-point rate, once per boundary the stage has (1 at pp = 2, 2 in the
+        middle of a longer pipeline), twice in training (activations forward, gradients
+        back: ``train_stage_s`` was measured with both). ConfigError where not measured."""
+        fixed = getattr(self, f"{kind}_stage_s")
+        if fixed is None or self.p2p is None:
+            raise ConfigError(FIELD, f"has no pipeline costs (calibrated on one device), and "
+                                     f"this layout has pp={pp}: run `hybridflow calibrate` on a "
+                                     "node with two devices or more")
+        boundaries = 1 if pp == 2 else 2
+        directions = 2 if kind == "train" else 1
+        return boundaries * (fixed + directions * activation_bytes / self.p2p)
 
 
 @dataclass(kw_only=True)

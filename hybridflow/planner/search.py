@@ -21,7 +21,8 @@ from hybridflow.config.sources import model_sources
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import TrainLayout
-from hybridflow.planner.cost import Prediction, predict
+from hybridflow.planner.cost import (Prediction, basis_line, check_prices_micro_batches,
+                                     predict)
 from hybridflow.planner.memory import check_memory_fits, size_to_memory
 from hybridflow.planner.rates import Calibration
 from hybridflow.training.model import check_model_fits_layout
@@ -150,7 +151,9 @@ def resolve_auto(cfg: Any, shapes: dict[str, ModelConfig]) -> tuple[Any, Mapping
     free = cfg.planned_keys
     if not free:
         return cfg, None
-    fits, refused = search(cfg, shapes, load_calibration(cfg))
+    calib = load_calibration(cfg)
+    check_prices_micro_batches(calib, cfg.cluster.calibration)
+    fits, refused = search(cfg, shapes, calib)
     fixed = {k: v for k, v in _configured(cfg).items()
              if k not in free and not k.startswith("critic.")}
     fits = [m for m in fits if all(m.overrides[k] == v for k, v in fixed.items())]
@@ -231,12 +234,9 @@ def plan_lines(cfg: Any, top: int = 5) -> list[str]:
                       configured))
     if fits:
         lines.append("the fastest: " + " ".join(f"{k}={v}" for k, v in fits[0].overrides.items()))
-    lines.append("predicted seconds are " + ("at the calibrated rates and the model's measured "
-                                             "efficiencies" if configured.prediction.profiled
-                                             else "floors at the calibrated rates; `hybridflow "
-                                             "calibrate --config CONFIG` measures the model's "
-                                             "efficiencies") + " (docs/planner.md)")
+    lines.append(basis_line(configured.prediction, cfg.cluster.calibration))
     return lines
+
 
 
 def _configured(cfg: Any) -> dict[str, Any]:

@@ -77,8 +77,8 @@ def test_ppo_megatron_backend_reward_model_layout_auto(tmp_path, capsys):
     # with cluster.calibration every step also logs the cost model's seconds per phase.
     from hybridflow.config.sources import model_sources
     from hybridflow.planner.search import resolve_auto
-    from tests.unit.test_planner import CALIB
-    CALIB.to_json(tmp_path / "calibration.json")
+    from tests.unit.test_planner import AUTO_CALIB
+    AUTO_CALIB.to_json(tmp_path / "calibration.json")
     # Configured at pp=2 (a pipeline bubble), which the planner moves off: to tp=2 at these rates.
     cfg = config(tmp_path, "algorithm.name=ppo", "rollout.backend=megatron",
                  "algorithm.kl_in_reward=true", "name=ppo", "reward_model=tiny-qwen2", *CRITIC,

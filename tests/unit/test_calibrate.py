@@ -31,9 +31,19 @@ def test_quick_calibration_on_cpu_has_every_rate(measured):
     assert all(math.isfinite(r) and r > 0 for r in rates), rates
 
 
+def test_quick_calibration_on_cpu_has_the_micro_batch_costs(measured):
+    costs = measured.micro_batches
+    seconds = [costs.forward_base_s, costs.forward_layer_s, costs.train_base_s,
+               costs.train_layer_s, costs.forward_stage_s, costs.train_stage_s]
+    assert all(math.isfinite(s) and s >= 0 for s in seconds), seconds
+    assert math.isfinite(costs.p2p) and costs.p2p > 0  # two CPU ranks: a pipeline measured
+
+
 def test_calibrate_logs_one_line_per_measurement(measured):
-    assert [line.split()[0] for line in LOG] == ["matmul", "copy", "all_gather", "broadcast"]
-    assert all(line.endswith(("FLOP/s", "(read + write)", "received per rank")) for line in LOG)
+    assert [line.split()[0] for line in LOG] == ["matmul", "copy", "all_gather", "broadcast",
+                                                 "micro-batch", "pipeline"]
+    assert all(line.endswith(("FLOP/s", "(read + write)", "received per rank", "a layer",
+                              "B/s")) for line in LOG)
 
 
 def test_json_round_trip(measured, tmp_path):

@@ -4,6 +4,8 @@ sum-within-a-pool composition of the calls, and collectives priced by the nodes 
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from hybridflow.cli import main
@@ -132,11 +134,12 @@ def test_inter_node_rate_refused_on_one_node():
 
 def test_placement_auto_resolves_to_the_fastest_and_plan_prints_the_table(tmp_path, capsys):
     from hybridflow.planner.placements import choose_placement, ranked
+    from tests.unit.test_planner import AUTO_CALIB as calib  # CALIB with micro-batch costs
     cfg = config(tmp_path)
     assert cfg.placement.preset == "auto"
     lines = []
-    chosen = choose_placement(cfg, {"model": SHAPE}, CALIB, log=lines.append)
-    best, _, _ = ranked(cfg, {"model": SHAPE}, CALIB, top=1)
+    chosen = choose_placement(cfg, {"model": SHAPE}, calib, log=lines.append)
+    best, _, _ = ranked(cfg, {"model": SHAPE}, calib, top=1)
     assert chosen.placement.preset is None and chosen.placement.pools
     assert chosen == best[0].config and "planner (placement: auto)" in lines[0]
     with pytest.raises(ConfigError) as e:  # layouts are the search's
@@ -155,3 +158,18 @@ def _overrides(tmp_path):
             "rollout.backend=megatron", "actor.engine.micro_batch_size=1", "cluster.nodes=1",
             "cluster.gpus_per_node=4", "ray.gpus_per_worker=1", "placement=auto",
             f"cluster.calibration={calib}", f"tracking.out_dir={tmp_path}"]
+
+
+EXPERIMENTS = Path(__file__).resolve().parents[2] / "experiments"
+PAPER = sorted((EXPERIMENTS / "paper").glob("*/llama2_*.yaml")) + sorted(
+    (EXPERIMENTS / "paper" / "placement").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("path", PAPER, ids=lambda p: f"{p.parent.name}/{p.stem}")
+def test_plan_ranks_every_paper_config(path, tmp_path, capsys):
+    # The paper's stated A100 rates: no micro-batch costs, so the table says it is floors alone.
+    rates = EXPERIMENTS / "paper" / "a100_calibration.json"
+    assert main(["plan", str(path), f"cluster.calibration={rates}",
+                 f"tracking.out_dir={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert "\n1. " in out and "the fastest: " in out and "FLOORS ALONE" in out

@@ -13,7 +13,7 @@ from hybridflow.config import RLConfig, load_config
 from hybridflow.errors import ArgumentError, ConfigError
 from hybridflow.planner.rates import Calibration
 from hybridflow.planner.cost import matmul_params, predict, switch_bytes
-from hybridflow.planner.rates import PassProfile
+from hybridflow.planner.rates import MicroBatchCosts, PassProfile
 from hybridflow.planner.search import MICRO_BATCHES, apply, candidates, search
 from hybridflow.models.config import ModelConfig
 from hybridflow.models.params import llama_param_metas
@@ -24,6 +24,11 @@ SHAPE = ModelConfig(vocab_size=64, hidden_size=16, ffn_hidden_size=32, num_layer
 CALIB = Calibration(device="test", devices=4, matmul_flops={"fp32": 1e9},
                     memory_bandwidth=1e9, all_gather={2: 1e8, 4: 5e7}, broadcast={2: 1e8},
                     host_to_device=None, torch="test", measured_at="2026-12-01T00:00:00+00:00")
+# Micro-batch costs of nothing but a point-to-point rate: the floors' prices (and an activation
+# transfer at pp > 1), in a file `auto` chooses from.
+NO_COSTS = MicroBatchCosts(forward_base_s=0, forward_layer_s=0, train_base_s=0, train_layer_s=0,
+                           forward_stage_s=0, train_stage_s=0, p2p=1e9)
+AUTO_CALIB = dataclasses.replace(CALIB, micro_batches=NO_COSTS)
 
 
 # (t, p) -> (tg, pg): TP merges, PP merges, both, and none
@@ -611,12 +616,12 @@ def test_calibration_without_passes_loads_and_a_bad_profile_is_named(tmp_path):
 def test_layout_auto_takes_the_fastest_mapping(tmp_path):
     from hybridflow.planner.search import resolve_auto
     calib = tmp_path / "c.json"
-    CALIB.to_json(calib)
+    AUTO_CALIB.to_json(calib)
     base = ("actor.layout.dp=2", "actor.layout.pp=2", "train_batch_size=4",
             f"cluster.calibration={calib}")
     cfg = config(*base, "layout=auto")
     chosen, mapping = resolve_auto(cfg, {"model": SHAPE})
-    fits, _ = search(cfg, {"model": SHAPE}, CALIB)
+    fits, _ = search(cfg, {"model": SHAPE}, AUTO_CALIB)
     assert mapping.overrides == fits[0].overrides
     assert chosen.layout == "manual" and chosen.auto == []
     assert chosen.actor.layout.world_size == 4  # the configured world, re-mapped
@@ -635,16 +640,16 @@ def test_layout_auto_takes_the_fastest_mapping(tmp_path):
     # With LoRA: the fastest mapping by the LoRA cost model.
     lora = config(*base, "layout=auto", "actor.lora.rank=4")
     chosen, mapping = resolve_auto(lora, {"model": SHAPE})
-    fits, _ = search(lora, {"model": SHAPE}, CALIB)
+    fits, _ = search(lora, {"model": SHAPE}, AUTO_CALIB)
     assert mapping.overrides == fits[0].overrides and chosen.actor.lora.rank == 4
     assert mapping.prediction.step == pytest.approx(
-        predict(chosen, {"model": SHAPE}, CALIB).step, rel=1e-12)
+        predict(chosen, {"model": SHAPE}, AUTO_CALIB).step, rel=1e-12)
     assert mapping.prediction.terms["reshard"]["merge"] > 0
 
 
 def test_auto_in_a_file_and_its_refusals(tmp_path):
     calib = tmp_path / "c.json"
-    CALIB.to_json(calib)
+    AUTO_CALIB.to_json(calib)
     f = tmp_path / "run.yaml"
     f.write_text(f"rollout: {{tp: auto}}\nactor: {{engine: {{micro_batch_size: auto}}}}\n"
                  f"cluster: {{calibration: {calib}}}\n")
@@ -665,3 +670,109 @@ def test_auto_in_a_file_and_its_refusals(tmp_path):
     assert main(["check", "model=tiny-llama", "layout=auto", "actor.layout.dp=2",
                  "rollout.backend=megatron", f"cluster.calibration={calib}",
                  f"tracking.out_dir={tmp_path}"]) == 0
+
+
+# Micro-batch costs by hand: a forward micro-batch's host work 1 ms + 0.5 ms a layer, a
+# training one's 3 ms + 2 ms a layer; a stage boundary 4 ms forward, 10 ms training; 1e8 B/s
+# between stages.
+COSTS = MicroBatchCosts(forward_base_s=0.001, forward_layer_s=0.0005, train_base_s=0.003,
+                        train_layer_s=0.002, forward_stage_s=0.004, train_stage_s=0.01, p2p=1e8)
+COSTS_CALIB = dataclasses.replace(CALIB, micro_batches=COSTS)
+
+
+def test_host_work_a_micro_batch_makes_micro_batch_1_cost_more_at_equal_tokens():
+    steps = {mb: predict(config(f"actor.engine.micro_batch_size={mb}"), {"model": SHAPE},
+                         COSTS_CALIB) for mb in (1, 2, 4)}
+    # the 4 samples in 4, 2 or 1 micro-batches of SHAPE's 2 layers: host work 2 ms a forward
+    # micro-batch, 7 ms a training one; each micro-batch streams the N = 5712 fp32 weights at
+    # 1e9 B/s, twice in training, and reads and writes their fp32 grads; the FLOPs the same
+    fwd, train = 0.002 + 4 * N / 1e9, 0.007 + (2 * 4 + 8) * N / 1e9
+    for mb, p in steps.items():
+        assert p.terms["ref_logprobs"]["host"] == pytest.approx(4 // mb * 0.002)
+        assert p.terms["update_actor"]["host"] == pytest.approx(4 // mb * 0.007)
+        assert p.terms["ref_logprobs"]["weights"] == pytest.approx(4 // mb * 4 * N / 1e9)
+        assert p.terms["update_actor"]["weights"] == pytest.approx(4 // mb * 16 * N / 1e9)
+        assert p.terms["update_actor"]["compute"] == pytest.approx(3 * FWD)
+    assert steps[1].step - steps[2].step == pytest.approx(2 * fwd + 2 * train)
+    assert steps[1].step > steps[2].step > steps[4].step
+    # LoRA: the frozen base's weights read twice, the fp32 grads the adapters' alone
+    lora = predict(config("actor.lora.rank=4"), {"model": SHAPE}, COSTS_CALIB)
+    assert lora.terms["update_actor"]["weights"] == pytest.approx(
+        2 * (2 * 4 * N + 8 * ADAPTERS) / 1e9)
+    # floors alone tie them: what made micro-batch 1 come first
+    floors = [predict(config(f"actor.engine.micro_batch_size={mb}"), {"model": SHAPE},
+                      CALIB).step for mb in (1, 2, 4)]
+    assert floors[0] == floors[1] == floors[2]
+    # a pass profile holds the host's work and the weights' traffic in its efficiencies
+    profiled = dataclasses.replace(FIXED_CALIB, micro_batches=COSTS)
+    update = predict(config(), {"model": SHAPE}, profiled).terms["update_actor"]
+    assert update["host"] == update["weights"] == 0
+
+
+def test_a_pipeline_stage_costs_its_transfers_and_its_bubble():
+    # gloo-like: slow all-gathers make DP=2's gradient all-reduce dear, so floors put PP=2 first
+    slow = dataclasses.replace(CALIB, all_gather={2: 2e7})
+    pp, dp = (predict(config(f"actor.layout.{k}=2"), {"model": SHAPE}, slow) for k in ("pp", "dp"))
+    assert pp.step < dp.step
+    priced = dataclasses.replace(slow, micro_batches=COSTS)
+    pp, dp = (predict(config(f"actor.layout.{k}=2"), {"model": SHAPE}, priced)
+              for k in ("pp", "dp"))
+    # PP=2: 2 micro-batches of 2 sequences, each 2 x 12 x 16 fp32 activations (1536 bytes) over
+    # the stage boundary: 4 ms + 1536 B at 1e8 B/s forward; training 10 ms + both directions.
+    # The busiest stage holds 1 layer: host 1.5 ms forward, 5 ms training a micro-batch.
+    ref, upd = pp.terms["ref_logprobs"], pp.terms["update_actor"]
+    assert ref["pipeline"] == pytest.approx(2 * (0.004 + 1536 / 1e8))
+    assert upd["pipeline"] == pytest.approx(2 * (0.01 + 2 * 1536 / 1e8))
+    assert ref["host"] == pytest.approx(2 * 0.0015) and upd["host"] == pytest.approx(2 * 0.005)
+    # its 3376 weights streamed a micro-batch (fp32 at 1e9 B/s): once forward, in training
+    # twice and the grads read and written
+    assert ref["weights"] == pytest.approx(2 * 4 * 3376 / 1e9)
+    assert upd["weights"] == pytest.approx(2 * 16 * 3376 / 1e9)
+    # 1F1B: (p - 1) / m of the busiest stage's whole micro-batch work idles
+    for t in (ref, upd):
+        assert t["bubble"] == pytest.approx(
+            (t["compute"] + t["host"] + t["weights"] + t["pipeline"]) / 2)
+    assert dp.terms["update_actor"]["pipeline"] == 0 and dp.terms["update_actor"]["bubble"] == 0
+    assert pp.step > dp.step
+    # calibrated on one device: no pipeline costs, and a plan at pp > 1 says what to do
+    one = dataclasses.replace(priced, micro_batches=dataclasses.replace(
+        COSTS, forward_stage_s=None, train_stage_s=None, p2p=None))
+    assert predict(config("actor.layout.dp=2"), {"model": SHAPE}, one).step == pytest.approx(
+        dp.step)
+    with pytest.raises(ConfigError) as e:
+        predict(config("actor.layout.pp=2"), {"model": SHAPE}, one)
+    assert e.value.field == "cluster.calibration" and "two devices" in e.value.message
+
+
+@pytest.mark.parametrize("auto", ["layout=auto", "actor.engine.micro_batch_size=auto"])
+def test_auto_refuses_a_calibration_without_micro_batch_costs(tmp_path, capsys, auto):
+    from hybridflow.planner.search import resolve_auto
+    calib = tmp_path / "c.json"
+    CALIB.to_json(calib)  # as a file written before the costs were measured: none in it
+    assert Calibration.from_json(calib).micro_batches is None
+    cfg = config("actor.layout.dp=2", f"cluster.calibration={calib}", auto)
+    with pytest.raises(ConfigError) as e:
+        resolve_auto(cfg, {"model": SHAPE})
+    assert e.value.field == "cluster.calibration"
+    assert "floors alone" in e.value.message
+    assert f"rerun `hybridflow calibrate --out {calib}`" in e.value.message
+    # hybridflow check: one line, exit 2; hybridflow plan still ranks, and says on what
+    run = ["model=tiny-llama", "actor.layout.dp=2", "rollout.backend=megatron",
+           f"cluster.calibration={calib}", f"tracking.out_dir={tmp_path}"]
+    assert main(["check", *run, auto]) == 2
+    assert "has no micro-batch costs" in capsys.readouterr().err
+    assert main(["plan", *run]) == 0
+    out = capsys.readouterr().out
+    assert "1. actor tp=" in out and "FLOORS ALONE" in out and "`auto` refuses" in out
+    # with the costs, the same file plans
+    AUTO_CALIB.to_json(calib)
+    assert main(["check", *run, auto]) == 0
+
+
+def test_auto_placement_refuses_a_calibration_without_micro_batch_costs(tmp_path):
+    from hybridflow.planner.placements import choose_placement
+    cfg = config("cluster.nodes=1", "cluster.gpus_per_node=4", "ray.gpus_per_worker=1",
+                 "placement=auto", f"cluster.calibration={tmp_path / 'c.json'}")
+    with pytest.raises(ConfigError) as e:
+        choose_placement(cfg, {"model": SHAPE}, CALIB)
+    assert e.value.field == "cluster.calibration" and "floors alone" in e.value.message
