@@ -759,4 +759,9 @@ def print_table(r: dict) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from hybridflow.errors import ConfigError
+    try:
+        main()
+    except ConfigError as e:  # a setting the run's checks refuse: one line, as hybridflow's CLI
+        print(f"bench_rl_step: error: {e}", file=sys.stderr)
+        sys.exit(2)

@@ -2,6 +2,8 @@
 the estimate (the measured side comes from the workers' ``memory/`` meta, faked here: there is no
 GPU allocator on the CPU)."""
 
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -166,3 +168,14 @@ def test_bench_keep_cache_reaches_the_run_config(tmp_path):
                                      "megatron", "--gpus-per-worker", "1", "--keep-cache"])
     cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
     assert cfg.rollout.keep_cache and cfg.rollout.backend == "megatron"
+
+
+def test_a_refused_setting_ends_the_bench_in_one_line_with_exit_2():
+    out = subprocess.run([sys.executable, str(ROOT / "tools" / "bench_rl_step.py"), "--model",
+                          "tiny", "--device", "cpu", "--gpu-memory-gib", "1"],
+                         capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert out.returncode == 2, out.stderr[-2000:]
+    assert out.stderr.strip().splitlines() == [
+        "bench_rl_step: error: ray.gpu_memory_gib: has no effect in this run; remove it or set "
+        "ray.gpus_per_worker > 0 (it caps each worker's GPU)"]
