@@ -8,12 +8,9 @@ checkpoint (during step 3, while the next batch is generated) and started again 
 command logs the same metrics, row for row (timings aside), as the uninterrupted run: the
 checkpoint holds the batches in flight."""
 
-import json
-import os
-
 import pytest
 
-from tests.e2e.test_resume import PROMPTS, REWARD, Attempt, metrics
+from tests.e2e.test_resume import Attempt, make_setup, metrics
 
 pytestmark = [pytest.mark.slow]
 
@@ -46,13 +43,7 @@ STEP_3 = 2 + 4 + 4 + 2 + 1
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("async")
-    (tmp / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
-    (tmp / "rewards.py").write_text(REWARD)
-    (tmp / "run.yaml").write_text(CONFIG.format(tmp=tmp))
-    env = {**os.environ, "OMP_NUM_THREADS": "1",
-           "HYBRIDFLOW_CACHE": str(tmp_path_factory.getbasetemp() / "cache")}
-    return tmp, env
+    return make_setup(tmp_path_factory, "async", CONFIG)
 
 
 @pytest.mark.parametrize("mode,ahead", [("one_step_off", 1), ("async", 2)])

@@ -89,15 +89,21 @@ tracking: {{out_dir: {tmp}/runs}}
 """
 
 
-@pytest.fixture(scope="module")
-def setup(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("resume")
+def make_setup(tmp_path_factory, name: str, config: str):
+    """A folder holding the prompts, the reward function and ``config`` as run.yaml, and the
+    environment of the runs there: what ``Attempt`` takes."""
+    tmp = tmp_path_factory.mktemp(name)
     (tmp / "prompts.jsonl").write_text("".join(json.dumps(p) + "\n" for p in PROMPTS))
     (tmp / "rewards.py").write_text(REWARD)
-    (tmp / "run.yaml").write_text(CONFIG.format(tmp=tmp))
+    (tmp / "run.yaml").write_text(config.format(tmp=tmp))
     env = {**os.environ, "OMP_NUM_THREADS": "1",
            "HYBRIDFLOW_CACHE": str(tmp_path_factory.getbasetemp() / "cache")}
     return tmp, env
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    return make_setup(tmp_path_factory, "resume", CONFIG)
 
 
 class Attempt:
