@@ -10,7 +10,7 @@ checkpoint holds the batches in flight."""
 
 import pytest
 
-from tests.e2e.test_resume import Attempt, make_setup, metrics
+from tests.e2e.test_resume import RUN_FILES, Attempt, make_setup, metrics
 
 pytestmark = [pytest.mark.slow]
 
@@ -28,13 +28,7 @@ placement:
   pools: {{train: {{devices_per_node: 1}}, gen: {{devices_per_node: 1}}}}
   models: {{actor: train, reference: train, rollout: gen}}
 validation: {{every: 2, size: 2}}
-data:
-  source: {tmp}/prompts.jsonl
-  max_prompt_tokens: 32
-checkpoint: {{every: 2, keep: 2}}
-ray: {{num_cpus: 2}}
-tracking: {{out_dir: {tmp}/runs}}
-"""
+""" + RUN_FILES
 
 # Reward calls before step 3's first: 2 validation prompts before step 1, 4 samples a step, 2
 # after step 2.

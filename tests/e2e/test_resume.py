@@ -69,6 +69,16 @@ if os.environ.get("HF_KILL_ON_SAVE_FORK"):
     os.register_at_fork(after_in_child=_kill_driver)
 '''
 
+RUN_FILES = """\
+data:
+  source: {tmp}/prompts.jsonl
+  max_prompt_tokens: 32
+checkpoint: {{every: 2, keep: 2}}
+ray: {{num_cpus: 2}}
+tracking: {{out_dir: {tmp}/runs}}
+"""
+"""The data, checkpoints, Ray and tracking of the resume tests' runs (``make_setup``'s folder)."""
+
 CONFIG = """\
 model: tiny-llama
 reward: {tmp}/rewards.py:length
@@ -80,13 +90,7 @@ actor:
 rollout:
   backend: megatron
   sampling: {{n: 2, max_tokens: 6}}
-data:
-  source: {tmp}/prompts.jsonl
-  max_prompt_tokens: 32
-checkpoint: {{every: 2, keep: 2}}
-ray: {{num_cpus: 2}}
-tracking: {{out_dir: {tmp}/runs}}
-"""
+""" + RUN_FILES
 
 
 def make_setup(tmp_path_factory, name: str, config: str):
