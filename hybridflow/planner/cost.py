@@ -627,10 +627,10 @@ def model_terms(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration, mo
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
     layout, _ = model_layout(cfg, model)
     if model in ("actor", "reference"):
-        part = cfg.actor if layout == cfg.actor.layout else _at(cfg.actor, layout)
+        part = cfg.actor if layout == cfg.actor.layout else at_layout(cfg.actor, layout)
         shape, fwd_mb = shapes["model"], micro_batch_rows(cfg.actor.engine, seq, True)
     else:
-        part = cfg.critic if layout == cfg.critic.layout else _at(cfg.critic, layout)
+        part = cfg.critic if layout == cfg.critic.layout else at_layout(cfg.critic, layout)
         shape = critic_shape(shapes) if model in TRAINED_CRITICS else shapes[model]
         fwd_mb = micro_batch_rows(cfg.critic.engine, seq, True)
     if model == "reference":  # with LoRA: the actor with its adapters off, the base's forward
@@ -656,7 +656,7 @@ def model_terms(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration, mo
     return terms
 
 
-def _at(part, layout: TrainLayout):
+def at_layout(part, layout: TrainLayout):
     """A shallow copy of ``part`` (an actor or critic section) at ``layout``, unchecked: the
     cost model reads its engine and batch sizes, and the layout here."""
     out = copy.copy(part)

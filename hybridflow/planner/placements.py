@@ -43,7 +43,7 @@ from hybridflow.config.sources import critic_shape
 from hybridflow.errors import ConfigError
 from hybridflow.models.config import ModelConfig
 from hybridflow.parallel.layout import GenLayout, TrainLayout
-from hybridflow.planner.cost import (Fabric, Prediction, _at, basis_line,
+from hybridflow.planner.cost import (Fabric, Prediction, at_layout, basis_line,
                                      check_prices_micro_batches, model_terms, predict,
                                      stage_times, staged_step)
 from hybridflow.planner.memory import GIB, pool_memory
@@ -294,7 +294,7 @@ class Search:
         c = copy.copy(self.cfg)
         for m in LAYOUT_KEYS:
             if m in layouts:
-                setattr(c, m, _at(getattr(self.cfg, m), layouts[m]))
+                setattr(c, m, at_layout(getattr(self.cfg, m), layouts[m]))
         c.placement = copy.copy(self.cfg.placement)
         c.placement.layouts = {m: lay for m, lay in layouts.items() if m not in LAYOUT_KEYS}
         if tg is not None:
