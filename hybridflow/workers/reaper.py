@@ -67,20 +67,22 @@ def _processes() -> dict[int, tuple[int, int]]:
     return table
 
 
-def marked(mark: str) -> list[int]:
-    """The pids of the processes whose environment, as /proc shows it, holds ``RUN_MARK=mark``,
-    this one aside."""
+def marked(mark: str, pids=None) -> list[int]:
+    """The pids, of ``pids`` (default: every live process), of the processes whose environment,
+    as /proc shows it, holds ``RUN_MARK=mark``, this one aside."""
     entry_of_mark = f"{RUN_MARK}={mark}".encode()
+    if pids is None:
+        pids = [int(e.name) for e in _PROC.iterdir() if e.name.isdigit()]
     found = []
-    for entry in _PROC.iterdir():
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for pid in pids:
+        if pid == os.getpid():
             continue
         try:
-            environ = (entry / "environ").read_bytes()  # a zombie's is empty
+            environ = (_PROC / str(pid) / "environ").read_bytes()  # a zombie's is empty
         except OSError:  # gone meanwhile, or another user's
             continue
         if entry_of_mark in environ.split(b"\0"):
-            found.append(int(entry.name))
+            found.append(pid)
     return found
 
 
@@ -89,7 +91,7 @@ def run_processes(mark: str, known: dict[int, int] | None = None) -> dict[int, i
     ``known`` (pid -> start time) that are still the same process, and every descendant of
     either."""
     table = _processes()
-    run = {pid: table[pid][1] for pid in marked(mark) if pid in table}
+    run = {pid: table[pid][1] for pid in marked(mark, table)}  # one scan of /proc a look
     run.update({pid: start for pid, start in (known or {}).items()
                 if pid in table and table[pid][1] == start})
     children: dict[int, list[int]] = {}
