@@ -169,12 +169,6 @@ def check(plan: PushPlan, received: Received, tp_rank: int, version: int) -> Non
                                    f"{int(received.expected[i, tp_rank])}")
 
 
-def verified(mode: str, pushes: int) -> bool:
-    """Whether push number ``pushes`` (1-based, of this process) is checked under
-    ``weight_sync.verify`` ``mode``."""
-    return mode == "every" or (mode == "first" and pushes == 1)
-
-
 def store_address(folder: str | None, host: str | None = None, port: int | None = None) -> str:
     """The push group's store: a file in ``folder`` (one machine), else ``host:port``."""
     if folder is not None:

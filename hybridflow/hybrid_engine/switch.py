@@ -77,7 +77,7 @@ from hybridflow.hybrid_engine.execute import (back_to_training, create_micro_dp_
                                               gather_generation_weights, naive_gather,
                                               new_storage, place_shards)
 from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
-from hybridflow.hybrid_engine.verify import VERIFY_MODES, SyncCheck
+from hybridflow.hybrid_engine.verify import VERIFY_MODES, SyncCheck, verified
 from hybridflow.models.params import ParamMeta, num_layers_of, owner_stage
 from hybridflow.parallel.layout import GenLayout
 
@@ -287,7 +287,7 @@ class HybridEngine:
         if self._weights is not None:
             raise RuntimeError("HybridEngine.to_generation: already in the generation layout; "
                                "call to_training() first")
-        verify = self.verify == "every" or (self.verify == "first" and self.syncs == 0)
+        verify = verified(self.verify, self.syncs + 1)
         self.syncs += 1
         _sync(self.engine.device)
         start = time.perf_counter()

@@ -44,6 +44,13 @@ from hybridflow.models.params import ParamMeta, num_layers_of, owner_stage
 VERIFY_MODES = ("every", "first", "off")
 """``weight_sync.verify``: check every sync, the first of each process only, or none."""
 
+
+def verified(mode: str, sync: int) -> bool:
+    """Whether sync number ``sync`` (1-based, of this process: a switch or a push) is checked
+    under ``weight_sync.verify`` ``mode``."""
+    return mode == "every" or (mode == "first" and sync == 1)
+
+
 SAMPLE = 256
 """Sampled elements per parameter (all of them when it has fewer)."""
 

@@ -63,7 +63,7 @@ def run(rank: int, world_size: int, store: str) -> dict:
     import torch.distributed as dist
 
     from hybridflow.hybrid_engine import push
-    from hybridflow.hybrid_engine.verify import WeightSyncError
+    from hybridflow.hybrid_engine.verify import WeightSyncError, verified
     from hybridflow.models.params import shard
 
     assert dist.is_initialized()  # the default world, which the push group leaves alone
@@ -80,7 +80,7 @@ def run(rank: int, world_size: int, store: str) -> dict:
     for case, version, mode, pushes in cases:
         if rank == 0:
             push.send(group, plan, _weights(version)[2], version,
-                      push.verified(mode, pushes))
+                      verified(mode, pushes))
             continue
         got = push.receive(group, plan, tp_rank)
         fault = "qkv" if case in ("first-1", "first-2", "off") else case
