@@ -47,6 +47,11 @@ class _Group:
                                    lambda: self.group.run_by_dp(method, batch, view=view,
                                                                 **kwargs))
 
+    def _on_all(self, method: str, *args: Any) -> list[Any]:
+        """``method(*args)`` on every rank (``WorkerGroup.run``), recorded on the timeline."""
+        return self.timeline.timed(self.pool, f"{self.group.name}.{method}",
+                                   lambda: self.group.run(method, *args))
+
 
 class ActorGroup(_Group):
     """The actor's ranks: the policy's training engine, its rollout engine and, where it lives
@@ -89,6 +94,12 @@ class ActorGroup(_Group):
         """Profile the next call of each worker method in ``calls`` (``Worker.arm_profile``)."""
         self.group.run("arm_profile", calls, top)
 
+    def push_weights(self, address: str, size: int, version: int) -> Batch:
+        """Send the weights as ``version`` to the generation pool over the push group at
+        ``address`` of ``size`` processes (``ActorRolloutRefWorker.push_weights``); rank 0's
+        meta."""
+        return self._on_all("push_weights", address, size, version)[0]
+
 
 class RolloutGroup(_Group):
     """A generation pool of its own (``RolloutWorker``, rollout.mode one_step_off or async)."""
@@ -96,6 +107,10 @@ class RolloutGroup(_Group):
     def generate(self, batch: Batch, sampling=None) -> Batch:
         """As ``ActorGroup.generate``, with ``weight_version`` per sample."""
         return self._by_dp("generate", batch, GEN, sampling=sampling)
+
+    def receive_weights(self, address: str, size: int, version: int) -> list[Batch]:
+        """Take the push of ``version`` (``RolloutWorker.receive_weights``); each rank's meta."""
+        return self._on_all("receive_weights", address, size, version)
 
     def save(self, ckpt_dir: str) -> None:
         self.group.run("save_state", ckpt_dir)
@@ -179,13 +194,12 @@ class Groups:
         size = 1 + self.rollout.group.world_size
         start = time.perf_counter()
         sent, received = at_once([
-            Call("send", self.actor.pool, lambda: self.timeline.timed(
-                self.actor.pool, "actor.push_weights", lambda: self.actor.group.run(
-                    "push_weights", self.push_address, size, version))),
-            Call("receive", self.rollout.pool, lambda: self.timeline.timed(
-                self.rollout.pool, "rollout.receive_weights", lambda: self.rollout.group.run(
-                    "receive_weights", self.push_address, size, version)))]).values()
-        meta = sent[0].meta
+            Call("send", self.actor.pool,
+                 lambda: self.actor.push_weights(self.push_address, size, version)),
+            Call("receive", self.rollout.pool,
+                 lambda: self.rollout.receive_weights(self.push_address, size, version))
+        ]).values()
+        meta = sent.meta
         return {"weight_sync/bytes": meta["weight_sync/bytes"],
                 "weight_sync/s": time.perf_counter() - start,
                 "weight_sync/verify_s": meta["weight_sync/verify_s"]

@@ -14,6 +14,7 @@ import torch
 from hybridflow.algorithms import ActorObjective, actor_loss, prepare_rollout_correction
 from hybridflow.batch import Batch
 from hybridflow.hybrid_engine import push
+from hybridflow.hybrid_engine.verify import verified
 from hybridflow.hybrid_engine.switch import HybridEngine
 from hybridflow.models.hf import load_hf_config
 from hybridflow.models.params import DTYPES, llama_param_metas
@@ -45,7 +46,6 @@ class ActorRolloutRefWorker(Worker):
                  hybrid_engine, weight_sync, model_dir: str, seed: int, pad_token_id: int,
                  max_prompt_tokens: int, with_ref: bool = True, generates: bool = True):
         super().__init__(rank, world_size, rendezvous)
-        self.rendezvous_timeout_s = rendezvous.timeout_s
         self.actor_cfg, self.rollout_cfg, self.ref_cfg = actor, rollout, ref
         self.model_dir, self.seed, self.pad_token_id = model_dir, seed, pad_token_id
         self.max_prompt_tokens = max_prompt_tokens
@@ -210,13 +210,13 @@ class ActorRolloutRefWorker(Worker):
         if self.rank != 0:
             return Batch()
         if self._push is None:
-            self._push = push.push_group(address, 0, size, self.rendezvous_timeout_s)
+            self._push = push.push_group(address, 0, size, self.collective_timeout_s)
             self._plan = push.PushPlan.build(llama_param_metas(self.model_config),
                                              DTYPES[self.actor_cfg.engine.dtype], 1,
                                              self.rollout_cfg.bucket_mb)
         self._pushes += 1
         verify_s = push.send(self._push, self._plan, full, version,
-                             push.verified(self.weight_sync.verify, self._pushes))
+                             verified(self.weight_sync.verify, self._pushes))
         return Batch(meta={"weight_sync/bytes": float(self._plan.nbytes),
                            "weight_sync/verify_s": verify_s})
 

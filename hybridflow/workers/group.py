@@ -280,6 +280,8 @@ class Worker:
         if rendezvous.init_method.startswith("file://"):  # a local run: gloo uses loopback only
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         self.rank, self.world_size = rank, world_size
+        self.collective_timeout_s = rendezvous.timeout_s
+        """ray.collective_timeout_s: the default group's, and that of any group a worker makes."""
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         if torch.cuda.is_available():
             torch.cuda.set_device(0)  # Ray gives each actor its own GPU, visible as device 0

@@ -31,7 +31,7 @@ class RolloutWorker(Worker):
                  max_prompt_tokens: int):
         super().__init__(rank, world_size, rendezvous)
         self.rollout_cfg, self.pad_token_id = rollout, pad_token_id
-        self.max_prompt_tokens, self.timeout_s = max_prompt_tokens, rendezvous.timeout_s
+        self.max_prompt_tokens = max_prompt_tokens
         self.model_config = load_hf_config(model_dir)
         backend = rollout.backend_class
         self.rollout = backend.build(RolloutSetup(
@@ -68,7 +68,7 @@ class RolloutWorker(Worker):
         verified this push, the version always) and load it into the engine. Meta: the check's
         and the load's seconds."""
         if self._push is None:
-            self._push = push.push_group(address, self.rank + 1, size, self.timeout_s)
+            self._push = push.push_group(address, self.rank + 1, size, self.collective_timeout_s)
         received = push.receive(self._push, self.plan, 0)
         start = time.perf_counter()
         push.check(self.plan, received, 0, version)
