@@ -542,8 +542,11 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
     resident["actor"] = _train_state(n, actor.layout, actor.engine, shape.num_layers)
     if with_ref:
         resident["ref"] = {"weights": resident["actor"]["weights"]}
+    response = r.sampling.max_tokens
+    forward["actor"] = _forward_transient(shape, actor, seq, response)
+    updates["actor update"] = ("actor", _training_activations(shape, actor, seq, samples,
+                                                              response))
     if r.mode != "sync":  # a generation pool of its own generates (``_rollout``)
-        _actor_training(cfg, shape, seq, samples, forward, updates)
         return
     gen = GenLayout(train=actor.layout, tp=r.tp)
     gen_weights = {"generation weights": int(n * b / (gen.tp * gen.pp))}
@@ -568,33 +571,29 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
         elif cfg.hybrid_engine.mode == "3d":  # merged in place: the base is in host memory
             gen_weights["weights"] += adapters["weights"]
     generation["actor"] = gen_weights
-    share = math.ceil(samples / gen.replicas)
-    per_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // gen.tp) * shape.head_dim * b
-    resident["rollout"], generation["rollout"] = backend.memory(
-        r, weight_bytes=int(n * b), share=share, seq=seq, kv_per_token=per_token,
-        logit_bytes=shape.vocab_size * (b + 4))
-    _actor_training(cfg, shape, seq, samples, forward, updates)
+    resident["rollout"], generation["rollout"] = _engine(
+        cfg, shape, seq, math.ceil(samples / gen.replicas), gen.tp)
 
 
-def _actor_training(cfg, shape: ModelConfig, seq: int, samples: int, forward, updates) -> None:
-    """The actor's forward transient and its update's activations."""
-    response = cfg.rollout.sampling.max_tokens
-    forward["actor"] = _forward_transient(shape, cfg.actor, seq, response)
-    updates["actor update"] = ("actor", _training_activations(shape, cfg.actor, seq, samples,
-                                                              response))
+def _engine(cfg, shape: ModelConfig, seq: int, share: int, tp: int) -> tuple[dict, dict]:
+    """What the rollout backend holds on a GPU of a generation replica at generation TP ``tp``
+    that generates ``share`` samples of ``seq`` tokens (``backend.memory``): resident, and in
+    generation."""
+    r, b = cfg.rollout, DTYPE_BYTES[cfg.actor.engine.dtype]
+    per_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // tp) * shape.head_dim * b
+    return r.backend_class.memory(r, weight_bytes=int(param_count(shape) * b), share=share,
+                                  seq=seq, kv_per_token=per_token,
+                                  logit_bytes=shape.vocab_size * (b + 4))
 
 
 def _rollout(cfg, shape: ModelConfig, seq: int, samples: int, replicas: int, resident,
              generation) -> None:
     """A generation pool of its own (rollout.mode one_step_off, async): each rank a replica
     holding the full weights, pushed to it, and what its backend holds beside them."""
-    r, b = cfg.rollout, DTYPE_BYTES[cfg.actor.engine.dtype]
-    n = param_count(shape)
-    per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * b
-    resident["rollout"], generation["rollout"] = r.backend_class.memory(
-        r, weight_bytes=int(n * b), share=math.ceil(samples / replicas), seq=seq,
-        kv_per_token=per_token, logit_bytes=shape.vocab_size * (b + 4))
-    resident["rollout"] = {"pushed weights": int(n * b), **resident["rollout"]}
+    resident["rollout"], generation["rollout"] = _engine(cfg, shape, seq,
+                                                         math.ceil(samples / replicas), 1)
+    pushed = int(param_count(shape) * DTYPE_BYTES[cfg.actor.engine.dtype])
+    resident["rollout"] = {"pushed weights": pushed, **resident["rollout"]}
 
 
 @functools.lru_cache(maxsize=256)
