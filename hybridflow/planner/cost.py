@@ -475,11 +475,8 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
           if lay.dp > 1 else 0.0)
     profile = _profile(calib, shape, part)
     adam = ADAM_BYTES * per_rank / calib.memory_bandwidth
-    return {"compute": steps * fwd["compute"], "host": steps * fwd["host"],
-            "weights": steps * fwd["weights"], "pipeline": steps * fwd["pipeline"],
-            "bubble": steps * fwd["bubble"],
-            "tp_comm": steps * fwd["tp_comm"],
-            "dp_allreduce": steps * dp, "fixed": steps * fwd["fixed"],
+    terms = {k: steps * v for k, v in fwd.items() if k != "fixed"}  # every pass's terms
+    return {**terms, "dp_allreduce": steps * dp, "fixed": steps * fwd["fixed"],
             "optimizer": steps * adam / (profile.optimizer if profile is not None else 1.0)}
 
 
