@@ -116,10 +116,13 @@ class RunCheck:
         per_rank = ", ".join(_mib(b) for b in recv) if len(recv) <= 8 else \
             f"{_mib(min(recv))} to {_mib(max(recv))} ({len(recv)} ranks)"
         if cfg.rollout.mode != "sync":
-            lines.append(f"rollout.mode {cfg.rollout.mode}: the generation pool runs "
-                         f"{cfg.rollout.staleness} batch(es) ahead of training; the actor "
-                         f"pushes its full weights to it after every update (weight_sync.verify "
-                         f"{cfg.weight_sync.verify})")
+            r = cfg.rollout
+            partial = (f", partial rollouts of {r.chunk_tokens} tokens a chunk, responses "
+                       f"continued under new weights up to staleness {r.staleness}"
+                       if r.partial else "")
+            lines.append(f"rollout.mode {r.mode}: the generation pool runs {r.ahead} batch(es) "
+                         f"ahead of training{partial}; the actor pushes its full weights to it "
+                         f"after every update (weight_sync.verify {cfg.weight_sync.verify})")
         else:
             lines.append(f"3D-HybridEngine ({cfg.hybrid_engine.mode}): bytes received per "
                          f"actor rank per switch: {per_rank} (naive path, a TP all-gather and PP "

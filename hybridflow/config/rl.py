@@ -169,7 +169,18 @@ class RolloutConfig:
     max_staleness: int | None = None
     """async only: how many batches the generation pool runs ahead of training, K >= 1: a batch
     is trained on after K more updates than the weights that generated it (the first K batches
-    after fewer)."""
+    after fewer). With ``partial``: the most updates any token of a trained sample may be behind
+    the trainer's weights."""
+    partial: bool = False
+    """async only (max_staleness >= 2): partial rollouts. The generation pool runs one batch
+    ahead, generating ``partial_tokens`` at a time for every response in progress and starting new
+    prompts as groups finish; when a batch's worth of groups is done, the responses still going
+    are kept and continue under the next weights. Every token records the version it was sampled
+    with (``token_version``) and its behaviour log-prob; a group whose oldest token would be more
+    than max_staleness updates old when trained is dropped (``rollout/dropped``). docs/async.md."""
+    partial_tokens: int | None = None
+    """partial only: the tokens a response in progress gets per chunk, fewer than
+    ``sampling.max_tokens``; null: a quarter of them (at least 1)."""
 
     def __post_init__(self) -> None:
         check_choice("backend", self.backend, tuple(ROLLOUT_BACKENDS))
@@ -185,6 +196,7 @@ class RolloutConfig:
                               f"mode is {self.mode}, whose staleness is "
                               f"{int(self.mode == 'one_step_off')}); remove it or set "
                               "rollout.mode=async")
+        self._check_partial()
         check_int("tp", self.tp)
         max_tp = self.backend_class.max_tp
         if max_tp is not None and self.tp > max_tp:
@@ -199,10 +211,41 @@ class RolloutConfig:
             raise ConfigError("tp", "multi-turn rollouts run their tools on each generating "
                                     "process: use rollout.tp=1 with rollout.multi_turn.tools")
 
+    def _check_partial(self) -> None:
+        if not isinstance(self.partial, bool):
+            raise ConfigError("partial", f"must be true or false, got {self.partial!r}")
+        if not self.partial:
+            if self.partial_tokens is not None:
+                raise ConfigError("partial_tokens", "only rollout.partial=true reads it: remove "
+                                                    "it or set rollout.partial=true")
+            return
+        if self.mode != "async" or self.max_staleness < 2:
+            raise ConfigError("partial", "a response continued under new weights is trained "
+                              "on 2 or more updates after its first tokens were sampled: set "
+                              "rollout.mode=async with rollout.max_staleness >= 2, or "
+                              "rollout.partial=false")
+        check_int("partial_tokens", self.partial_tokens, none_ok=True)
+        if self.partial_tokens is not None and self.partial_tokens >= self.sampling.max_tokens:
+            raise ConfigError("partial_tokens", f"{self.partial_tokens} tokens a chunk finish "
+                              f"every response (sampling.max_tokens={self.sampling.max_tokens}) "
+                              "in one: make it smaller, or set rollout.partial=false")
+
     @property
     def staleness(self) -> int:
-        """Batches the generation pool runs ahead of training: 0 in sync mode."""
+        """The most updates a trained sample's weights are behind the trainer's: 0 in sync
+        mode."""
         return {"sync": 0, "one_step_off": 1}.get(self.mode, self.max_staleness)
+
+    @property
+    def ahead(self) -> int:
+        """Batches the generation pool runs ahead of training: the staleness, or 1 with partial
+        rollouts (whose continued responses make up the rest of it)."""
+        return 1 if self.partial else self.staleness
+
+    @property
+    def chunk_tokens(self) -> int:
+        """``partial_tokens``, its default filled in."""
+        return self.partial_tokens or max(1, self.sampling.max_tokens // 4)
 
     @property
     def backend_class(self) -> type[RolloutBackend]:

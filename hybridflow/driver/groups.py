@@ -108,6 +108,11 @@ class RolloutGroup(_Group):
         """As ``ActorGroup.generate``, with ``weight_version`` per sample."""
         return self._by_dp("generate", batch, GEN, sampling=sampling)
 
+    def extend(self, batch: Batch) -> Batch:
+        """Responses in progress continued (``RolloutWorker.extend``), split over the replicas:
+        ``batch``'s size a multiple of their number."""
+        return self._by_dp("extend", batch, GEN)
+
     def receive_weights(self, address: str, size: int, version: int) -> list[Batch]:
         """Take the push of ``version`` (``RolloutWorker.receive_weights``); each rank's meta."""
         return self._on_all("receive_weights", address, size, version)

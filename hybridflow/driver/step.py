@@ -101,11 +101,15 @@ def generate(run: Run, items: list[PromptItem], sampling=None) -> Batch:
     the generation pool where the run has one (``Groups.generator``)."""
     batch = Batch(lists={"prompt_ids": [list(i.prompt_ids) for i in items], "item": items,
                          "group": list(range(len(items)))})
-    out = run.groups.generator.generate(batch, sampling)
-    out.lists["response_text"] = [
+    return with_text(run, run.groups.generator.generate(batch, sampling))
+
+
+def with_text(run: Run, batch: Batch) -> Batch:
+    """``batch`` with each sample's ``response_text``."""
+    batch.lists["response_text"] = [
         run.tokenizer.decode(ids[span].tolist(), skip_special_tokens=True)
-        for ids, span in zip(out["input_ids"], response_span(out))]
-    return out
+        for ids, span in zip(batch["input_ids"], response_span(batch))]
+    return batch
 
 
 def response_span(batch: Batch) -> torch.Tensor:
@@ -402,14 +406,25 @@ def step_metrics(run: Run, batch: Batch) -> dict[str, float]:
                                 response_span(batch).sum(-1).tolist()))
     if run.controllers.lagrange is not None:  # as the step's advantages read it
         out["lagrange"] = run.controllers.lagrange.value
+    out.update(mismatch_metrics(run, batch, mask))
+    if "staleness" in batch:  # generation ahead of training: the same, per staleness
+        stale = batch["staleness"]
+        for k in torch.unique(stale[mask.bool()]).tolist():
+            out.update({key.replace("mismatch/", f"mismatch/stale{k}/"): v for key, v in
+                        mismatch_metrics(run, batch, mask * (stale == k)).items()})
+    return out
+
+
+def mismatch_metrics(run: Run, batch: Batch, mask: torch.Tensor) -> dict[str, float]:
+    """``rollout_mismatch`` over the tokens of ``mask``; without its k3 KL where the tokens were
+    not drawn from the raw model."""
     mismatch = rollout_mismatch(batch["rollout_logprobs"], batch["old_logprobs"], mask)
     s = run.config.sampling
     if not (s.temperature == 1 and s.top_k == 0 and s.top_p == 1):
         # Both sides are still the raw model's log-probs, but the tokens were not drawn from
         # it: k3 then estimates no KL of either engine.
         del mismatch["mismatch/kl"]
-    out.update({k: v.item() for k, v in mismatch.items()})
-    return out
+    return {k: v.item() for k, v in mismatch.items()}
 
 
 def validate(run: Run, held_out: list[PromptItem]) -> dict[str, float]:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -59,6 +60,29 @@ class RolloutWorker(Worker):
                            sampling.max_tokens)
         out.tensors["weight_version"] = torch.full((len(outputs),), self.version,
                                                    dtype=torch.int64)
+        out.meta["timing/generate_s"] = time.perf_counter() - start
+        return out
+
+    def extend(self, batch: Batch) -> Batch:
+        """One sample (of the run's sampling) continuing each of ``batch``'s ``prompt_ids`` (a
+        prompt and the tokens of its response so far) by at most its ``max_tokens``
+        (``driver.partial``): lists ``response_ids``, ``logprobs`` and ``stopped`` (it ended with
+        a stop token), and ``weight_version``. One backend call per distinct ``max_tokens``, in
+        the order of their first request."""
+        sampling = replace(self.rollout_cfg.sampling, n=1)
+        start = time.perf_counter()
+        rows: list = [None] * len(batch)
+        for budget in dict.fromkeys(batch["max_tokens"]):
+            index = [i for i, m in enumerate(batch["max_tokens"]) if m == budget]
+            outputs = self.rollout.generate([batch["prompt_ids"][i] for i in index],
+                                            replace(sampling, max_tokens=budget))
+            for i, o in zip(index, outputs):
+                rows[i] = o
+        out = Batch({"weight_version": torch.full((len(rows),), self.version,
+                                                  dtype=torch.int64)},
+                    {"response_ids": [o.response_token_ids for o in rows],
+                     "logprobs": [o.logprobs for o in rows],
+                     "stopped": [o.finish_reason == "stop" for o in rows]})
         out.meta["timing/generate_s"] = time.perf_counter() - start
         return out
 

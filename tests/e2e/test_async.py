@@ -70,3 +70,34 @@ def test_generation_ahead_resumes_exactly(setup, mode, ahead):
     assert last.finish() == 0, last.output()
     assert "resuming from" in last.output()
     assert metrics(last.run_dir) == expected
+
+
+# Responses of uneven lengths: a random tiny-llama stops at any of 64 of its 512 tokens.
+PARTIAL = ["rollout.mode=async", "rollout.max_staleness=2", "rollout.partial=true",
+           "rollout.partial_tokens=2",
+           "rollout.sampling.stop_token_ids=[" + ",".join(map(str, range(0, 512, 8))) + "]"]
+
+
+def test_partial_rollouts_continue_under_new_weights_and_resume_exactly(setup):
+    reference = Attempt(setup, "partial", *PARTIAL)
+    assert reference.finish() == 0, reference.output()
+    expected = metrics(reference.run_dir)
+    steps = [r for r in expected if "reward/mean" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5]
+    for r in steps:
+        assert r["rollout/staleness_max"] <= 2 and r["rollout/chunks"] >= 1, r
+    # Batch 1 is the initial weights', trained by them: its log-probs, those of responses
+    # continued chunk after chunk included, are the trainer's.
+    assert steps[0]["rollout/staleness_max"] == 0
+    assert steps[0]["mismatch/stale0/abs_diff_max"] < 1e-4
+    # Responses carried into the next round, and batches holding tokens of two versions
+    assert any(r["rollout/carried"] > 0 for r in steps)
+    mixed = [r for r in steps if 0 < r["rollout/staleness_2_frac"] < 1]
+    assert mixed and all("mismatch/stale2/abs_diff_mean" in r for r in mixed)
+    name = "partial_interrupted"
+    first = Attempt(setup, name, *PARTIAL, KILL_AT_CALL=str(STEP_3))
+    assert first.finish() == -9, first.output()
+    last = Attempt(setup, name, *PARTIAL)
+    assert last.finish() == 0, last.output()
+    assert "resuming from" in last.output()
+    assert metrics(last.run_dir) == expected

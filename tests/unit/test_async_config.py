@@ -74,23 +74,25 @@ def test_the_cost_model_is_not_asked_for_what_it_does_not_price(tmp_path):
     assert e.value.field == "cluster.calibration" and "rollout.mode=sync" in str(e.value)
 
 
-def test_staleness_metrics_and_the_batches_in_flight_round_trip(tmp_path):
+@pytest.mark.parametrize("partial", [False, True])
+def test_the_batches_in_flight_round_trip(tmp_path, partial):
     from types import SimpleNamespace
 
     import torch
 
     from hybridflow.batch import Batch
     from hybridflow.data.prompts import PromptItem
-    from hybridflow.driver.pipeline import InFlight, Pipeline, staleness
+    from hybridflow.driver.partial import Group, Response
+    from hybridflow.driver.pipeline import InFlight, Pipeline
 
-    out = staleness(torch.tensor([3, 3, 2, 2]), 4, 2)
-    assert out == {"rollout/staleness_mean": 1.5, "rollout/staleness_max": 2.0,
-                   "rollout/weight_version": 2.5, "rollout/dropped": 0.0,
-                   "rollout/staleness_0_frac": 0.0, "rollout/staleness_1_frac": 0.5,
-                   "rollout/staleness_2_frac": 0.5}
     items = [PromptItem(messages=[], prompt_ids=[i + 1]) for i in range(5)]
-    run = SimpleNamespace(config=SimpleNamespace(rollout=SimpleNamespace(staleness=2)))
+    run = SimpleNamespace(config=config("rollout.mode=async", "rollout.max_staleness=2",
+                                        f"rollout.partial={str(partial).lower()}", *TWO_POOLS))
     saved = Pipeline(run, items, sampler=None)
+    if partial:  # a group in progress: one response done, one not
+        saved.partial.active = [Group(2, [Response([5, 6], [-0.5, -1.25], [1, 2], "stop"),
+                                          Response([7], [-2.0], [2])])]
+        saved.partial.pending = [4]
     for indices in ([4, 1], [0, 3]):
         batch = Batch({"weight_version": torch.tensor([1, 1, 1, 1]),
                        "rollout_logprobs": torch.randn(4, 3)},
@@ -102,6 +104,15 @@ def test_staleness_metrics_and_the_batches_in_flight_round_trip(tmp_path):
     loaded = Pipeline(run, items, sampler=None)
     loaded.load(tmp_path, {"in_flight": saved.state_dict()})
     assert loaded.version == 3 and len(loaded.queue) == 2
+    if partial:
+        assert loaded.partial.state_dict() == saved.partial.state_dict()
+        assert loaded.partial.active[0].responses[1].finish is None
+    else:  # another mode's checkpoint is refused, naming the key
+        other = Pipeline(SimpleNamespace(config=config(
+            "rollout.mode=async", "rollout.max_staleness=2", "rollout.partial=true",
+            *TWO_POOLS)), items, sampler=None)
+        with pytest.raises(ConfigError, match="rollout.partial=false"):
+            other.load(tmp_path, {"in_flight": saved.state_dict()})
     for a, b in zip(saved.queue, loaded.queue):
         assert a.indices == b.indices and a.batch.lists == b.batch.lists
         assert all(torch.equal(a.batch[k], b.batch[k]) for k in a.batch.tensors)
