@@ -179,6 +179,8 @@ class Pipeline:
         """Restore what ``save`` and ``state_dict`` wrote."""
         try:
             data = torch.load(folder / IN_FLIGHT, weights_only=True)
+            if isinstance(data, list):  # written before partial rollouts (2026-12-06)
+                data = {"batches": data, "partial": None}
             if (data["partial"] is None) != (self.partial is None):
                 raise ValueError("saved with rollout.partial="
                                  f"{str(data['partial'] is not None).lower()}")
