@@ -76,8 +76,9 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   naive mode keeps it besides), the KV cache ``2*L*(kv_heads/tg)*head_dim*b`` bytes per token of
   prompt + response for the sequences decoded together: the replica's share of the step's
   ``train_batch_size * n`` samples, at most ``MegatronRollout``'s max_batch_size at a time
-  (rollout.backend=megatron; held in every phase with ``rollout.keep_cache``) and, in
-  generation, where its fast decoder runs (a GPU at tg = 1), the decode transient: the larger of
+  (rollout.backend=megatron; held in every phase with ``rollout.keep_cache``). Where its fast
+  decoder runs (a GPU at tg = 1) the cache's slots are prompt + response rounded up to the
+  decoder's block of 64, and generation also holds the decode transient: the larger of
   the prefill's activations of those sequences' prompts at data.max_prompt_tokens
   (``hybridflow.rollout.fast_decode.prefill_bytes``) and the sampling's buffers over the
   vocabulary (``hybridflow.rollout.megatron.sampling_bytes``); vLLM takes

@@ -156,20 +156,22 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
 
 
 def sampling_bytes(sampling: SamplingConfig, vocab: int, dtype_bytes: int) -> int:
-    """Bytes per entry of the [rows, V] logits that a decode step's sampling holds at its fullest
-    (``sample_tokens`` with the Triton kernels, where ``fused``), the logits themselves (B =
-    ``dtype_bytes``) included: B + 4 with neither top-k nor top-p (the fp32 noise; one kernel);
-    greedy, B + 4 for logsumexp's exp(x - max) in fp32; with top-k alone, B + 16 (the noise,
-    the scores, their softmax and its quotient by the noise, fp32); with top-p, B + 37 (also the
-    sorted scores, their order in int64, their softmax and the bool mask of the dropped ones,
-    alive to the end); the last three plus 4 for the fp32 copy of logits of fewer bytes. At
-    least 2B: at the first step's capture the prefill's logits are beside the graph's."""
+    """Bytes per entry of the [rows, ``vocab``] logits that a decode step's sampling holds at its
+    fullest (``sample_tokens`` with the Triton kernels, where ``fused``), the logits themselves
+    (B = ``dtype_bytes``) included: B + 4 with neither top-k nor top-p (the fp32 noise; one
+    kernel); greedy, B + 4 for logsumexp's exp(x - max) in fp32; with top-k alone, B + 16 (the
+    noise, the scores, their softmax and its quotient by the noise, fp32); with top-p, B + 33
+    (the noise, the scores, the sorted scores and their int64 order, their softmax and the bool
+    mask of the dropped ones, alive to the end, beside the rebuilt scores, their softmax and its
+    quotient by the noise); the last three plus 4 for the fp32 copy of logits of fewer bytes.
+    At least 2B: at the first step's capture the prefill's logits are beside the graph's. A
+    GPU's sort and top-k allocate temporaries of their own inside their kernels, not counted."""
     b = dtype_bytes
     upcast = 4 if b < 4 else 0  # logits.float() copies them
     if sampling.greedy:
         held = b + upcast + 4
     elif sampling.top_p < 1.0:
-        held = b + upcast + 37
+        held = b + upcast + 33
     elif sampling.top_k and sampling.top_k < vocab:
         held = b + upcast + 16
     else:
@@ -213,18 +215,22 @@ class MegatronRollout(RolloutBackend):
                weight_bytes: int, share: int, seq: int, kv_per_token: int, logit_bytes: int
                ) -> tuple[dict[str, int], dict[str, int]]:
         """No weights of its own; a KV cache for the rows decoded together (``share``, at most
-        ``max_batch_size``), which ``rollout.keep_cache`` keeps through every phase; in
-        generation, with the fast decoder (the default on a GPU at ``tp`` = 1), the decode
-        transient: the larger of the prefill's activations (``prefill_bytes``: the rows' prompts
-        prefilled once each, as ``generate`` does for whole groups of ``rollout.sampling.n``
-        samples, at ``prompt`` tokens) and the sampling's [rows, V] buffers
-        (``sampling_bytes``), which never coexist. Megatron's own forward (the default at
-        tp > 1) is not modelled beyond its KV cache."""
+        ``max_batch_size``), which ``rollout.keep_cache`` keeps through every phase; with the
+        fast decoder (the default on a GPU at ``tp`` = 1) its slots are ``seq`` rounded up to the
+        decoder's ``block``, and generation also holds the decode transient: the larger of the
+        prefill's activations (``prefill_bytes``: the rows' prompts prefilled once each, as
+        ``generate`` does for whole groups of ``rollout.sampling.n`` samples, at ``prompt``
+        tokens) and the sampling's [rows, V] buffers (``sampling_bytes``), which never coexist.
+        Megatron's own forward (the default at tp > 1) is not modelled beyond its KV cache."""
         max_batch = inspect.signature(cls.__init__).parameters["max_batch_size"].default
         rows = min(share, max_batch)
+        fast = fast_decode_default(True, tp)
+        if fast:
+            block = inspect.signature(FastDecoder.__init__).parameters["block"].default
+            seq = -(-seq // block) * block
         kv = {"kv cache": rows * seq * kv_per_token}
         resident, generation = (kv, {}) if rollout.keep_cache else ({}, dict(kv))
-        if fast_decode_default(True, tp):
+        if fast:
             n = rollout.sampling.n
             prompts = rows // n if rows % n == 0 else rows
             generation["decode transient"] = max(
