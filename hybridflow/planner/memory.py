@@ -87,7 +87,8 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
 
 Left out: CUDA context and allocator fragmentation (a few GiB: leave headroom), communication
 buffers, the reshard's buckets, embedding and output layers sitting on one pipeline stage only
-(the weights are taken evenly over t*p).
+(the weights are taken evenly over t*p), the generation activations of Megatron's own forward
+(the megatron backend at tg > 1: every row's prompt at once, its unfused attention).
 """
 
 from __future__ import annotations
