@@ -76,13 +76,19 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   naive mode keeps it besides), the KV cache ``2*L*(kv_heads/tg)*head_dim*b`` bytes per token of
   prompt + response for the sequences decoded together: the replica's share of the step's
   ``train_batch_size * n`` samples, at most ``MegatronRollout``'s max_batch_size at a time
-  (rollout.backend=megatron; held in every phase with ``rollout.keep_cache``); vLLM takes
+  (rollout.backend=megatron; held in every phase with ``rollout.keep_cache``). Where its fast
+  decoder runs (a GPU at tg = 1) the cache's slots are prompt + response rounded up to the
+  decoder's block of 64, and generation also holds the decode transient: the larger of
+  the prefill's activations of those sequences' prompts at data.max_prompt_tokens
+  (``hybridflow.rollout.fast_decode.prefill_bytes``) and the sampling's buffers over the
+  vocabulary (``hybridflow.rollout.megatron.sampling_bytes``); vLLM takes
   ``rollout.kv_cache_mb`` and keeps its own copy of the weights (tg = 1) in every phase; the hf
   backend keeps its own weights, the KV cache of the whole share and every step's logits.
 
 Left out: CUDA context and allocator fragmentation (a few GiB: leave headroom), communication
 buffers, the reshard's buckets, embedding and output layers sitting on one pipeline stage only
-(the weights are taken evenly over t*p).
+(the weights are taken evenly over t*p), the generation activations of Megatron's own forward
+(the megatron backend at tg > 1: every row's prompt at once, its unfused attention).
 """
 
 from __future__ import annotations
@@ -581,7 +587,9 @@ def _engine(cfg, shape: ModelConfig, seq: int, share: int, tp: int) -> tuple[dic
     generation."""
     r, b = cfg.rollout, DTYPE_BYTES[cfg.actor.engine.dtype]
     per_token = 2 * shape.num_layers * max(1, shape.num_kv_heads // tp) * shape.head_dim * b
-    return r.backend_class.memory(r, weight_bytes=int(param_count(shape) * b), share=share,
+    return r.backend_class.memory(r, shape=shape, tp=tp, dtype_bytes=b,
+                                  prompt=cfg.data.max_prompt_tokens,
+                                  weight_bytes=int(param_count(shape) * b), share=share,
                                   seq=seq, kv_per_token=per_token,
                                   logit_bytes=shape.vocab_size * (b + 4))
 

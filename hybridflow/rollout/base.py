@@ -196,12 +196,15 @@ class RolloutBackend(ABC):
         return False
 
     @classmethod
-    def memory(cls, rollout, *, weight_bytes: int, share: int, seq: int, kv_per_token: int,
-               logit_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+    def memory(cls, rollout, *, shape: ModelConfig, tp: int, dtype_bytes: int, prompt: int,
+               weight_bytes: int, share: int, seq: int, kv_per_token: int, logit_bytes: int
+               ) -> tuple[dict[str, int], dict[str, int]]:
         """The bytes per GPU its engine holds beyond the generation weights, as (resident:
         through every phase, generation: during generate calls only), part by part; for the
-        planner's memory model. ``rollout``: the RolloutConfig; ``weight_bytes``: the whole
-        model's; ``share``: sequences one replica generates; ``seq``: prompt + response tokens;
+        planner's memory model. ``rollout``: the RolloutConfig; ``shape``: the model's; ``tp``:
+        generation TP; ``dtype_bytes``: an activation's bytes; ``prompt``: the most prompt
+        tokens; ``weight_bytes``: the whole model's; ``share``: sequences one replica generates;
+        ``seq``: prompt + response tokens;
         ``kv_per_token``: a token's KV-cache bytes on one GPU; ``logit_bytes``: one position's
         logits over the vocabulary (kept with their fp32 copy)."""
         raise NotImplementedError(f"{cls.__name__} declares no memory model")

@@ -62,6 +62,8 @@ from hybridflow.models.config import ModelConfig
 log = logging.getLogger(__name__)
 
 KERNELS = ("auto", "torch", "triton")
+PREFILL_TOKENS = 32768
+"""``FastDecoder``'s default ``prefill_tokens``: most prompt tokens prefilled at once."""
 
 
 def row_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
@@ -250,6 +252,31 @@ def check_triton_kernels(device: torch.device, dtype: torch.dtype) -> str | None
     return None
 
 
+def prefill_bytes(cfg: ModelConfig, prompts: int, width: int, tp: int, dtype_bytes: int,
+                  prefill_tokens: int = PREFILL_TOKENS) -> int:
+    """The most bytes ``FastDecoder.begin`` holds beyond the weights and the KV cache while it
+    prefills ``prompts`` prompts left-padded to ``width`` tokens with the Triton kernels
+    (``_prefill_triton``), at generation TP ``tp``, activations of ``dtype_bytes`` = B bytes.
+
+    It prefills c = min(prompts, max(1, prefill_tokens // width)) prompts at once, t = c * width
+    tokens, and keeps the logits of the last position only. Its fullest moment is the end of a
+    layer, when ``_layer_tail`` writes the next norm's input and output: per token, B bytes an
+    entry, the loop's residual and norm output (2h), linear_qkv's output (q + 2kv), the rotated
+    queries and the attention output in the projection's layout (2q), all still referenced,
+    beside the tail's projection output, residual and norm (3h), fc1's output [gate | up] (2f),
+    SiLU(gate) * up (f), fc2's output (h) and the two being written (2h); and the boolean
+    attention mask [c, width * heads_per_group, width]:
+    ``t * B * (8h + 3q + 2kv + 3f) + c * heads_per_group * width**2``, with q = heads *
+    head_dim / tp, kv = kv_heads * head_dim / tp, f = ffn_hidden_size / tp this rank's shares.
+    SDPA's own buffers (the mask converted to the dtype, its output) live within the layer's
+    attention, when less is held."""
+    c = min(prompts, max(1, prefill_tokens // width))
+    hd = cfg.head_dim
+    q, kv = cfg.num_heads * hd // tp, max(1, cfg.num_kv_heads // tp) * hd
+    per_token = 8 * cfg.hidden_size + 3 * q + 2 * kv + 3 * cfg.ffn_hidden_size // tp
+    return c * width * dtype_bytes * per_token + c * cfg.heads_per_group * width ** 2
+
+
 # ------------------------------------------------------------------------------ the decoder
 class FastDecoder:
     """Prefill + fixed-shape decode steps over the parameters in ``params`` (see the module
@@ -258,7 +285,7 @@ class FastDecoder:
     def __init__(self, cfg: ModelConfig, params: Mapping[str, torch.nn.Parameter], *,
                  dtype: torch.dtype, device: torch.device, inv_freq: torch.Tensor,
                  tp_group=None, cuda_graphs: bool | None = None, kernels: str = "auto",
-                 block: int = 64, prefill_tokens: int = 32768):
+                 block: int = 64, prefill_tokens: int = PREFILL_TOKENS):
         """``params``: Megatron name (global layer index) -> this rank's parameter, read at every
         call (so loads that swap ``param.data`` are seen). ``inv_freq``: RoPE's inverse
         frequencies [head_dim/2], Megatron's. ``tp_group``: None or a group of one for TP = 1.

@@ -13,6 +13,7 @@ from typing import Iterable
 import torch
 
 from hybridflow.errors import ArgumentError
+from hybridflow.models.config import ModelConfig
 from hybridflow.models.hf import load_hf_config
 from hybridflow.models.params import DTYPES
 from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, SamplingConfig, call_seed,
@@ -26,8 +27,9 @@ class HFRollout(RolloutBackend):
     """transformers ``AutoModelForCausalLM`` on ``model_dir``."""
 
     @classmethod
-    def memory(cls, rollout, *, weight_bytes: int, share: int, seq: int, kv_per_token: int,
-               logit_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+    def memory(cls, rollout, *, shape: ModelConfig, tp: int, dtype_bytes: int, prompt: int,
+               weight_bytes: int, share: int, seq: int, kv_per_token: int, logit_bytes: int
+               ) -> tuple[dict[str, int], dict[str, int]]:
         # Its own model; the whole share decoded at once, every step's logits kept.
         return ({"engine weights": weight_bytes},
                 {"kv cache": share * seq * kv_per_token,

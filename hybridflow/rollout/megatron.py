@@ -52,7 +52,7 @@ from hybridflow.parallel.layout import TrainLayout
 from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, RolloutSetup, SamplingConfig,
                                      call_seed, check_prompts, group_hf_weights, left_pad)
 from hybridflow.rollout.base import eos_token_ids as checkpoint_eos_ids
-from hybridflow.rollout.fast_decode import FastDecoder, sample_triton
+from hybridflow.rollout.fast_decode import FastDecoder, prefill_bytes, sample_triton
 from hybridflow.training.config import EngineConfig
 from hybridflow.training.model import (batch_attention_mask, batch_position_ids,
                                        block_spec, check_model_fits_layout,
@@ -155,6 +155,30 @@ def sample_tokens(logits: torch.Tensor, sampling: SamplingConfig,
     return tokens, chosen - torch.logsumexp(logits, dim=-1)
 
 
+def sampling_bytes(sampling: SamplingConfig, vocab: int, dtype_bytes: int) -> int:
+    """Bytes per entry of the [rows, ``vocab``] logits that a decode step's sampling holds at its
+    fullest (``sample_tokens`` with the Triton kernels, where ``fused``), the logits themselves
+    (B = ``dtype_bytes``) included: B + 4 with neither top-k nor top-p (the fp32 noise; one
+    kernel); greedy, B + 4 for logsumexp's exp(x - max) in fp32; with top-k alone, B + 16 (the
+    noise, the scores, their softmax and its quotient by the noise, fp32); with top-p, B + 33
+    (the noise, the scores, the sorted scores and their int64 order, their softmax and the bool
+    mask of the dropped ones, alive to the end, beside the rebuilt scores, their softmax and its
+    quotient by the noise); the last three plus 4 for the fp32 copy of logits of fewer bytes.
+    At least 2B: at the first step's capture the prefill's logits are beside the graph's. A
+    GPU's sort and top-k allocate temporaries of their own inside their kernels, not counted."""
+    b = dtype_bytes
+    upcast = 4 if b < 4 else 0  # logits.float() copies them
+    if sampling.greedy:
+        held = b + upcast + 4
+    elif sampling.top_p < 1.0:
+        held = b + upcast + 33
+    elif sampling.top_k and sampling.top_k < vocab:
+        held = b + upcast + 16
+    else:
+        held = b + 4
+    return max(held, 2 * b)
+
+
 def fast_decode_default(cuda: bool, tp: int) -> bool:
     """Whether ``MegatronRollout`` decodes with ``FastDecoder`` unless told: on a CUDA device at
     TP = 1 (its TP graphs have not been run on GPUs yet)."""
@@ -187,13 +211,33 @@ class MegatronRollout(RolloutBackend):
         return fast_decode_default(cuda, tp)
 
     @classmethod
-    def memory(cls, rollout, *, weight_bytes: int, share: int, seq: int, kv_per_token: int,
-               logit_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
-        # No weights of its own; a KV cache for the sequences decoded together, which
-        # rollout.keep_cache keeps through every phase.
+    def memory(cls, rollout, *, shape: ModelConfig, tp: int, dtype_bytes: int, prompt: int,
+               weight_bytes: int, share: int, seq: int, kv_per_token: int, logit_bytes: int
+               ) -> tuple[dict[str, int], dict[str, int]]:
+        """No weights of its own; a KV cache for the rows decoded together (``share``, at most
+        ``max_batch_size``), which ``rollout.keep_cache`` keeps through every phase; with the
+        fast decoder (the default on a GPU at ``tp`` = 1) its slots are ``seq`` rounded up to the
+        decoder's ``block``, and generation also holds the decode transient: the larger of the
+        prefill's activations (``prefill_bytes``: the rows' prompts prefilled once each, as
+        ``generate`` does for whole groups of ``rollout.sampling.n`` samples, at ``prompt``
+        tokens) and the sampling's [rows, V] buffers (``sampling_bytes``), which never coexist.
+        Megatron's own forward (the default at tp > 1) is not modelled beyond its KV cache."""
         max_batch = inspect.signature(cls.__init__).parameters["max_batch_size"].default
-        kv = {"kv cache": min(share, max_batch) * seq * kv_per_token}
-        return (kv, {}) if rollout.keep_cache else ({}, kv)
+        rows = min(share, max_batch)
+        fast = fast_decode_default(True, tp)
+        if fast:
+            block = inspect.signature(FastDecoder.__init__).parameters["block"].default
+            seq = -(-seq // block) * block
+        kv = {"kv cache": rows * seq * kv_per_token}
+        resident, generation = (kv, {}) if rollout.keep_cache else ({}, dict(kv))
+        if fast:
+            n = rollout.sampling.n
+            prompts = rows // n if rows % n == 0 else rows
+            generation["decode transient"] = max(
+                prefill_bytes(shape, prompts, prompt, tp, dtype_bytes),
+                rows * shape.vocab_size * sampling_bytes(rollout.sampling, shape.vocab_size,
+                                                          dtype_bytes))
+        return resident, generation
 
     def __init__(self, model: str | os.PathLike | ModelConfig, *, dtype: str = "fp32",
                  max_model_len: int = 2048, max_batch_size: int = 256, seed: int = 0,

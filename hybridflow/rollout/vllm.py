@@ -40,6 +40,7 @@ import torch
 import torch.distributed as dist
 
 from hybridflow.errors import ArgumentError
+from hybridflow.models.config import ModelConfig
 from hybridflow.models.hf import load_hf_config
 from hybridflow.models.params import DTYPES, megatron_param_names
 from hybridflow.rollout.base import (RolloutBackend, RolloutOutput, RolloutSetup, SamplingConfig,
@@ -115,8 +116,9 @@ class VLLMRollout(RolloutBackend):
                    seed=setup.seed, kv_cache_bytes=int(setup.kv_cache_mb * 2**20))
 
     @classmethod
-    def memory(cls, rollout, *, weight_bytes: int, share: int, seq: int, kv_per_token: int,
-               logit_bytes: int) -> tuple[dict[str, int], dict[str, int]]:
+    def memory(cls, rollout, *, shape: ModelConfig, tp: int, dtype_bytes: int, prompt: int,
+               weight_bytes: int, share: int, seq: int, kv_per_token: int, logit_bytes: int
+               ) -> tuple[dict[str, int], dict[str, int]]:
         # Its own copy of the weights; the KV cache it is given, freed by sleep.
         return ({"engine weights": weight_bytes},
                 {"kv cache": int(rollout.kv_cache_mb * 2**20)})

@@ -521,21 +521,30 @@ def test_memory_estimate_by_hand():
     # (those are the generation tensors themselves), since the distributed optimizer keeps the
     # parameters where they are (no resident switch); the optimizer state stays, grads are
     # released; KV cache: 4 replicas (2 per tp=2 group, dp=2) share 8 samples, 2 each, of 32
-    # tokens, 2 (k, v) * 2 layers * 2 KV heads * 16 * 2 bytes.
+    # tokens in the fast decoder's 64 slots (its block), 2 (k, v) * 2 layers * 2 KV heads * 16 *
+    # 2 bytes a slot. The fast decoder prefills the
+    # replica's one prompt (2 samples of it) of 16 tokens once: per token h = 64 in 8 tensors,
+    # q = 64 in 3, kv = 32 in 2, f = 128 in 3, 2 bytes each, and the bool mask of its 2 query
+    # heads a group, 2 * 16 * 16; more than sampling's [2, 1000] logits and noise (6 bytes each).
     norms = 2 * 2 * 64 + 64
+    transient = 16 * 2 * (8 * 64 + 3 * 64 + 2 * 32 + 3 * 128) + 2 * 16 * 16
+    assert transient == 37376 > 2 * 1000 * 6
     assert pool.phases["generation"] == {
         "actor": {"weights": (p - norms) * 2 // 2, "optimizer": adam, "generation weights": p * 2},
-        "ref": {"weights": weights}, "rollout": {"kv cache": 2 * 32 * (2 * 2 * 2 * 16 * 2)}}
+        "ref": {"weights": weights},
+        "rollout": {"kv cache": 2 * 64 * (2 * 2 * 2 * 16 * 2), "decode transient": transient}}
     # Without it the resident switch (the megatron backend's default) keeps no shard beside.
     (plain,) = estimate_memory(load_config(RLConfig, None, [
         *cfg_args, "actor.engine.optim.distributed=false"]), {"model": shape}).pools
     assert plain.phases["generation"]["actor"]["weights"] == 0
-    # rollout.keep_cache: the KV cache stays through training and the forward passes too
+    # rollout.keep_cache: the KV cache stays through training and the forward passes too (the
+    # decode transient comes with generate calls only)
     (kept,) = estimate_memory(load_config(RLConfig, None, [
         *cfg_args, "ray.gpus_per_worker=1", "rollout.keep_cache=true"]), {"model": shape}).pools
-    kv = {"kv cache": 2 * 32 * (2 * 2 * 2 * 16 * 2)}
+    kv = {"kv cache": 2 * 64 * (2 * 2 * 2 * 16 * 2)}
     assert {phase: parts["rollout"] for phase, parts in kept.phases.items()} == {
-        phase: kv for phase in pool.phases}
+        phase: kv | ({"decode transient": transient} if phase == "generation" else {})
+        for phase in pool.phases}
     assert kept.phases["generation"] == pool.phases["generation"]
     assert kept.total("actor update") == pool.total("actor update") + kv["kv cache"]
     # a forward-only pass: the bf16 logits and the cross entropy's fp32 copy

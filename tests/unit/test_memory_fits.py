@@ -66,7 +66,7 @@ def test_the_notes_a_cuda_out_of_memory_error_names():
         "the actor update phase, estimated at 74.1 GiB per GPU of ray.gpu_memory_gib=75 "
         "(actor's the largest part); actor.engine.micro_batch_size: lower it: the stored "
         "activations grow with it")
-    assert notes["actor"]["generate"].startswith("the generation phase, estimated at 69.4 GiB")
+    assert notes["actor"]["generate"].startswith("the generation phase, estimated at 70.7 GiB")
     assert notes["reward_model"]["compute_scores"].startswith("the inference phase")
     assert "update_critic" not in notes["reward_model"]  # no critic update phase: not trained
 
@@ -76,13 +76,14 @@ def test_the_notes_a_cuda_out_of_memory_error_names():
 
 
 @pytest.mark.parametrize("key, line", [
-    # 8 sequences of 1024 tokens need 74.1 GiB, over 90% of 80; the generation phase (69.4 GiB)
-    # is the peak at 4 and below
+    # 8 sequences of 1024 tokens need 74.1 GiB, over 90% of 80; the generation phase (70.7 GiB:
+    # the 32 GiB KV cache of 64 sequences beside both models' weights, and the fast decoder's
+    # prefill of the 16 prompts of 512 tokens, 1.3 GiB) is the peak at 4 and below
     ("actor.engine.micro_batch_size", "actor.engine.micro_batch_size auto -> 4: predicted peak "
-     "69.4 GiB of ray.gpu_memory_gib=80 GiB, the largest of 1-64 within 90% of it (no "
+     "70.7 GiB of ray.gpu_memory_gib=80 GiB, the largest of 1-64 within 90% of it (no "
      "cluster.calibration to rank them by time)"),
     ("actor.engine.max_tokens_per_micro_batch", "actor.engine.max_tokens_per_micro_batch auto "
-     "-> 4096: predicted peak 69.4 GiB of ray.gpu_memory_gib=80 GiB, the largest of 1024-65536 "
+     "-> 4096: predicted peak 70.7 GiB of ray.gpu_memory_gib=80 GiB, the largest of 1024-65536 "
      "within 90% of it")])
 def test_auto_takes_the_largest_setting_that_fits(key, line, capsys, tmp_path):
     from hybridflow.config.loader import load_config
@@ -107,7 +108,7 @@ def test_auto_takes_the_largest_setting_that_fits(key, line, capsys, tmp_path):
      "GPU's memory, which is unknown: set ray.gpu_memory_gib, or cluster.nodes and "
      "cluster.gpu_memory_gb"),
     (["actor.engine.micro_batch_size=auto", "ray.gpu_memory_gib=75"], "auto: even 1 is "
-     "estimated at 69.4 GiB per GPU (the generation phase), above 90% of ray.gpu_memory_gib=75 "
+     "estimated at 70.7 GiB per GPU (the generation phase), above 90% of ray.gpu_memory_gib=75 "
      "GiB"),
     (["actor.engine.micro_batch_size=auto", "actor.engine.max_tokens_per_micro_batch=auto",
       "ray.gpu_memory_gib=80"], "set one of the two to auto"),
