@@ -11,11 +11,13 @@ each, a tensor never split), so both sides agree without talking:
 
 1. a header: the version (the number of updates the weights have had), whether this push is
    verified, and, if it is, the sender's fingerprint of every generation TP shard of every tensor
-   (``verify.fingerprint``: exact integer sums of a fixed sample);
+   (exact integer sums of a fixed sample, ``verify``'s, read in one pass over all the tensors by
+   ``PushPlan.sender_probe``, built once);
 2. one broadcast per bucket, of its tensors flattened in plan order.
 
 Each generation rank takes its TP shard of every tensor (``models.params.shard``) and, when the
-push is verified, recomputes its shards' fingerprints (``check``): a tensor missing, misshapen,
+push is verified, recomputes its shards' fingerprints in one pass (``check``,
+``PushPlan.receiver_probe``): a tensor missing, misshapen,
 of another version, or holding other bits at a sampled position (a shard swapped, a bucket left
 from the previous version, a fused QKV in another order) raises ``WeightSyncError`` naming the
 tensor, the shard and the version.
@@ -28,12 +30,13 @@ import math
 import os
 import time
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Mapping
 
 import torch
 import torch.distributed as dist
 
-from hybridflow.hybrid_engine.verify import WeightSyncError, fingerprint
+from hybridflow.hybrid_engine.verify import Probe, WeightSyncError, locate, sample
 from hybridflow.models.params import ParamMeta, shard
 
 HEADER = 2
@@ -87,6 +90,30 @@ class PushPlan:
     def header_size(self) -> int:
         return HEADER + len(self.metas) * self.gen_tp
 
+    @cached_property
+    def sender_probe(self) -> Probe:
+        """The fingerprints of every generation TP shard of every tensor, read from the full
+        tensors: slot ``i * gen_tp + r`` sums the samples of tensor i inside its shard r."""
+        probe = Probe(len(self.metas) * self.gen_tp)
+        for i, m in enumerate(self.metas):
+            smp = sample(m.shape)
+            for r in range(self.gen_tp):
+                probe.add(m.name, i * self.gen_tp + r, _in_shard(m, smp, self.gen_tp, r),
+                          m.shape)
+        return probe
+
+    def receiver_probe(self, tp_rank: int) -> Probe:
+        """The fingerprints of generation TP shard ``tp_rank`` of every tensor, read from the
+        shards: slot i for tensor i."""
+        probes = self.__dict__.setdefault("_receiver_probes", {})
+        if tp_rank not in probes:
+            probe = Probe(len(self.metas))
+            for i, m in enumerate(self.metas):
+                probe.add(m.name, i, locate(m, sample(m.shape), self.gen_tp, tp_rank),
+                          m.shard_shape(self.gen_tp))
+            probes[tp_rank] = probe
+        return probes[tp_rank]
+
 
 @dataclass
 class Received:
@@ -100,13 +127,16 @@ class Received:
     seconds: float
 
 
-def _fingerprints(plan: PushPlan, full: Mapping[str, torch.Tensor]) -> torch.Tensor:
-    """``[tensors, gen_tp]``: the fingerprint of every generation TP shard of every tensor."""
-    out = torch.zeros(len(plan.metas), plan.gen_tp, dtype=torch.int64)
-    for i, m in enumerate(plan.metas):
-        for r in range(plan.gen_tp):
-            out[i, r] = fingerprint(shard(full[m.name], m, plan.gen_tp, r), m, plan.gen_tp, r)
-    return out
+def _in_shard(meta: ParamMeta, smp, tp: int, rank: int):
+    """The samples ``smp`` of full tensor ``meta`` that lie in its TP shard ``rank`` of ``tp``
+    (all of them for a replicated tensor), indexed in the full tensor (``verify.locate``'s form,
+    the weights alike)."""
+    coords, weights = smp.coords, smp.weights
+    if meta.tp_dim is not None and tp > 1:
+        chunk = meta.shape[meta.tp_dim] // meta.tp_chunks
+        inside = (coords[:, meta.tp_dim] % chunk) // (chunk // tp) == rank
+        coords, weights = coords[inside], weights[inside]
+    return tuple(coords.unbind(1)), weights
 
 
 def send(group, plan: PushPlan, full: Mapping[str, torch.Tensor], version: int,
@@ -118,7 +148,8 @@ def send(group, plan: PushPlan, full: Mapping[str, torch.Tensor], version: int,
     verify_s = 0.0
     if verified:
         start = time.perf_counter()
-        header[HEADER:] = _fingerprints(plan, full).reshape(-1)
+        device = full[plan.metas[0].name].device
+        header[HEADER:] = plan.sender_probe(full, device).cpu()
         verify_s = time.perf_counter() - start
     group.broadcast(header, 0).wait()
     for bucket in plan.buckets:
@@ -154,7 +185,7 @@ def check(plan: PushPlan, received: Received, tp_rank: int, version: int) -> Non
 
     if received.version != version:
         raise fail("the push header", f"carried version {received.version}")
-    for i, m in enumerate(plan.metas):
+    for m in plan.metas:
         t = received.shards.get(m.name)
         if t is None:
             raise fail(m.name, "is missing from the pushed weights")
@@ -162,11 +193,12 @@ def check(plan: PushPlan, received: Received, tp_rank: int, version: int) -> Non
         if (tuple(t.shape), t.dtype) != (want, plan.dtype):
             raise fail(m.name, f"arrived as {t.dtype} {tuple(t.shape)}, expected {plan.dtype} "
                                f"{want} ({math.prod(want) * t.element_size()} bytes)")
-        if received.expected is not None:
-            got = fingerprint(t, m, plan.gen_tp, tp_rank)
-            if got != int(received.expected[i, tp_rank]):
-                raise fail(m.name, f"arrived with fingerprint {got}, the trainer sent "
-                                   f"{int(received.expected[i, tp_rank])}")
+    if received.expected is not None:
+        got = plan.receiver_probe(tp_rank)(received.shards, torch.device("cpu"))
+        sent = received.expected[:, tp_rank]
+        for i in torch.nonzero(got != sent).flatten().tolist()[:1]:
+            raise fail(plan.metas[i].name, f"arrived with fingerprint {int(got[i])}, the "
+                                           f"trainer sent {int(sent[i])}")
 
 
 def store_address(folder: str | None, host: str | None = None, port: int | None = None) -> str:

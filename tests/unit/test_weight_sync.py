@@ -171,3 +171,21 @@ def test_the_embedding_is_fingerprinted_from_whoever_sends_it():
     checks[0].verify(sent.clone(), arrived, None, torch.float32, version=1)
     with pytest.raises(WeightSyncError, match=f"weight sync 1: {embed} .* fingerprint"):
         checks[0].verify(sent.clone(), weights, None, torch.float32, version=1)
+
+
+@pytest.mark.parametrize("gen_tp", [1, 2])
+def test_the_push_reads_every_shards_fingerprint_in_one_pass(gen_tp):
+    """PushPlan's probes (the sender's over the full tensors, a receiver's over its shards) give
+    what ``fingerprint`` gives tensor by tensor and shard by shard, fused q/k/v and [gate; up]
+    included."""
+    from hybridflow.hybrid_engine.push import PushPlan
+
+    metas = list(METAS.values())
+    plan = PushPlan.build(metas, torch.float32, gen_tp, 1)
+    weights = {m.name: torch.randn(m.shape) for m in metas}
+    sent = plan.sender_probe(weights, torch.device("cpu")).view(len(metas), gen_tp)
+    for r in range(gen_tp):
+        shards = {m.name: shard(weights[m.name], m, gen_tp, r) for m in metas}
+        expected = torch.tensor([fingerprint(shards[m.name], m, gen_tp, r) for m in metas])
+        assert torch.equal(sent[:, r], expected)
+        assert torch.equal(plan.receiver_probe(r)(shards, torch.device("cpu")), expected)
