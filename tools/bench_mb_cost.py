@@ -25,9 +25,11 @@ interleaved, the median of ``--repeats`` after one warm-up:
   (``forward_micro_batch_size`` = m).
 
 The per-micro-batch figure of each is (s(m=1) - s(m=M)) / (B/1 - B/M) for the largest M given.
-``--profile N``: three more ``bare`` and ``actor_loss`` steps at the smallest m under
-torch.profiler, and the N operations whose self CPU time grew most from the first to the second
-(where the extra goes; noisy on a loaded machine, the added calls are exact). The last stdout line is one JSON object.
+``--profile N``: under torch.profiler, three ``bare`` steps at the largest m and at the smallest
+(what the extra micro-batches add), then three ``bare`` and three ``actor_loss`` steps at the
+smallest (what the actor's loss adds); for each pair the N operations whose self CPU time grew
+most (noisy on a loaded machine; the added calls are exact). ``--passes`` times some of the
+passes only. The last stdout line is one JSON object.
 """
 
 from __future__ import annotations
@@ -47,6 +49,9 @@ import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
 
 
+PASSES = ("bare_s", "loss_only_s", "actor_loss_s", "update_s", "ref_s")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(prog="bench_mb_cost", description=__doc__.split("\n")[0])
     ap.add_argument("--model", choices=("smollm2", "tiny"), default="smollm2",
@@ -58,6 +63,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--kl-coef", type=float, default=0.0,
                     help="actor.kl_loss_coef (k3): the update then reads ref_logprobs")
+    ap.add_argument("--passes", nargs="+", choices=PASSES, default=list(PASSES),
+                    help="the passes to time (default: all)")
     ap.add_argument("--profile", type=int, default=0, metavar="N")
     args = ap.parse_args(argv)
     bad = [m for m in args.micro_batch if m < 1 or args.batch % m]
@@ -87,7 +94,7 @@ def rl_batch(args, vocab: int) -> dict[str, torch.Tensor]:
 def main(argv=None) -> dict:
     args = parse_args(argv)
     dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
-    from hybridflow.algorithms import ActorObjective, actor_loss
+    from hybridflow.algorithms import ActorObjective, actor_loss, actor_loss_fn
     from hybridflow.batch import Batch
     from hybridflow.config.rl import ActorConfig
     from hybridflow.parallel.host import cpu_rank_settings
@@ -121,13 +128,14 @@ def main(argv=None) -> dict:
     denom = denominator(data["response_mask"], actor_cfg.loss_agg_mode, actor.pg.dp)
     inside = [0.0]
 
-    def actor_loss_fn(logprobs, mb):  # update_actor's, on-policy (its log-probs kept, timed)
+    kept: list = []
+    update_loss = actor_loss_fn(objective, denom, kept)  # update_actor's, on-policy
+
+    def timed_actor_loss(logprobs, mb):
         start = time.perf_counter()
-        kept.append((logprobs.detach(), mb))
-        out = actor_loss(logprobs, mb, denom, objective)
+        out = update_loss(logprobs, mb)
         inside[0] += time.perf_counter() - start
         return out
-    kept: list = []
 
     def bare_loss(logprobs, mb):  # the calibration probe's
         return -(logprobs * mb["response_mask"]).sum() / mb["response_mask"].numel(), {}
@@ -138,15 +146,18 @@ def main(argv=None) -> dict:
     passes = {
         "bare_s": lambda: actor.train_step(batch.tensors, bare_loss),
         "loss_only_s": lambda: actor.train_step(batch.tensors, loss_only_fn),
-        "actor_loss_s": lambda: actor.train_step(batch.tensors, actor_loss_fn),
+        "actor_loss_s": lambda: actor.train_step(batch.tensors, timed_actor_loss),
         "update_s": lambda: ActorRolloutRefWorker.update_actor(worker, batch),
         "ref_s": lambda: ref.compute_logprobs(logprob_batch(batch)),
     }
+    passes = {k: v for k, v in passes.items() if k in args.passes}
     rows = []
     for m in args.micro_batch:
         for engine in (actor, ref):
             engine.config.micro_batch_size = engine.config.forward_micro_batch_size = m
-        samples: dict[str, list[float]] = {k: [] for k in (*passes, "loss_fn_s")}
+        samples: dict[str, list[float]] = {k: [] for k in passes}
+        if "actor_loss_s" in passes:
+            samples["loss_fn_s"] = []
         for fn in passes.values():
             fn()  # warm-up
         for _ in range(args.repeats):
@@ -175,22 +186,26 @@ def main(argv=None) -> dict:
               "repeats": args.repeats, "torch": torch.__version__, "sizes": rows,
               "per_micro_batch_s": per_mb}
     if args.profile:
-        result["profile_growth"] = profile_growth(
-            actor, batch.tensors, bare_loss, actor_loss_fn, args.micro_batch[0], args.profile)
+        lo_m, hi_m = args.micro_batch[0], args.micro_batch[-1]
+        result["profile_micro_batches"] = profile_growth(
+            f"bare at micro-batch {hi_m} -> {lo_m}", actor, batch.tensors,
+            [(hi_m, bare_loss), (lo_m, bare_loss)], args.profile)
+        result["profile_loss"] = profile_growth(
+            f"bare -> actor loss at micro-batch {lo_m}", actor, batch.tensors,
+            [(lo_m, bare_loss), (lo_m, timed_actor_loss)], args.profile)
     print(json.dumps(result), flush=True)
     dist.destroy_process_group()
     return result
 
 
-def profile_growth(engine, batch, bare_loss, actor_loss_fn, m: int, top: int,
-                   steps: int = 3) -> list[dict]:
-    """The ``top`` operations whose self CPU time (and calls) grew most from a ``bare_loss``
-    training step to an ``actor_loss_fn`` one, at micro-batch ``m``, per step over ``steps``
-    profiled steps of each; printed."""
+def profile_growth(what: str, engine, batch, runs, top: int, steps: int = 3) -> list[dict]:
+    """The ``top`` operations whose self CPU time (and calls) grew most from the first to the
+    second of ``runs`` ((micro-batch size, loss function) each: ``steps`` profiled training
+    steps), per step; printed under ``what``."""
     from torch.profiler import ProfilerActivity, profile
-    engine.config.micro_batch_size = m
     ops = []
-    for loss in (bare_loss, actor_loss_fn):
+    for m, loss in runs:
+        engine.config.micro_batch_size = m
         engine.train_step(batch, loss)  # warm
         with profile(activities=[ProfilerActivity.CPU]) as prof:
             for _ in range(steps):
@@ -202,8 +217,8 @@ def profile_growth(engine, batch, bare_loss, actor_loss_fn, m: int, top: int,
                       ops[1].get(k, (0, 0))[1] - ops[0].get(k, (0, 0))[1], k) for k in keys),
                     reverse=True)
     total = [sum(s for s, _ in o.values()) for o in ops]
-    print(f"profile at micro-batch {m}: self CPU {total[0]:.4f} s bare, {total[1]:.4f} s "
-          "actor loss; the operations that grew most:", flush=True)
+    print(f"profile, {what}: self CPU {total[0]:.4f} -> {total[1]:.4f} s a step; the "
+          "operations that grew most:", flush=True)
     out = []
     for ds, dn, k in growth[:top]:
         print(f"  {ds * 1e3:8.2f} ms  {dn:+5d} calls  {k[:80]}", flush=True)
