@@ -38,6 +38,7 @@ from hybridflow.algorithms.mismatch import (
 from hybridflow.algorithms.objective import (
     ActorObjective,
     actor_loss,
+    actor_loss_fn,
     prepare_rollout_correction,
 )
 from hybridflow.algorithms.safe_rlhf import LagrangeMultiplier, safe_rlhf_token_rewards
@@ -51,6 +52,7 @@ __all__ = [
     "LagrangeMultiplier",
     "RolloutCorrectionConfig",
     "actor_loss",
+    "actor_loss_fn",
     "aggregate_loss",
     "apply_kl_reward_penalty",
     "compute_gae",

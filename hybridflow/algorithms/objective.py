@@ -9,6 +9,7 @@ weights or the MIS mask) is prepared once per update, before the first micro-bat
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, fields
 
 import torch
@@ -84,6 +85,19 @@ def actor_loss(logprobs: torch.Tensor, mb: dict[str, torch.Tensor], denominator:
                                                     denominator)
         metrics["actor/entropy"] = (masked_mean(mb["entropy"], mask), tokens)
     return loss, metrics
+
+
+def actor_loss_fn(objective: ActorObjective, denominator: float, seen: list | None = None
+                  ) -> Callable[[torch.Tensor, dict], tuple[torch.Tensor, dict]]:
+    """The loss function the actor's update hands ``TrainEngine.train_step`` for one
+    mini-batch: ``actor_loss`` bound to ``objective`` and the mini-batch's ``denominator``. With
+    ``seen`` (an on-policy update, which gives the old log-probs back) each micro-batch's
+    log-probs, detached, and the micro-batch are appended to it."""
+    def loss_fn(logprobs: torch.Tensor, mb: dict) -> tuple[torch.Tensor, dict]:
+        if seen is not None:
+            seen.append((logprobs.detach(), mb))
+        return actor_loss(logprobs, mb, denominator, objective)
+    return loss_fn
 
 
 def prepare_rollout_correction(data: dict[str, torch.Tensor], rollout_logprobs: torch.Tensor,

@@ -11,7 +11,9 @@ device, NCCL, two at most), each time the median of ``repeats`` after a warm-up,
 rank's:
 
 * host work per micro-batch: the probe with 2 and with 6 layers at pp = 1 (dp = the ranks), a
-  forward-only pass (``compute_logprobs``) and a training step (``train_step``) over one
+  forward-only pass (``compute_logprobs``, as the old and reference log-prob passes run it) and
+  a training step (``train_step`` with the actor's loss function as its update builds it,
+  ``actor_loss_fn``: the default objective, on-policy, over random advantages) over one
   micro-batch of one sequence and over two; the difference is one micro-batch's seconds, less
   its floor the host's. Its growth from 2 to 6 layers over 4 is the per-layer part
   (``*_layer_s``), the rest the base (``*_base_s``);
@@ -81,6 +83,27 @@ def micro_batch_costs(on_gpu: bool, devices: int, calib_rate: float, dtype: str,
     return MicroBatchCosts(**out)
 
 
+def probe_batch(n: int) -> dict:
+    """``n`` probe sequences as an RL batch: random tokens, the response's last
+    ``PROBE_RESPONSE`` columns, a random advantage per sequence on them (GRPO's)."""
+    import torch  # deferred: torch
+    ids = torch.randint(0, PROBE.vocab_size, (n, PROBE_SEQ))
+    response = torch.zeros(n, PROBE_SEQ)
+    response[:, PROBE_SEQ - PROBE_RESPONSE:] = 1
+    return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
+            "response_mask": response, "advantages": torch.randn(n, 1) * response}
+
+
+def probe_loss_fn(batch: dict):
+    """The loss function the actor's update builds (``actor_loss_fn``) for ``batch`` as one
+    on-policy mini-batch of one rank: the default objective (``ActorConfig``'s: the PPO clip,
+    dual clip, token-mean), its denominator the batch's response tokens."""
+    from hybridflow.algorithms.objective import ActorObjective, actor_loss_fn
+    from hybridflow.config.rl import ActorConfig
+    denominator = max(float(batch["response_mask"].sum()), 1.0)
+    return actor_loss_fn(ActorObjective.of(ActorConfig()), denominator, seen=[])
+
+
 def _measure(rank: int, world_size: int, dtype: str, message: int, warmup: int, repeats: int,
              on_gpu: bool) -> dict[str, float]:
     """One rank's seconds: ``{kind}_{layers}`` one micro-batch of the probe at pp = 1 (the
@@ -99,20 +122,10 @@ def _measure(rank: int, world_size: int, dtype: str, message: int, warmup: int, 
     sync = torch.cuda.synchronize if on_gpu else (lambda: None)
     engine_config = EngineConfig(micro_batch_size=1, dtype=dtype)
 
-    def batch(n: int) -> dict[str, torch.Tensor]:
-        ids = torch.randint(0, PROBE.vocab_size, (n, PROBE_SEQ))
-        response = torch.zeros(n, PROBE_SEQ)
-        response[:, PROBE_SEQ - PROBE_RESPONSE:] = 1
-        return {"input_ids": ids, "attention_mask": torch.ones_like(ids),
-                "response_mask": response, "mask": response}
-
-    def loss_fn(logprobs, mb):
-        return -(logprobs * mb["mask"]).sum() / mb["mask"].numel(), {}
-
     def per_micro_batch(engine, kind: str) -> float:
-        one, two = batch(1), batch(2)
+        one, two = probe_batch(1), probe_batch(2)
         run = ((lambda b: engine.compute_logprobs(b)) if kind == "forward"
-               else (lambda b: engine.train_step(b, loss_fn)))
+               else (lambda b: engine.train_step(b, probe_loss_fn(b))))
         seconds = [timed_median(lambda: run(b), sync, warmup=warmup, repeats=repeats, inner=1)
                    for b in (one, two)]
         return max(seconds[1] - seconds[0], 0.0)

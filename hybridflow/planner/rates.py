@@ -199,7 +199,8 @@ class MicroBatchCosts:
     forward_layer_s: float
     """Host seconds one transformer layer adds to a forward-only micro-batch."""
     train_base_s: float
-    """The same for a training micro-batch (forward and backward)."""
+    """The same for a training micro-batch (forward and backward, the actor's loss function and
+    its backward included: the probe trains with it)."""
     train_layer_s: float
     """The same per layer for a training micro-batch."""
     forward_stage_s: float | None

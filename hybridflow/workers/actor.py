@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from hybridflow.algorithms import ActorObjective, actor_loss, prepare_rollout_correction
+from hybridflow.algorithms import ActorObjective, actor_loss_fn, prepare_rollout_correction
 from hybridflow.batch import Batch
 from hybridflow.hybrid_engine import push
 from hybridflow.hybrid_engine.verify import verified
@@ -177,16 +177,10 @@ class ActorRolloutRefWorker(Worker):
         if rc.mode != "none":
             data, correction = prepare_rollout_correction(data, batch["rollout_logprobs"], rc)
         objective = ActorObjective.of(a)
-        seen: list[tuple] = []  # on-policy: each micro-batch's log-probs and the micro-batch
-
-        def loss_for(denom):
-            def loss_fn(logprobs, mb):
-                if on_policy:
-                    seen.append((logprobs.detach(), mb))
-                return actor_loss(logprobs, mb, denom, objective)
-            return loss_fn
-        out = ppo_updates(self.actor, data, a, a.loss_agg_mode, self.dp_group, loss_for,
-                           "actor", loss_key="actor/loss", with_entropy=a.entropy_coef > 0)
+        seen = [] if on_policy else None  # each micro-batch's log-probs and the micro-batch
+        out = ppo_updates(self.actor, data, a, a.loss_agg_mode, self.dp_group,
+                          lambda denom: actor_loss_fn(objective, denom, seen),
+                          "actor", loss_key="actor/loss", with_entropy=a.entropy_coef > 0)
         out.meta.update({k: v.item() for k, v in correction.items()})
         if seen:  # the last pipeline stage; micro-batches may be reordered and cut (a token budget)
             out.tensors["old_logprobs"] = to_batch_order(seen).cpu()

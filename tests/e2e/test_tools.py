@@ -57,6 +57,19 @@ def test_bench_engine_times_each_micro_batch_and_counts_lora_memory():
                               "grads": 4 * adapters, "optimizer": 8 * adapters}
 
 
+def test_bench_mb_cost_times_the_workers_passes_and_profiles_the_extra():
+    r = _run("tools/bench_mb_cost.py", "--model", "tiny", "--batch", "4", "--prompt", "8",
+             "--response", "4", "--micro-batch", "1", "4", "--repeats", "1", "--kl-coef", "0.04",
+             "--profile", "3")
+    passes = ["bare_s", "loss_only_s", "actor_loss_s", "update_s", "ref_s", "loss_fn_s"]
+    assert [s["micro_batch"] for s in r["sizes"]] == [1, 4] and r["kl_coef"] == 0.04
+    assert all(s[k] > 0 for s in r["sizes"] for k in passes)
+    assert list(r["per_micro_batch_s"]) == passes  # over 4 - 1 = 3 more micro-batches
+    for growth in (r["profile_micro_batches"], r["profile_loss"]):  # the 3 that grew most
+        assert len(growth) == 3 and all(set(op) == {"name", "extra_s", "extra_calls"}
+                                        for op in growth)
+
+
 def test_bench_rl_step_ppo_reports_every_phase(tmp_path):
     from tests.unit.test_planner import CALIB
     CALIB.to_json(tmp_path / "calibration.json")

@@ -164,3 +164,22 @@ def test_cli_bad_config_exits_2_before_measuring(tmp_path, capsys):
     captured = capsys.readouterr()
     assert captured.out == "" and "actor.engine.micro_batch_size" in captured.err
     assert not out.exists()
+
+
+def test_the_probe_trains_with_the_actors_loss_function():
+    # The training probe's micro-batches run the RL worker's loss (actor_loss_fn, the default
+    # objective, on-policy), not a loss of its own: what it measures per micro-batch includes
+    # the loss's work and its backward.
+    import torch
+
+    from hybridflow.algorithms import ActorObjective, actor_loss
+    from hybridflow.config.rl import ActorConfig
+    from hybridflow.planner.overhead import PROBE_RESPONSE, PROBE_SEQ, probe_batch, probe_loss_fn
+    batch = probe_batch(2)
+    assert set(batch) == {"input_ids", "attention_mask", "response_mask", "advantages"}
+    assert batch["response_mask"][:, PROBE_SEQ - PROBE_RESPONSE:].all()
+    logprobs = -torch.rand(2, PROBE_SEQ)
+    loss, metrics = probe_loss_fn(batch)(logprobs, batch)
+    want, want_metrics = actor_loss(logprobs, batch, 2.0 * PROBE_RESPONSE,
+                                    ActorObjective.of(ActorConfig()))
+    assert torch.equal(loss, want) and list(metrics) == list(want_metrics)

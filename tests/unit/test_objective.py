@@ -19,7 +19,7 @@ import torch
 from torch.testing import assert_close
 
 from hybridflow.algorithms import (ActorObjective, RolloutCorrectionConfig, actor_loss,
-                                   prepare_rollout_correction)
+                                   actor_loss_fn, prepare_rollout_correction)
 from hybridflow.config.rl import ActorConfig
 
 T = torch.tensor
@@ -223,3 +223,20 @@ def test_the_objective_of_an_actor_config():
     assert ActorObjective.of(config) == objective(
         clip_ratio_high=0.28, dual_clip_c=None, loss_agg_mode="seq-mean-token-sum",
         kl_loss_coef=0.1, kl_loss_type="k1", ratio_level="sequence", entropy_coef=0.01)
+
+
+def test_the_update_loss_function_is_the_bound_objective_and_keeps_on_policy_log_probs():
+    # What update_actor hands the engine (and the calibration probe runs): actor_loss bound to
+    # the objective and the mini-batch's denominator; on-policy, each micro-batch's log-probs,
+    # detached, and the micro-batch kept in ``seen``.
+    mb = {"response_mask": MASK, "advantages": ADVANTAGES}
+    seen: list = []
+    loss, metrics = actor_loss_fn(objective(), TOKENS, seen)(LOGPROBS.clone().requires_grad_(),
+                                                             mb)
+    assert_close(loss.detach(), T(1.0 / 8))  # as test_on_policy_old_logprobs_...
+    assert list(metrics) == list(actor_loss(LOGPROBS, mb, TOKENS, objective())[1])
+    assert len(seen) == 1 and seen[0][1] is mb and not seen[0][0].requires_grad
+    assert_close(seen[0][0], LOGPROBS)
+    # off-policy: nothing kept
+    loss, _ = actor_loss_fn(objective(), TOKENS)(LOGPROBS, micro_batch())
+    assert_close(loss, T(PG_TOKEN_MEAN))
