@@ -11,8 +11,8 @@ each, a tensor never split), so both sides agree without talking:
 
 1. a header: the version (the number of updates the weights have had), whether this push is
    verified, and, if it is, the sender's fingerprint of every generation TP shard of every tensor
-   (exact integer sums of a fixed sample, ``verify``'s, read in one pass over all the tensors by
-   ``PushPlan.sender_probe``, built once);
+   (exact integer sums of a fixed sample, ``verify``'s, read in one pass per shard by the probes
+   ``PushPlan.receiver_probe`` builds once, ``PushPlan.fingerprints``);
 2. one broadcast per bucket, of its tensors flattened in plan order.
 
 Each generation rank takes its TP shard of every tensor (``models.params.shard``) and, when the
@@ -91,28 +91,29 @@ class PushPlan:
         return HEADER + len(self.metas) * self.gen_tp
 
     @cached_property
-    def sender_probe(self) -> Probe:
-        """The fingerprints of every generation TP shard of every tensor, read from the full
-        tensors: slot ``i * gen_tp + r`` sums the samples of tensor i inside its shard r."""
-        probe = Probe(len(self.metas) * self.gen_tp)
-        for i, m in enumerate(self.metas):
-            smp = sample(m.shape)
-            for r in range(self.gen_tp):
-                probe.add(m.name, i * self.gen_tp + r, _in_shard(m, smp, self.gen_tp, r),
-                          m.shape)
-        return probe
+    def _probes(self) -> dict[int, Probe]:
+        """``receiver_probe``'s, by generation TP rank, each built at its first use."""
+        return {}
 
     def receiver_probe(self, tp_rank: int) -> Probe:
         """The fingerprints of generation TP shard ``tp_rank`` of every tensor, read from the
-        shards: slot i for tensor i."""
-        probes = self.__dict__.setdefault("_receiver_probes", {})
-        if tp_rank not in probes:
+        shards in one pass: slot i for tensor i."""
+        if tp_rank not in self._probes:
             probe = Probe(len(self.metas))
             for i, m in enumerate(self.metas):
                 probe.add(m.name, i, locate(m, sample(m.shape), self.gen_tp, tp_rank),
                           m.shard_shape(self.gen_tp))
-            probes[tp_rank] = probe
-        return probes[tp_rank]
+            self._probes[tp_rank] = probe
+        return self._probes[tp_rank]
+
+    def fingerprints(self, full: Mapping[str, torch.Tensor]) -> torch.Tensor:
+        """``[tensors, gen_tp]``: the fingerprint of every generation TP shard of every tensor
+        of ``full`` (full shapes), read from its shards' views as each receiver reads its own."""
+        device = full[self.metas[0].name].device
+        return torch.stack([
+            self.receiver_probe(r)({m.name: shard(full[m.name], m, self.gen_tp, r)
+                                    for m in self.metas}, device)
+            for r in range(self.gen_tp)], dim=1).cpu()
 
 
 @dataclass
@@ -127,18 +128,6 @@ class Received:
     seconds: float
 
 
-def _in_shard(meta: ParamMeta, smp, tp: int, rank: int):
-    """The samples ``smp`` of full tensor ``meta`` that lie in its TP shard ``rank`` of ``tp``
-    (all of them for a replicated tensor), indexed in the full tensor (``verify.locate``'s form,
-    the weights alike)."""
-    coords, weights = smp.coords, smp.weights
-    if meta.tp_dim is not None and tp > 1:
-        chunk = meta.shape[meta.tp_dim] // meta.tp_chunks
-        inside = (coords[:, meta.tp_dim] % chunk) // (chunk // tp) == rank
-        coords, weights = coords[inside], weights[inside]
-    return tuple(coords.unbind(1)), weights
-
-
 def send(group, plan: PushPlan, full: Mapping[str, torch.Tensor], version: int,
          verified: bool) -> float:
     """Rank 0's side of a push of ``full`` (every tensor of the plan, full shape) as
@@ -148,8 +137,7 @@ def send(group, plan: PushPlan, full: Mapping[str, torch.Tensor], version: int,
     verify_s = 0.0
     if verified:
         start = time.perf_counter()
-        device = full[plan.metas[0].name].device
-        header[HEADER:] = plan.sender_probe(full, device).cpu()
+        header[HEADER:] = plan.fingerprints(full).reshape(-1)
         verify_s = time.perf_counter() - start
     group.broadcast(header, 0).wait()
     for bucket in plan.buckets:

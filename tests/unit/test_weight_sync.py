@@ -175,15 +175,15 @@ def test_the_embedding_is_fingerprinted_from_whoever_sends_it():
 
 @pytest.mark.parametrize("gen_tp", [1, 2])
 def test_the_push_reads_every_shards_fingerprint_in_one_pass(gen_tp):
-    """PushPlan's probes (the sender's over the full tensors, a receiver's over its shards) give
-    what ``fingerprint`` gives tensor by tensor and shard by shard, fused q/k/v and [gate; up]
-    included."""
+    """PushPlan's probes (a receiver's over its shards; the sender's, the same over the full
+    tensors' shard views) give what ``fingerprint`` gives tensor by tensor and shard by shard,
+    fused q/k/v and [gate; up] included."""
     from hybridflow.hybrid_engine.push import PushPlan
 
     metas = list(METAS.values())
     plan = PushPlan.build(metas, torch.float32, gen_tp, 1)
     weights = {m.name: torch.randn(m.shape) for m in metas}
-    sent = plan.sender_probe(weights, torch.device("cpu")).view(len(metas), gen_tp)
+    sent = plan.fingerprints(weights)
     for r in range(gen_tp):
         shards = {m.name: shard(weights[m.name], m, gen_tp, r) for m in metas}
         expected = torch.tensor([fingerprint(shards[m.name], m, gen_tp, r) for m in metas])
