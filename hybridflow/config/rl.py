@@ -212,8 +212,6 @@ class RolloutConfig:
                                     "process: use rollout.tp=1 with rollout.multi_turn.tools")
 
     def _check_partial(self) -> None:
-        if not isinstance(self.partial, bool):
-            raise ConfigError("partial", f"must be true or false, got {self.partial!r}")
         if not self.partial:
             if self.partial_tokens is not None:
                 raise ConfigError("partial_tokens", "only rollout.partial=true reads it: remove "

@@ -85,11 +85,10 @@ class PartialRollouts:
                     self.pending = list(draw())
                 self.active.append(Group(self.pending.pop(0),
                                          [Response() for _ in range(self.n)]))
-            going = [r for g in self.active for r in g.responses if r.finish is None]
-            results = extend([prompt_ids(g.prompt) + r.ids for g in self.active
-                              for r in g.responses if r.finish is None],
-                             [min(self.chunk, self.max_tokens - len(r.ids)) for r in going])
-            for r, (ids, logprobs, stopped, version) in zip(going, results, strict=True):
+            going = [(g, r) for g in self.active for r in g.responses if r.finish is None]
+            results = extend([prompt_ids(g.prompt) + r.ids for g, r in going],
+                             [min(self.chunk, self.max_tokens - len(r.ids)) for _, r in going])
+            for (_, r), (ids, logprobs, stopped, version) in zip(going, results, strict=True):
                 r.ids += ids
                 r.logprobs += logprobs
                 r.versions += [version] * len(ids)

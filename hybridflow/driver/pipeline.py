@@ -116,9 +116,7 @@ class Pipeline:
         """Finished ``groups`` as the rows a generate call makes (``pack_rollout``), with each
         sample's ``weight_version`` (of its first token) and each token's ``token_version``."""
         cfg = self.run.config
-        items = [self.items[g.prompt] for g in groups]
-        prompts = Batch(lists={"prompt_ids": [list(i.prompt_ids) for i in items], "item": items,
-                               "group": list(range(len(items)))})
+        prompts = steps.prompt_batch([self.items[g.prompt] for g in groups])
         responses = [r for g in groups for r in g.responses]
         outputs = [RolloutOutput(prompt_index=k, sample_index=j,
                                  prompt_token_ids=prompts["prompt_ids"][k],

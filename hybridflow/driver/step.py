@@ -99,9 +99,13 @@ class timer:
 def generate(run: Run, items: list[PromptItem], sampling=None) -> Batch:
     """Responses to tokenized prompts (``items``), one row per sample, with their text; from
     the generation pool where the run has one (``Groups.generator``)."""
-    batch = Batch(lists={"prompt_ids": [list(i.prompt_ids) for i in items], "item": items,
-                         "group": list(range(len(items)))})
-    return with_text(run, run.groups.generator.generate(batch, sampling))
+    return with_text(run, run.groups.generator.generate(prompt_batch(items), sampling))
+
+
+def prompt_batch(items: list[PromptItem]) -> Batch:
+    """Tokenized prompts as a generate call takes them: one row each, its own group."""
+    return Batch(lists={"prompt_ids": [list(i.prompt_ids) for i in items], "item": items,
+                        "group": list(range(len(items)))})
 
 
 def with_text(run: Run, batch: Batch) -> Batch:
