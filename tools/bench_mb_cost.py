@@ -11,8 +11,9 @@ a left-padded prompt of ``--prompt`` columns and a right-padded response of ``--
 (seeded random lengths and tokens), random advantages. For each micro-batch size m, timed
 interleaved, the median of ``--repeats`` after one warm-up:
 
-* ``bare_s``: ``train_step`` with the trivial loss the calibration probe runs
-  (``hybridflow.planner.overhead``);
+* ``bare_s``: ``train_step`` with a trivial loss (minus the response's log-probs over the
+  entries): the bare engine, as the calibration probe ran it before it trained with the actor's
+  loss;
 * ``actor_loss_s``: ``train_step`` with the actor's loss function (``actor_loss`` of the
   objective ``--kl-coef`` etc. give, bound as ``update_actor`` binds it);
 * ``loss_only_s``: the same with the loss's metrics dropped (what handling them costs);
@@ -137,7 +138,7 @@ def main(argv=None) -> dict:
         inside[0] += time.perf_counter() - start
         return out
 
-    def bare_loss(logprobs, mb):  # the calibration probe's
+    def bare_loss(logprobs, mb):  # the bare engine's: no RL loss
         return -(logprobs * mb["response_mask"]).sum() / mb["response_mask"].numel(), {}
 
     def loss_only_fn(logprobs, mb):  # the same loss, its metrics dropped
