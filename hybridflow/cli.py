@@ -72,7 +72,11 @@ def _calibrate(out: str, quick: bool, config: str | None, overrides: list[str],
     if config is not None or overrides:  # a bad config stops it before anything is measured
         from hybridflow.config import RLConfig, load_config  # deferred: it imports torch
         cfg = load_config(RLConfig, config, overrides)
-    calibration = calibrate(quick=quick)
+    cluster = cfg.ray if cfg is not None and cfg.ray.address != "local" else None
+    if cluster is not None:  # an unreachable cluster stops it before anything is measured
+        from hybridflow.workers.group import check_ray_address  # deferred: it imports torch
+        check_ray_address(cluster.address)
+    calibration = calibrate(quick=quick, cluster=cluster)
     if cfg is not None:
         lora = cfg.actor.lora
         print(f"profiling {cfg.model}'s passes ({cfg.actor.engine.dtype}, "
@@ -101,14 +105,19 @@ def main(argv: list[str] | None = None) -> int:
     defaults_p.add_argument("job", choices=("train", "lm-demo"))
     calibrate_p = sub.add_parser("calibrate", help="measure this machine's matmul, memory and "
                                                    "collective rates, and what a micro-batch "
-                                                   "and a pipeline stage cost, for the planner")
+                                                   "and a pipeline stage cost, for the planner; "
+                                                   "with a config whose ray.address is a "
+                                                   "cluster's, also the rate between two of its "
+                                                   "nodes")
     calibrate_p.add_argument("--out", default="calibration.json", metavar="FILE",
                              help="JSON file to write (default: calibration.json)")
     calibrate_p.add_argument("--quick", action="store_true",
                              help="small sizes, few repeats: seconds, rough rates")
     calibrate_p.add_argument("--config", metavar="CONFIG",
                              help="also measure the efficiencies of this run config's model "
-                                  "passes (forward, training step, generate)")
+                                  "passes (forward, training step, generate); where its "
+                                  "ray.address is a cluster's (auto, host:port), also the "
+                                  "inter-node rate between two of its nodes")
     calibrate_p.add_argument("--configured-sizes", action="store_true",
                              help="with --config: profile only its micro-batch sizes, not every "
                                   "size the planner may pick (minutes on a CPU, not a quarter "

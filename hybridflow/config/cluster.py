@@ -32,8 +32,8 @@ class ClusterConfig:
     """GB/s (10^9 bytes) one node sends to the others (its network link; 200 Gb/s is 25): the
     planner's rate for a collective whose group spans more than one node, shared by the groups
     of that collective crossing the same node at once. Null: the calibration file's
-    ``inter_node`` (``hybridflow calibrate`` measures no inter-node rate yet). Refused on one
-    node, where nothing crosses."""
+    ``inter_node`` (``hybridflow calibrate`` measures it when given a Ray cluster of two nodes
+    or more). Refused on one node, where nothing crosses."""
 
     def __post_init__(self) -> None:
         check_int("nodes", self.nodes, none_ok=True)

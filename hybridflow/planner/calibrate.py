@@ -5,25 +5,34 @@ Besides the rates, what a micro-batch and a pipeline stage cost beyond their ari
 
 Every rate is a median over repeats after a warm-up. On CPU the matmul and the copy run on one
 thread, as each of our CPU workers does; the collectives run in ``size`` local processes started by
-``hybridflow.parallel.spawn`` (gloo on CPU, NCCL on GPU, one GPU per process).
+``hybridflow.parallel.spawn`` (gloo on CPU, NCCL on GPU, one GPU per process). Given a Ray
+cluster (``hybridflow calibrate --config CONFIG ray.address=auto``), also the rate between two of
+its nodes (``hybridflow.planner.internode``).
 """
 
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable
 from contextlib import contextmanager
 from datetime import datetime, timezone
+from typing import TYPE_CHECKING
 
 from hybridflow.planner.rates import COLLECTIVES, GiB, MiB, Calibration
-from hybridflow.planner.timing import timed_median
+from hybridflow.planner.timing import collective_times, slowest_median, timed_median
 
-def calibrate(quick: bool = False, log: Callable[[str], None] = print) -> Calibration:
+if TYPE_CHECKING:
+    from hybridflow.workers.group import RayConfig
+
+
+def calibrate(quick: bool = False, log: Callable[[str], None] = print,
+              cluster: RayConfig | None = None) -> Calibration:
     """Measure this machine's rates, logging one line per measurement.
 
     ``quick`` uses small sizes and few repeats (a few seconds on CPU, for tests); its rates are
-    rough: the small CPU copy fits in cache and the small messages pay the latency.
+    rough: the small CPU copy fits in cache and the small messages pay the latency. With
+    ``cluster`` (the ``ray`` section of a config whose address is a cluster's), then the
+    inter-node rate between two of the cluster's nodes (``internode``); on a cluster of one
+    node, none, and the line says so.
     """
     # Imported here: reading a Calibration (the planner does) needs no torch.
     import torch
@@ -79,8 +88,7 @@ def calibrate(quick: bool = False, log: Callable[[str], None] = print) -> Calibr
     for size in group_sizes:
         per_rank = spawn(_time_collectives, size, message, warmup, repeats, on_gpu)
         for name in COLLECTIVES:
-            # An iteration lasts as long as its slowest rank.
-            seconds = statistics.median(map(max, zip(*(times[name] for times in per_rank))))
+            seconds = slowest_median([times[name] for times in per_rank])
             received = message * (size - 1) // size if name == "all_gather" else message
             rates[name][size] = received / seconds
             log(f"{name} {size} ranks, {_bytes(message)} message ({backend}): "
@@ -98,12 +106,31 @@ def calibrate(quick: bool = False, log: Callable[[str], None] = print) -> Calibr
             f"{_ms(costs.forward_stage_s)}, training {_ms(costs.train_stage_s)}; send "
             f"{_bytes(message)}: {_si(costs.p2p, 'B/s')}")
 
+    inter_node = None if cluster is None else _inter_node(cluster, message, warmup, repeats,
+                                                          log)
     return Calibration(
         device=torch.cuda.get_device_name(0) if on_gpu else "cpu", devices=devices,
         matmul_flops=matmul_flops, memory_bandwidth=memory_bandwidth,
         all_gather=rates["all_gather"], broadcast=rates["broadcast"],
-        host_to_device=host_to_device, torch=torch.__version__, micro_batches=costs,
+        host_to_device=host_to_device, inter_node=inter_node, torch=torch.__version__,
+        micro_batches=costs,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+def _inter_node(cluster: RayConfig, message: int, warmup: int, repeats: int,
+                log: Callable[[str], None]) -> float | None:
+    """The inter-node rate of ``cluster`` (``measure_inter_node``), logged in one line; None
+    on a cluster of one node."""
+    from hybridflow.planner.internode import measure_inter_node  # deferred: torch, Ray
+    found = measure_inter_node(cluster, message, warmup, repeats)
+    if found is None:
+        log(f"inter-node: not measured: the Ray cluster at {cluster.address} has one node; set "
+            "cluster.inter_node_gb_s for a multi-node plan")
+        return None
+    log(f"inter-node, 2 nodes ({found.ips[0]}, {found.ips[1]}), {found.pairs} pair(s) at once, "
+        f"{_bytes(found.message)} message ({found.backend}): {_si(found.rate, 'B/s')} a node "
+        "sends")
+    return found.rate
 
 
 def _time_collectives(rank: int, world_size: int, message: int, warmup: int, repeats: int,
@@ -129,18 +156,9 @@ def _time_collectives(rank: int, world_size: int, message: int, warmup: int, rep
     gather = dist.all_gather_into_tensor if on_gpu else broadcast_gather
     ops = {"all_gather": lambda: gather(out, shard, group=group),
            "broadcast": lambda: dist.broadcast(out, src=0, group=group)}
-    times: dict[str, list[float]] = {}
-    for name, op in ops.items():
-        times[name] = []
-        for _ in range(warmup + repeats):
-            sync()
-            dist.barrier()  # the default (gloo) group: a host-side barrier, no GPU work
-            start = time.perf_counter()
-            op()
-            sync()
-            times[name].append(time.perf_counter() - start)
-        del times[name][:warmup]
-    return times
+    # the default (gloo) group's barrier: host-side, no GPU work
+    return {name: collective_times(op, sync, dist.barrier, warmup=warmup, repeats=repeats)
+            for name, op in ops.items()}
 
 
 def matmul_rate(device, dtype: str, n: int, *, warmup: int = 3, repeats: int = 10,

@@ -52,9 +52,11 @@ class Calibration:
     measured_at: str
     """When they were measured: ISO 8601 date-time, UTC."""
     inter_node: float | None = None
-    """Bytes/s one node sends to the others, for collectives whose group spans nodes; None
-    where not known (``calibrate`` measures one node; a file may carry the cluster's stated
-    rate). ``cluster.inter_node_gb_s`` takes its place where set. Optional in the file."""
+    """Bytes/s one node sends to the others, for collectives whose group spans nodes: what
+    its link carries while each of its GPUs crosses at once (``calibrate`` measures it on a Ray
+    cluster of two nodes or more, ``hybridflow.planner.internode``; a file may carry the
+    cluster's stated rate); None where not known. ``cluster.inter_node_gb_s`` takes its place
+    where set. Optional in the file."""
     passes: list[PassProfile] = dataclasses.field(default_factory=list)
     """The efficiencies of one model's passes (``hybridflow calibrate --config CONFIG``), one
     per model shape and dtype; without one for a run's model the cost model's seconds are floors.

@@ -21,3 +21,26 @@ def timed_median(fn: Callable[[], object], sync: Callable[[], None], *, warmup: 
         sync()
         samples.append((time.perf_counter() - start) / inner)
     return statistics.median(samples)
+
+
+def collective_times(op: Callable[[], object], sync: Callable[[], None],
+                     barrier: Callable[[], None], *, warmup: int, repeats: int) -> list[float]:
+    """One rank's seconds per call of the collective ``op`` over ``repeats`` iterations after
+    ``warmup``: each iteration starts when every rank has passed ``barrier`` with its device idle,
+    and ends when its device is done."""
+    times = []
+    for _ in range(warmup + repeats):
+        sync()
+        barrier()
+        sync()  # a barrier on NCCL is itself device work
+        start = time.perf_counter()
+        op()
+        sync()
+        times.append(time.perf_counter() - start)
+    return times[warmup:]
+
+
+def slowest_median(per_rank: list[list[float]]) -> float:
+    """The median over iterations of the slowest rank's seconds (``collective_times`` of every
+    rank): an iteration of a collective lasts as long as its slowest rank."""
+    return statistics.median(map(max, zip(*per_rank)))

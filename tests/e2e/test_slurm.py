@@ -68,10 +68,12 @@ def slurm():
 
 
 class Job:
-    """``sbatch launch/slurm/train.sbatch run.yaml name=NAME`` as the tests submit it: the
-    interpreter running the tests, Ray on ports and in a folder of the tests' own."""
+    """``sbatch launch/slurm/train.sbatch run.yaml name=NAME`` as the tests submit it (or with
+    ``args`` instead, and ``more_env``): the interpreter running the tests, Ray on ports and in
+    a folder of the tests' own."""
 
-    def __init__(self, cluster: SlurmCluster, name: str):
+    def __init__(self, cluster: SlurmCluster, name: str, args: list[str] | None = None,
+                 more_env: dict[str, str] | None = None):
         self.cluster, self.name = cluster, name
         self.run_dir = WORK / "runs" / name
         env = {k: v for k, v in os.environ.items()
@@ -84,11 +86,11 @@ class Job:
             HYBRIDFLOW_CACHE=str(WORK / "cache"),
             RAY_PORT="26379", RAY_TEMP_ROOT=str(STATE / "ray"),
             RAY_HEAD_ARGS="--ray-client-server-port=26380 --dashboard-port=26381",
-            RAY_START_ARGS="--dashboard-agent-listen-port=26382")
+            RAY_START_ARGS="--dashboard-agent-listen-port=26382", **(more_env or {}))
         self.id = cluster.sbatch(
             f"--output={WORK}/{name}-%j.out", f"--chdir={WORK}",
-            str(ROOT / "launch" / "slurm" / "train.sbatch"), str(WORK / "run.yaml"),
-            f"name={name}", env=env)
+            str(ROOT / "launch" / "slurm" / "train.sbatch"),
+            *(args or [str(WORK / "run.yaml"), f"name={name}"]), env=env)
         self.out = WORK / f"{name}-{self.id}.out"
 
     def output(self) -> str:
@@ -156,6 +158,25 @@ def test_a_job_runs_to_completion(uninterrupted):
     # The driver was handed the Ray of the job and no GPU (a CPU partition).
     assert re.search(r"driver started .* ray\.address=[\d.]+:26379$", out, re.M), job.report()
     assert "ray.gpus_per_worker" not in out, job.report()
+    assert not job.ray_leftovers(), job.ray_leftovers()
+
+
+def test_a_calibrate_job_measures_on_the_jobs_ray(slurm):
+    """HYBRIDFLOW_COMMAND=calibrate runs `hybridflow calibrate` on the job's Ray: on one node it
+    writes the file, without an inter-node rate, and says why."""
+    from hybridflow.planner.rates import Calibration
+    out = WORK / "calibration.json"
+    job = Job(slurm, "calibrate", ["--quick", "--configured-sizes", "--out", str(out),
+                                   "--config", str(WORK / "run.yaml")],
+              more_env={"HYBRIDFLOW_COMMAND": "calibrate"})
+    fields = job.finish(timeout=600)
+    text = job.output()
+    assert fields["JobState"] == "COMPLETED" and fields["ExitCode"] == "0:0", job.report()
+    assert re.search(r"driver started .*: hybridflow calibrate --quick .* "
+                     r"ray\.address=[\d.]+:26379$", text, re.M), job.report()
+    assert re.search(r"^inter-node: not measured: the Ray cluster at [\d.]+:26379 has one node; "
+                     r"set cluster.inter_node_gb_s", text, re.M), job.report()
+    assert Calibration.from_json(out).inter_node is None
     assert not job.ray_leftovers(), job.ray_leftovers()
 
 

@@ -575,19 +575,22 @@ def test_an_out_dir_that_takes_no_folder_is_refused_before_start(tmp_path, capsy
 
 
 def test_ray_address_auto_that_finds_a_dead_head_is_refused(tmp_path, capsys, monkeypatch):
-    """``auto`` is the address Ray would join: RAY_ADDRESS here, where nothing listens. Both
-    commands refuse it, and so does ``init_ray`` (the workers' start) itself, before Ray
-    tries it."""
+    """``auto`` is the address Ray would join: RAY_ADDRESS here, where nothing listens. The
+    commands refuse it (calibrate before it measures anything), and so does ``init_ray`` (the
+    workers' start) itself, before Ray tries it."""
     from hybridflow.workers.group import RayConfig, init_ray
     dead = _dead_address()
     monkeypatch.setenv("RAY_ADDRESS", dead)
     f = Files(tmp_path)
-    for command in ("check", "train"):
-        assert main([command, f.base, "ray.address=auto", f"tracking.out_dir={tmp_path}"]) == 2
+    out = tmp_path / "calibration.json"
+    for command in (["check", f.base], ["train", f.base],
+                    ["calibrate", "--out", str(out), "--config", f.base]):
+        assert main([*command, "ray.address=auto", f"tracking.out_dir={tmp_path}"]) == 2
         err = capsys.readouterr().err
         assert err.startswith("hybridflow: error: ray.address: auto: "), err
         assert f"RAY_ADDRESS={dead}: nothing answers (connection refused)" in err, err
         assert len(err.splitlines()) == 1, err
+    assert not out.exists()
     with pytest.raises(ConfigError, match=f"ray.address: auto: .*{dead}: nothing answers"):
         init_ray(RayConfig(address="auto"))
     import ray
