@@ -34,22 +34,24 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   SwiGLU, no dropout), per layer and token of a micro-batch of b sequences of s =
   data.max_prompt_tokens + rollout.sampling.max_tokens tokens, h hidden, f FFN, a heads of
   head_dim d (q = a*d), in the dtype's bytes B:
-  ``2*(2*B*h + 4)/t' + (B*(Q + 5f) + 4*a)/t + B*s`` (``layer_activation_bytes``), Q = 4q with
+  ``2*(2*B*h + 4)/t' + (B*(Q + 3f) + 4*a)/t + B*s`` (``layer_activation_bytes``), Q = 4q with
   grouped query heads, 6q with one query head per group. The terms: each of the two norms keeps
   its input, its output (linear_qkv's and linear_fc1's input) and its fp32 reciprocal RMS
   (CUDA's fused ``rms_norm``; t' = t with sequence parallelism, else 1: replicated over TP);
   SDPA keeps the rotated queries, the keys and values repeated to every query head and its
   output (linear_proj's input is a view of it), 4q, and the fp32 logsumexp of each query and
   head; with one query head per group the values are a view of linear_qkv's output, kept whole
-  (3q), and the rotated keys a tensor of their own: 6q; the MLP keeps fc1's output [gate; up],
-  the up half plus Megatron's GLU offset (a copy), SiLU's output and fc2's input, 5f; and each
+  (3q), and the rotated keys a tensor of their own: 6q; the MLP keeps fc1's output [gate; up]
+  and fc2's input, 3f (Megatron's fused SwiGLU, torch.compile'd on CUDA, recomputes the rest in
+  its backward); and each
   layer converts the [b, 1, s, s] boolean mask to the dtype for SDPA, which keeps it: B*s a
   token, whole on every TP rank. On CUDA, with a mask, SDPA runs the memory-efficient kernel
   (flash takes no mask): it keeps the output and logsumexp, O(s), never the [s, s] scores (the
   unfused attention before d1ebdc9 kept them, fp32 and cast: ``(4 + B)*a*s/t`` a token). On CPU
   the flash CPU kernel keeps the same, but the norms are composite: each keeps its input in
   fp32 (a copy in bf16, the input itself in fp32), the fp32 normalised product and its output,
-  ``(8 + B)*h`` a norm (``device="cpu"``; ``tests/unit/test_memory_terms.py`` pins every term
+  ``(8 + B)*h`` a norm, and SwiGLU is unfused: the MLP also keeps the up half plus Megatron's GLU
+  offset (a copy) and SiLU's output, 5f (``device="cpu"``; ``tests/unit/test_memory_terms.py`` pins every term
   against the tensors autograd saves there). Korthikanti et al. 2022's
   ``s*b*h*(34 + 5*a*s/h)`` is for GPT's GeLU MLP with dropout and unfused attention; it
   undercounts SwiGLU and overcounts SDPA. Under 1F1B the first pipeline stage holds min(p, m)
@@ -176,6 +178,13 @@ composite one keeps the input upcast to fp32 (the input itself in fp32), the nor
 product and the output (module docstring)."""
 
 
+MLP_FEATURES = {"cuda": 3, "cpu": 5}
+"""Tensors of FFN width the MLP keeps per token, by the device the engine runs on: on CUDA
+Megatron's fused SwiGLU (``training.model._compiled_fusions``) keeps fc1's output [gate; up]
+(2f) and linear_fc2 its input (f); on CPU the unfused GLU also keeps the up half plus the GLU
+offset and SiLU's output (module docstring)."""
+
+
 def layer_activation_bytes(shape: ModelConfig, seq: int, micro_batch: int, tp: int,
                            sequence_parallel: bool, dtype: str, device: str = "cuda") -> float:
     """Stored activations of one transformer layer for one micro-batch of ``micro_batch``
@@ -189,7 +198,7 @@ def layer_activation_bytes(shape: ModelConfig, seq: int, micro_batch: int, tp: i
     # linear_qkv's whole output, kept whole, and the rotated keys a tensor of their own
     attention = 4 * q if a > shape.num_kv_heads else 6 * q
     norms = 2 * (NORM_BYTES[device](B) * h + 4) / (tp if sequence_parallel else 1)
-    per_token = norms + (B * (attention + 5 * f) + 4 * a) / tp + B * s
+    per_token = norms + (B * (attention + MLP_FEATURES[device] * f) + 4 * a) / tp + B * s
     return s * b * per_token
 
 

@@ -64,7 +64,12 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
         add_qkv_bias=model.qkv_bias,
         hidden_dropout=0.0,
         attention_dropout=0.0,
-        bias_activation_fusion=False,
+        # On a GPU, SwiGLU and the vocabulary-parallel cross entropy are Megatron's fused
+        # versions: torch.compile'd kernels (megatron.core.jit), no Transformer Engine needed.
+        # The fused cross entropy returns its gradient in bf16 whatever the logits' dtype.
+        bias_activation_fusion=_compiled_fusions(),
+        cross_entropy_loss_fusion=_compiled_fusions() and engine.dtype == "bf16",
+        cross_entropy_fusion_impl="native",
         bias_dropout_fusion=False,
         masked_softmax_fusion=False,
         apply_rope_fusion=_rope_fusion(),  # megatron_patches/rope.py's stand-in for TE's
@@ -99,6 +104,12 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
         batch_p2p_comm=torch.cuda.is_available(),
         deallocate_pipeline_outputs=False,
     )
+
+
+def _compiled_fusions() -> bool:
+    """Megatron's torch.compile'd fusions run where Triton compiles them: on CUDA. (On CPU
+    inductor would compile C++ for each new shape; not tried.)"""
+    return torch.cuda.is_available()
 
 
 def _rope_fusion() -> bool:

@@ -507,9 +507,9 @@ def test_memory_estimate_by_hand():
     # s = 32 tokens, h = 64, f = 128, a = 4 heads of 2 KV groups (q = 64), t = 2, 2 bytes: per
     # token the two norms' inputs and outputs and fp32 reciprocal RMS (replicated), SDPA's rotated
     # q, the repeated k, v and its output 4q / t, its fp32 logsumexp 4 a / t, fc1's output, the
-    # GLU's copy of its up half, SiLU's output and fc2's input 5f / t, and the bf16 mask B s
-    layer = 32 * (2 * (2 * 2 * 64 + 4) + (2 * (4 * 64 + 5 * 128) + 4 * 4) / 2 + 2 * 32)
-    assert layer == layer_activation_bytes(shape, 32, 1, 2, False, "bf16") == 47616
+    # fused SwiGLU's input and fc2's input 3f / t, and the bf16 mask B s
+    layer = 32 * (2 * (2 * 2 * 64 + 4) + (2 * (4 * 64 + 3 * 128) + 4 * 4) / 2 + 2 * 32)
+    assert layer == layer_activation_bytes(shape, 32, 1, 2, False, "bf16") == 39424
     # bf16 logits, the fp32 copy, softmax and gradient, over tp, at the 17 columns the engine
     # computes them at: the 16 response tokens' and the last prompt token's
     logits = 17 * 1000 / 2 * (2 + 8)
@@ -554,12 +554,12 @@ def test_memory_estimate_by_hand():
     # logsumexp and the reciprocal RMS is twice as large; with one query head per KV group the
     # values keep linear_qkv's whole output (3q) and the rotated keys are a tensor of their own
     assert layer_activation_bytes(shape, 32, 1, 2, True, "bf16") == 32 * (
-        2 * (2 * 2 * 64 + 4) / 2 + (2 * (4 * 64 + 5 * 128) + 4 * 4) / 2 + 2 * 32)
+        2 * (2 * 2 * 64 + 4) / 2 + (2 * (4 * 64 + 3 * 128) + 4 * 4) / 2 + 2 * 32)
     assert layer_activation_bytes(shape, 32, 1, 2, False, "fp32") == 32 * (
-        2 * (2 * 4 * 64 + 4) + (4 * (4 * 64 + 5 * 128) + 4 * 4) / 2 + 4 * 32)
+        2 * (2 * 4 * 64 + 4) + (4 * (4 * 64 + 3 * 128) + 4 * 4) / 2 + 4 * 32)
     mha = ModelConfig(**{**shape.__dict__, "num_kv_heads": 4})
     assert layer_activation_bytes(mha, 32, 1, 2, False, "bf16") == 32 * (
-        2 * (2 * 2 * 64 + 4) + (2 * (6 * 64 + 5 * 128) + 4 * 4) / 2 + 2 * 32)
+        2 * (2 * 2 * 64 + 4) + (2 * (6 * 64 + 3 * 128) + 4 * 4) / 2 + 2 * 32)
 
     # LoRA of rank 4 on qkv and fc2: adapters A = per layer 4*(64 + 128) + 4*(128 + 64); their
     # grads and Adam state alone; no reference copy; the adapted base shards stay in generation.
