@@ -51,8 +51,9 @@ consumer reads a prompt position's log-prob). The critic's passes (``values``,
 attention's score/value FLOPs are not counted. ``tokens`` are the real (unpadded) prompt +
 response tokens (``mfu_*``); ``tokens_padded`` the positions the engine computes in a forward
 pass over the batch (the engine's own split, ``plan_micro_batches``, of each DP rank's share:
-every position of the [B, max_prompt_tokens + max_tokens] batch with fixed-size micro-batches,
-far fewer with ``--max-tokens-per-micro-batch``), which ``mfu_padded_*`` counts, with the output
+with fixed-size micro-batches every position of the [B, max_prompt_tokens + max_tokens] batch
+from the first column any of the rank's rows uses to the last, far fewer with
+``--max-tokens-per-micro-batch``), which ``mfu_padded_*`` counts, with the output
 layer over the positions the engine computes it at (``logits_padded``: from each micro-batch's
 first response column minus one); ``padded_fraction`` = (tokens_padded - tokens_real) /
 tokens_padded, the share of computed positions that are padding. On CPU the "matmul rate" is one

@@ -58,7 +58,8 @@ class EngineConfig:
     of tp under sequence parallelism), sequences grouped by length and padding columns cut, in
     place of ``micro_batch_size`` and ``forward_micro_batch_size`` (which are then not read; the
     run config refuses them set beside it). Must be at least the longest sequence. None:
-    fixed-size micro-batches at the batch's full width."""
+    fixed-size micro-batches, all at the columns from the first that any row of the rank's batch
+    uses to the last."""
     dtype: str = "fp32"
     """Parameter dtype: "fp32" or "bf16" (bf16 keeps fp32 main weights in the optimizer)."""
     sequence_parallel: bool = False

@@ -503,7 +503,9 @@ class TrainEngine:
     @torch.no_grad()
     def compute_logits(self, batch: dict[str, torch.Tensor]) -> torch.Tensor:
         """Full-vocabulary logits [B, S, V] (gathered over TP; for tests, greedy checks and small
-        vocabularies -- training paths stay vocab-parallel)."""
+        vocabularies -- training paths stay vocab-parallel); 0 at the padding positions no
+        micro-batch computes (``plan_micro_batches``: with fixed-size micro-batches the columns
+        that are padding in every row)."""
         for chunk in self.chunks:
             chunk.eval()
         outputs, mbs = self._run(batch, None, forward_only=True, logits=True)

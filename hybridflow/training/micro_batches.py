@@ -1,10 +1,13 @@
 """Micro-batches of a training engine's passes: the split of a rank's batch, each field's share
 of a micro-batch, and per-sample outputs put back in the batch's order.
 
-``micro_batch_size`` (``forward_micro_batch_size``) consecutive sequences at the batch's full
-width S; or, with ``max_tokens_per_micro_batch``, a token budget: the rank's sequences sorted by
-length and packed greedily (``token_budget_split``), each micro-batch keeping only the columns its
-rows need, every row's span of real tokens moved to start at column 0. Either way
+``micro_batch_size`` (``forward_micro_batch_size``) consecutive sequences, each micro-batch the
+same columns of the rank's batch: those from the first to the last that any of its rows uses
+(``used_columns``; RL batches come padded to ``data.max_prompt_tokens + max_tokens``, most of
+whose prompt columns a batch of short prompts leaves empty); or, with
+``max_tokens_per_micro_batch``, a token budget: the rank's sequences sorted by length and packed
+greedily (``token_budget_split``), each micro-batch keeping only the columns its rows need, every
+row's span of real tokens moved to start at column 0. Either way
 ``plan_micro_batches`` is the split, every per-token field of the micro-batch ``mb`` a loss
 function sees is cut the same way as the log-probs it gets (``_take``), and per-sample outputs
 come back in the batch's order at width S (``to_batch_order``). With a response mask an LM head's
@@ -69,9 +72,10 @@ class MicroBatchPlan:
 def plan_micro_batches(attention_mask: torch.Tensor, engine: EngineConfig, tp: int,
                        forward_only: bool) -> list[MicroBatchPlan]:
     """The split of a rank's batch ([B, S] attention mask) into micro-batches, the same on every
-    pipeline stage and TP rank (they see the same data): fixed-size consecutive rows at width S,
-    or with ``engine.max_tokens_per_micro_batch`` the token budget's groups, each row's span of
-    real tokens (first to last real token) starting at column 0."""
+    pipeline stage and TP rank (they see the same data): fixed-size consecutive rows, all at the
+    batch's ``used_columns`` (one width: pipeline stages send activations of one shape), or with
+    ``engine.max_tokens_per_micro_batch`` the token budget's groups, each row's span of real
+    tokens (first to last real token) starting at column 0."""
     n, s = attention_mask.shape
     multiple = tp if engine.sequence_parallel else 1
     budget = engine.max_tokens_per_micro_batch
@@ -81,8 +85,9 @@ def plan_micro_batches(attention_mask: torch.Tensor, engine: EngineConfig, tp: i
             field, mbs = "engine.forward_micro_batch_size", engine.forward_micro_batch_size
         if n % mbs:
             raise ConfigError(field, f"{mbs} does not divide this rank's batch of {n} sequences")
-        starts = torch.zeros(mbs, dtype=torch.long)
-        return [MicroBatchPlan(torch.arange(i, i + mbs), starts, s, _round_up(s, multiple))
+        first, width = used_columns(attention_mask)
+        starts = torch.full((mbs,), first, dtype=torch.long)
+        return [MicroBatchPlan(torch.arange(i, i + mbs), starts, width, _round_up(width, multiple))
                 for i in range(0, n, mbs)]
     real = attention_mask.detach().cpu().bool()
     has = real.any(-1)
@@ -97,6 +102,19 @@ def plan_micro_batches(attention_mask: torch.Tensor, engine: EngineConfig, tp: i
     return plans
 
 
+def used_columns(attention_mask: torch.Tensor) -> tuple[int, int]:
+    """(first column, width) of the span of a [B, S] attention mask's columns from the first to
+    the last that holds a real token in any row; the whole width when none does. The columns
+    outside it are padding in every row: nothing a pass computes there is read (its
+    log-probs and values are 0, and no position attends to them)."""
+    used = attention_mask.detach().cpu().bool().any(0)
+    if not used.any():
+        return 0, attention_mask.shape[1]
+    first = int(used.int().argmax())
+    last = len(used) - 1 - int(used.flip(0).int().argmax())
+    return first, last - first + 1
+
+
 def _columns(starts: torch.Tensor, width: int, device) -> torch.Tensor:
     """[b, width]: the batch column of each micro-batch column."""
     return starts.to(device)[:, None] + torch.arange(width, device=device)
@@ -107,8 +125,11 @@ def _take(x: torch.Tensor, plan: MicroBatchPlan) -> torch.Tensor:
     ...]) the plan's columns of each row, 0 past the batch's last column."""
     rows = plan.rows.to(x.device)
     s = x.shape[1] if x.dim() >= 2 else None
-    if s is None or (plan.width == s and not plan.starts.any()):
+    if s is None:
         return x[rows]
+    start = int(plan.starts[0])
+    if start + plan.width <= s and bool((plan.starts == start).all()):  # one span of columns
+        return x[rows, start:start + plan.width]
     cols = _columns(plan.starts, plan.width, x.device)
     out = x[rows[:, None], cols.clamp(max=s - 1)]
     out[cols >= s] = 0

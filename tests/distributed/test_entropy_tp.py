@@ -49,6 +49,7 @@ def run(rank, world):
     from hybridflow.parallel.layout import TrainLayout
     from hybridflow.training.config import EngineConfig, OptimConfig
     from hybridflow.training.engine import TrainEngine
+    from hybridflow.training.micro_batches import to_batch_order
 
     model = ModelConfig(**MODEL)
     full = init_full_weights(llama_param_metas(model), seed=3, std=INIT_STD)
@@ -69,7 +70,7 @@ def run(rank, world):
         seen = []
 
         def loss_fn(logprobs, mb):
-            seen.append((logprobs.detach(), mb["entropy"].detach()))
+            seen.append((logprobs.detach(), mb["entropy"].detach(), mb))
             # Fixed scales keep the objective the same at every layout.
             loss = -(logprobs * mb["weight"]).sum() / 50.0
             return loss + COEF * entropy_loss(mb["entropy"], mb["predicted"],
@@ -77,11 +78,17 @@ def run(rank, world):
 
         metrics = engine.train_step(mine, loss_fn, with_entropy=True)
         if p == layout.pp - 1:  # where the loss function ran
-            step_logprobs, entropy = (torch.cat(x) for x in zip(*seen))
+            # in the batch's columns: a micro-batch leaves out those no row of the share uses
+            logprobs_mbs, entropy_mbs, mbs = zip(*seen)
+            step_logprobs = to_batch_order(list(zip(logprobs_mbs, mbs)))
+            entropy = to_batch_order(list(zip(entropy_mbs, mbs)))
             # The entropy path's log-probs are the plain path's, and its entropy the full
-            # softmax's, on this rank's own share.
+            # softmax's, on this rank's own share, at the predicted positions (what padding
+            # outputs depends on the columns a pass computes).
             assert torch.equal(step_logprobs, plain_logprobs)
-            torch.testing.assert_close(entropy, full_logits_entropy, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(entropy * mine["predicted"],
+                                       full_logits_entropy * mine["predicted"],
+                                       atol=1e-5, rtol=1e-5)
         gathered = [None] * world
         mine_out = ((step_logprobs * mine["predicted"], entropy * mine["predicted"])
                     if p == layout.pp - 1 and t == 0 else None)

@@ -81,6 +81,34 @@ def test_fixed_size_plan_is_the_padded_path():
                            forward_only=True)
 
 
+def test_fixed_size_plan_drops_the_columns_no_row_uses():
+    # an RL batch's widths: prompts left-padded to max_prompt_tokens (6), responses right-padded
+    # to max_tokens (4); these prompts are at most 3 tokens and responses at most 3
+    from hybridflow.training.micro_batches import _take, used_columns
+    spans = [(3, 3), (1, 2), (2, 1), (3, 0)]
+    mask = torch.zeros(len(spans), 10, dtype=torch.long)
+    for i, (p, r) in enumerate(spans):
+        mask[i, 6 - p:6 + r] = 1
+    ids = (torch.arange(mask.numel()).reshape(mask.shape) + 1) * mask
+    assert used_columns(mask) == (3, 6)  # columns 3..8
+    plans = plan_micro_batches(mask, EngineConfig(micro_batch_size=2), tp=1, forward_only=False)
+    assert [p.rows.tolist() for p in plans] == [[0, 1], [2, 3]]
+    # every micro-batch the same columns (one shape for the pipeline's sends), rows aligned
+    assert all(p.starts.tolist() == [3, 3] and (p.width, p.padded_width) == (6, 6)
+               for p in plans)
+    assert sum(p.tokens for p in plans) == 4 * 6  # vs 4 * 10 at the batch's width
+    pieces = [(_take(ids, p), {"_rows": p.rows, "_starts": p.starts, "_width": 10})
+              for p in plans]
+    assert torch.equal(pieces[0][0], ids[:2, 3:9])
+    assert torch.equal(to_batch_order(pieces), ids)  # nothing real was dropped
+    # sequence parallelism at tp=4 pads the computed width only
+    sp = plan_micro_batches(mask, EngineConfig(micro_batch_size=2, sequence_parallel=True),
+                            tp=4, forward_only=False)
+    assert all((p.width, p.padded_width) == (6, 8) for p in sp)
+    # a batch without a real token keeps its width
+    assert used_columns(torch.zeros(2, 5, dtype=torch.long)) == (0, 5)
+
+
 def test_to_batch_order_undoes_the_plan():
     from hybridflow.training.micro_batches import _take
     ids, mask = _batch()
@@ -160,10 +188,12 @@ def test_the_output_layer_starts_one_column_before_the_first_response_token():
                                 forward_only=True)
     assert [p.rows.tolist() for p in budget] == [[2, 1], [3], [0]]
     assert [first_logit_column(starts, p) for p in budget] == [1, 2, 3]
-    # a micro-batch without a response computes its last column only
+    # a micro-batch without a response computes its last column only (here its only one: the
+    # row's one prompt token, column 3, is the only column it uses)
     alone = plan_micro_batches(mask[2:3], EngineConfig(micro_batch_size=1), tp=1,
                                forward_only=True)
-    assert first_logit_column(starts[2:3], alone[0]) == 6
+    assert (alone[0].starts.tolist(), alone[0].width) == ([3], 1)
+    assert first_logit_column(starts[2:3], alone[0]) == 0
 
 
 def test_a_response_mask_of_another_shape_is_refused_by_name():
