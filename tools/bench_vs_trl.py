@@ -86,9 +86,10 @@ def median_after_warmup(values: list[float]) -> float | None:
     return statistics.median(values[1:]) if len(values) > 1 else None
 
 
-def hybridflow_overrides(layout: str, steps: int, micro_batch: int, out_dir: str,
+def hybridflow_overrides(layout: str, steps: int, micro_batch: int | None, out_dir: str,
                          name: str) -> list[str]:
-    """``key=value`` overrides of experiments/smollm2/base.yaml that give ``WORKLOAD``."""
+    """``key=value`` overrides of experiments/smollm2/base.yaml that give ``WORKLOAD``; None as
+    ``micro_batch``: no micro-batch size (a token budget forms the micro-batches)."""
     w, lay = WORKLOAD, LAYOUTS[layout]
     return [
         f"name={name}", "algorithm.name=grpo", f"steps={steps}",
@@ -101,7 +102,7 @@ def hybridflow_overrides(layout: str, steps: int, micro_batch: int, out_dir: str
         f"rollout.sampling.max_tokens={w['max_tokens']}",
         f"rollout.sampling.temperature={w['temperature']}", "rollout.tp=1",
         "actor.layout.tp=1", f"actor.layout.pp={lay['pp']}", f"actor.layout.dp={lay['dp']}",
-        f"actor.engine.micro_batch_size={micro_batch}",
+        *([] if micro_batch is None else [f"actor.engine.micro_batch_size={micro_batch}"]),
         f"actor.engine.optim.lr={w['lr']}", f"actor.engine.optim.clip_grad={w['clip_grad']}",
         f"actor.kl_loss_coef={w['kl_coef']}", f"actor.kl_loss_type={w['kl_type']}",
         f"actor.loss_agg_mode={w['loss_agg']}",
@@ -166,11 +167,28 @@ def check_settable(items: list[str]) -> list[str]:
     return items
 
 
+def hybridflow_config(workdir: Path, extra: list[str]) -> tuple[Path, bool]:
+    """(the config file the hybridflow side trains, whether it has a micro-batch size):
+    experiments/smollm2/base.yaml; with a token budget among the ``--set`` items a copy of it in
+    ``workdir`` without ``actor.engine.micro_batch_size``, since the budget forms every
+    micro-batch and the run config refuses both."""
+    if not any(item.startswith("actor.engine.max_tokens_per_micro_batch=") for item in extra):
+        return BASE_CONFIG, True
+    import yaml  # deferred: this file also runs in the TRL venv
+    cfg = yaml.safe_load(BASE_CONFIG.read_text())
+    del cfg["actor"]["engine"]["micro_batch_size"]
+    path = workdir / "base_budget.yaml"
+    path.write_text(yaml.safe_dump(cfg, sort_keys=False))
+    return path, False
+
+
 def run_hybridflow(layout: str, steps: int, micro_batch: int, workdir: Path,
                    extra: list[str] = ()) -> dict:
     name = f"bench-vs-trl-{layout}"
-    cmd = [sys.executable, "-m", "hybridflow.cli", "train", str(BASE_CONFIG),
-           *hybridflow_overrides(layout, steps, micro_batch, str(workdir), name), *extra]
+    config, sized = hybridflow_config(workdir, list(extra))
+    cmd = [sys.executable, "-m", "hybridflow.cli", "train", str(config),
+           *hybridflow_overrides(layout, steps, micro_batch if sized else None, str(workdir),
+                                 name), *extra]
     env = dict(os.environ, OMP_NUM_THREADS="1", TOKENIZERS_PARALLELISM="false",
                HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1", WANDB_MODE="offline")
     _stream(cmd, env, "hybridflow")

@@ -82,6 +82,15 @@ def test_set_changes_the_layout_only(tmp_path):
     overrides = bench.hybridflow_overrides("pp2", 3, 4, str(tmp_path), "b") + args.set
     cfg = load_config(RLConfig, bench.BASE_CONFIG, overrides)
     assert (cfg.actor.layout.pp, cfg.actor.layout.last_stage_layers) == (2, 13)
+    # A token budget replaces the micro-batch size, which the run config refuses beside it
+    budget = ["actor.engine.max_tokens_per_micro_batch=400"]
+    config, sized = bench.hybridflow_config(tmp_path, budget)
+    assert not sized and config.parent == tmp_path
+    cfg = load_config(RLConfig, config, bench.hybridflow_overrides("dp2", 3, None, str(tmp_path),
+                                                                   "b") + budget)
+    assert cfg.actor.engine.max_tokens_per_micro_batch == 400
+    assert cfg.actor.engine.optim.lr == bench.WORKLOAD["lr"] and cfg.actor.layout.dp == 2
+    assert bench.hybridflow_config(tmp_path, args.set) == (bench.BASE_CONFIG, True)
     # The work compared with TRL's is not --set's to change.
     for bad in ("actor.kl_loss_coef=0", "rollout.sampling.max_tokens=8", "train_batch_size=4",
                 "actor.layout.pp"):
