@@ -137,7 +137,7 @@ def test_a_cuda_out_of_memory_stops_the_run_in_one_line_with_the_estimate(local_
         group.shutdown()
     assert str(e.value) == (
         "worker group 'actor' rank 1: CUDA out of memory in update_actor, the actor update "
-        "phase, estimated at 74.1 GiB per GPU of ray.gpu_memory_gib=75 (actor's the largest "
+        "phase, estimated at 63.3 GiB per GPU of ray.gpu_memory_gib=75 (actor's the largest "
         "part); actor.engine.micro_batch_size: lower it: the stored activations grow with it; "
         "the run stopped (its last checkpoint, if any, is intact)")
     assert wait_gone(pids, 15) == []

@@ -7,7 +7,8 @@ import pytest
 from hybridflow.cli import main
 
 # A 7B LoRA actor beside a 7B reward model, one GPU each: the update's stored activations of
-# 16 sequences of 1024 tokens are most of its 122.7 GiB; 8 sequences need 74.1 GiB.
+# 16 sequences of 1024 tokens are most of its 101.2 GiB; 8 sequences need 63.3 GiB (the
+# generation phase's 70.7 is then the peak).
 RUN = ["model=llama2-7b", "reward_model=llama2-7b", "data.source=synthetic",
        "data.max_prompt_tokens=512", "rollout.sampling.max_tokens=512", "rollout.backend=megatron",
        "actor.engine.dtype=bf16", "critic.engine.dtype=bf16", "ray.gpus_per_worker=1",
@@ -21,10 +22,10 @@ def test_a_run_over_the_gpu_cap_is_refused_in_one_line(command, tmp_path, capsys
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith(
         "hybridflow: error: actor.engine.micro_batch_size: the actor update phase needs an "
-        "estimated 122.7 GiB per GPU on the GPUs of actor + reward_model"), err
+        "estimated 101.2 GiB per GPU on the GPUs of actor + reward_model"), err
     assert "more than ray.gpu_memory_gib=75 GiB" in err
     assert err.rstrip().endswith("predicted to fit with any one of: "
-                                 "actor.engine.micro_batch_size=8 (74.1 GiB)"), err
+                                 "actor.engine.micro_batch_size=8 (70.7 GiB)"), err
     assert not out.exists()
 
 
@@ -63,7 +64,7 @@ def test_the_notes_a_cuda_out_of_memory_error_names():
     notes = out_of_memory_notes(cfg, estimate_memory(cfg, model_sources(cfg)[1]))
     assert sorted(notes) == ["actor", "reward_model"]
     assert notes["actor"]["update_actor"] == (
-        "the actor update phase, estimated at 74.1 GiB per GPU of ray.gpu_memory_gib=75 "
+        "the actor update phase, estimated at 63.3 GiB per GPU of ray.gpu_memory_gib=75 "
         "(actor's the largest part); actor.engine.micro_batch_size: lower it: the stored "
         "activations grow with it")
     assert notes["actor"]["generate"].startswith("the generation phase, estimated at 70.7 GiB")
@@ -76,14 +77,14 @@ def test_the_notes_a_cuda_out_of_memory_error_names():
 
 
 @pytest.mark.parametrize("key, line", [
-    # 8 sequences of 1024 tokens need 74.1 GiB, over 90% of 80; the generation phase (70.7 GiB:
-    # the 32 GiB KV cache of 64 sequences beside both models' weights, and the fast decoder's
-    # prefill of the 16 prompts of 512 tokens, 1.3 GiB) is the peak at 4 and below
-    ("actor.engine.micro_batch_size", "actor.engine.micro_batch_size auto -> 4: predicted peak "
+    # 16 sequences of 1024 tokens need 101.2 GiB, over 90% of 80; the generation phase (70.7
+    # GiB: the 32 GiB KV cache of 64 sequences beside both models' weights, and the fast
+    # decoder's prefill of the 16 prompts of 512 tokens, 1.3 GiB) is the peak at 8 and below
+    ("actor.engine.micro_batch_size", "actor.engine.micro_batch_size auto -> 8: predicted peak "
      "70.7 GiB of ray.gpu_memory_gib=80 GiB, the largest of 1-64 within 90% of it (no "
      "cluster.calibration to rank them by time)"),
     ("actor.engine.max_tokens_per_micro_batch", "actor.engine.max_tokens_per_micro_batch auto "
-     "-> 4096: predicted peak 70.7 GiB of ray.gpu_memory_gib=80 GiB, the largest of 1024-65536 "
+     "-> 8192: predicted peak 70.7 GiB of ray.gpu_memory_gib=80 GiB, the largest of 1024-65536 "
      "within 90% of it")])
 def test_auto_takes_the_largest_setting_that_fits(key, line, capsys, tmp_path):
     from hybridflow.config.loader import load_config
