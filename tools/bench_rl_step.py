@@ -171,6 +171,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--offload-optimizer", action="store_true",
                     help="hybrid_engine.offload_optimizer: Adam state in host memory while "
                     "generating")
+    ap.add_argument("--host-optimizer", action="store_true",
+                    help="actor.engine.optim.offload: Adam, its fp32 main weights and gradients "
+                    "in host memory, the gradients streamed there during the backward (one rank)")
     ap.add_argument("--lora-rank", type=int, default=0, metavar="R",
                     help="actor.lora.rank: LoRA adapters of rank R on every linear, the base "
                     "frozen (the reference is the base)")
@@ -422,6 +425,7 @@ def run_config(args, path: Path, prompts: Path):
     values = {"name": f"bench-{args.algorithm}", "model": str(path),
               "algorithm.name": args.algorithm, "ref.offload": args.ref_offload,
               "hybrid_engine.offload_optimizer": args.offload_optimizer,
+              "actor.engine.optim.offload": args.host_optimizer,
               "actor.lora.rank": args.lora_rank, "ray.gpu_memory_gib": args.gpu_memory_gib,
               **({"hybrid_engine.lora_merge": args.lora_merge} if args.lora_merge else {}),
               "rollout.backend": args.backend, "rollout.tp": args.gen_tp,
@@ -464,6 +468,7 @@ def main(argv=None) -> dict:
                   max_tokens_per_micro_batch=args.max_tokens_per_micro_batch,
                   keep_cache=args.keep_cache,
                   ref_offload=args.ref_offload, offload_optimizer=args.offload_optimizer,
+                  host_optimizer=args.host_optimizer,
                   lora_rank=args.lora_rank, lora_merge=args.lora_merge,
                   gpu_memory_gib=args.gpu_memory_gib,
                   placement=args.placement, warmup=args.warmup, iters=args.iters,

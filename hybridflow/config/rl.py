@@ -51,6 +51,10 @@ class UpdateConfig:
     def __post_init__(self) -> None:
         check_int("ppo_epochs", self.ppo_epochs)
         check_int("mini_batches", self.mini_batches)
+        if self.engine.optim.offload and self.layout.world_size > 1:
+            raise ConfigError("engine.optim.offload", f"the host optimizer trains one rank's "
+                              f"whole model; set layout tp, pp and dp to 1 (world size "
+                              f"{self.layout.world_size}), or set it to false")
 
 
 @dataclass(kw_only=True)
@@ -610,6 +614,10 @@ class RLConfig:
         if a.overlong_buffer >= self.rollout.sampling.max_tokens:
             raise ConfigError("algorithm.overlong_buffer", f"{a.overlong_buffer} must be below "
                               f"rollout.sampling.max_tokens={self.rollout.sampling.max_tokens}")
+        if self.actor.lora.enabled and self.actor.engine.optim.offload:
+            raise ConfigError("actor.engine.optim.offload", "trains every parameter; LoRA's "
+                              "adapters keep their small state on the GPU: set it to false or "
+                              "actor.lora.rank=0")
         if self.actor.lora.enabled and self.actor.engine.sequence_parallel:
             raise ConfigError("actor.lora", "LoRA adapters need the full sequence on every TP "
                                             "rank; set actor.engine.sequence_parallel=false")
@@ -680,6 +688,9 @@ class RLConfig:
             ("ref.offload", self.actor.lora.enabled, "set actor.lora.rank=0 (with LoRA the "
                                                      "reference is the actor's own frozen base)"),
             ("hybrid_engine.lora_merge", not self.actor.lora.enabled, "set actor.lora.rank > 0"),
+            ("hybrid_engine.offload_optimizer", self.actor.engine.optim.offload,
+             "set actor.engine.optim.offload=false (the host optimizer's state never leaves host "
+             "memory)"),
             ("ray.gpu_memory_gib", not self.ray.gpus_per_worker, "set ray.gpus_per_worker > 0 "
                                                                 "(it caps each worker's GPU)"),
             *((f"actor.rollout_correction.{k}", self.actor.rollout_correction.mode == "none",

@@ -83,6 +83,10 @@ def calibrate(quick: bool = False, log: Callable[[str], None] = print,
         log(f"host -> device {_bytes(copy_bytes)} (pinned): {_si(host_to_device, 'B/s')}")
         del host, dst
 
+    host_adam = host_adam_rate(copy_bytes // 4, median_seconds)
+    log(f"host Adam, {_bytes(copy_bytes)} of fp32 parameters ({torch.get_num_threads()} "
+        f"threads): {_si(host_adam, 'parameters/s')}")
+
     rates: dict[str, dict[int, float]] = {name: {} for name in COLLECTIVES}
     backend = "nccl" if on_gpu else "gloo"
     for size in group_sizes:
@@ -112,9 +116,21 @@ def calibrate(quick: bool = False, log: Callable[[str], None] = print,
         device=torch.cuda.get_device_name(0) if on_gpu else "cpu", devices=devices,
         matmul_flops=matmul_flops, memory_bandwidth=memory_bandwidth,
         all_gather=rates["all_gather"], broadcast=rates["broadcast"],
-        host_to_device=host_to_device, inter_node=inter_node, torch=torch.__version__,
+        host_to_device=host_to_device, host_adam=host_adam, inter_node=inter_node,
+        torch=torch.__version__,
         micro_batches=costs,
         measured_at=datetime.now(timezone.utc).isoformat(timespec="seconds"))
+
+
+def host_adam_rate(n: int, median_seconds: Callable[[Callable[[], object]], float]) -> float:
+    """Parameters/s of torch's fused AdamW stepping ``n`` fp32 parameters in host memory (the
+    host optimizer's step, ``training/host_optimizer.py``)."""
+    import torch  # deferred: as calibrate's
+
+    param = torch.nn.Parameter(torch.zeros(n), requires_grad=False)
+    param.grad = torch.full((n,), 1e-3)
+    optimizer = torch.optim.AdamW([param], lr=1e-6, fused=True)
+    return n / median_seconds(optimizer.step)
 
 
 def _inter_node(cluster: RayConfig, message: int, warmup: int, repeats: int,

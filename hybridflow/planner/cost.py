@@ -122,6 +122,11 @@ estimate's own bytes of what moves: ``ref_logprobs`` adds ``host_round_trip``, t
 weights brought in before its pass and sent back after it; ``reshard`` adds ``optimizer_out`` and
 ``back_to_train`` ``optimizer_in``, the actor's optimizer state sent to host memory for
 generation and brought back.
+
+The host optimizer (``engine.optim.offload``) prices each optimizer step's ``optimizer`` as the
+trained parameters over the calibration's ``host_adam`` rate plus their fp32 main weights' copy
+up at ``host_to_device``; the gradients' copies down (and the host's adds of later
+micro-batches') run beside the backward and are not priced.
 """
 
 from __future__ import annotations
@@ -474,10 +479,17 @@ def _update(shape: ModelConfig, part, samples: int, seq: int, calib: Calibration
           / (collective_rate(calib, fabric, lay.dp_groups(), "data-parallel all-reduce") / 2)
           if lay.dp > 1 else 0.0)
     profile = _profile(calib, shape, part)
-    adam = ADAM_BYTES * per_rank / calib.memory_bandwidth
+    adam = ADAM_BYTES * per_rank / calib.memory_bandwidth / (
+        profile.optimizer if profile is not None else 1.0)
+    if eng.optim.offload:  # module docstring
+        if calib.host_adam is None:
+            raise ConfigError("cluster.calibration", "has no host Adam rate (host_adam), which "
+                              "engine.optim.offload's step is priced at; measure it with "
+                              "hybridflow calibrate")
+        adam = per_rank / calib.host_adam + 4 * per_rank / _host_rate(calib)
     terms = {k: steps * v for k, v in fwd.items() if k != "fixed"}  # every pass's terms
     return {**terms, "dp_allreduce": steps * dp, "fixed": steps * fwd["fixed"],
-            "optimizer": steps * adam / (profile.optimizer if profile is not None else 1.0)}
+            "optimizer": steps * adam}
 
 
 def generation_floor(shape: ModelConfig, dtype: str, calib: Calibration, share: int,

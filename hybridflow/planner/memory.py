@@ -470,11 +470,15 @@ def busiest_rank_split(num_layers: int, layout) -> float:
     return layout.tp * layout.pp / busiest_stage_share(num_layers, layout)
 
 
-def _train_state(n: int, layout, engine, num_layers: int) -> dict[str, int]:
+def _train_state(n: int, layout, engine, num_layers: int, largest: int = 0) -> dict[str, int]:
     """Weights, fp32 grads and optimizer state per GPU of a trained model of ``n`` parameters
-    and ``num_layers`` layers, on its busiest pipeline stage."""
+    and ``num_layers`` layers, on its busiest pipeline stage; with ``engine.optim.offload`` the
+    weights alone, and the fp32 copies of two gradients of its ``largest`` parameter (elements)
+    in flight to the host."""
     mp = busiest_rank_split(num_layers, layout)
     b = DTYPE_BYTES[engine.dtype]
+    if engine.optim.offload:
+        return {"weights": int(n * b / mp), "grads": 2 * 4 * largest, "optimizer": 0}
     per_param = {("adam", "bf16"): 12, ("adam", "fp32"): 8, ("sgd", "bf16"): 8,
                  ("sgd", "fp32"): 4}[(engine.optim.name, engine.dtype)]
     optimizer = n * per_param / mp / (layout.dp if engine.optim.distributed else 1)
@@ -554,7 +558,8 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
     actor, r = cfg.actor, cfg.rollout
     backend = r.backend_class
     n, b = param_count(shape), DTYPE_BYTES[actor.engine.dtype]
-    resident["actor"] = _train_state(n, actor.layout, actor.engine, shape.num_layers)
+    resident["actor"] = _train_state(n, actor.layout, actor.engine, shape.num_layers,
+                                     largest=shape.vocab_size * shape.hidden_size)
     if with_ref:
         resident["ref"] = {"weights": resident["actor"]["weights"]}
     response = r.sampling.max_tokens
@@ -640,7 +645,8 @@ def _critic_side(critic, group: str, shape: ModelConfig, seq: int, samples: int,
     """A value-head group: ``critic`` the critic's config at the group's layout."""
     n = param_count(shape, head="value")
     if group in TRAINED_CRITICS:
-        resident[group] = _train_state(n, critic.layout, critic.engine, shape.num_layers)
+        resident[group] = _train_state(n, critic.layout, critic.engine, shape.num_layers,
+                                       largest=shape.vocab_size * shape.hidden_size)
         updates[f"{group} update"] = (group, _training_activations(shape, critic, seq, samples,
                                                                    None))
     else:

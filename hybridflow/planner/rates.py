@@ -51,6 +51,10 @@ class Calibration:
     """torch version the rates were measured with."""
     measured_at: str
     """When they were measured: ISO 8601 date-time, UTC."""
+    host_adam: float | None = None
+    """Parameters/s of torch's fused AdamW over fp32 state in host memory on all the host's
+    cores: the step of ``engine.optim.offload``'s host optimizer. None in files written before
+    it was measured. Optional in the file."""
     inter_node: float | None = None
     """Bytes/s one node sends to the others, for collectives whose group spans nodes: what
     its link carries while each of its GPUs crosses at once (``calibrate`` measures it on a Ray
@@ -90,6 +94,7 @@ class Calibration:
                 check_float(f"{name}.{size}", rate, low=0, low_open=True)
         check_float("host_to_device", self.host_to_device, low=0, low_open=True, none_ok=True)
         check_float("inter_node", self.inter_node, low=0, low_open=True, none_ok=True)
+        check_float("host_adam", self.host_adam, low=0, low_open=True, none_ok=True)
         if not isinstance(self.passes, list):
             raise ArgumentError("passes", f"must be a list of pass profiles, got {self.passes!r}")
         self.passes = [p if isinstance(p, PassProfile) else _profile_from(p)
@@ -148,7 +153,7 @@ class Calibration:
         if not isinstance(data, dict):
             raise ConfigError(FIELD, f"{path}: not a JSON object; {fix}")
         names = {f.name for f in dataclasses.fields(cls)}
-        optional = {"passes", "inter_node", "micro_batches"}
+        optional = {"passes", "inter_node", "micro_batches", "host_adam"}
         for what, keys in (("missing", names - optional - data.keys()),
                            ("unknown", data.keys() - names)):
             if keys:

@@ -30,6 +30,12 @@ class OptimConfig:
     distributed: bool = False
     """Shard optimizer state across data-parallel ranks (ZeRO-1, Megatron's distributed
     optimizer)."""
+    offload: bool = False
+    """Adam in host memory (``training/host_optimizer.py``): fp32 main weights, gradients and
+    moments live on the host, each gradient leaves the GPU as the backward produces it, and the
+    step runs on the host's cores; the GPU keeps only the model's weights (no 16 bytes a
+    parameter of state: what lets one GPU train every parameter of a 7B model). Adam only; one
+    training rank (layout tp = pp = dp = 1)."""
 
     def __post_init__(self) -> None:
         check_choice("name", self.name, ("adam", "sgd"))
@@ -39,6 +45,12 @@ class OptimConfig:
         check_float("adam_beta1", self.adam_beta1, low=0, high=1, high_open=True)
         check_float("adam_beta2", self.adam_beta2, low=0, high=1, high_open=True)
         check_float("adam_eps", self.adam_eps, low=0, low_open=True)
+        if self.offload and self.name != "adam":
+            raise ConfigError("offload", f"the host optimizer runs Adam only; set name=adam or "
+                                         f"offload=false (name={self.name})")
+        if self.offload and self.distributed:
+            raise ConfigError("offload", "the host optimizer holds one rank's whole state; "
+                                         "set distributed=false")
 
 
 @dataclass(kw_only=True)

@@ -44,6 +44,7 @@ from hybridflow.models.params import DTYPES, ParamMeta, llama_param_metas, shard
 from hybridflow.parallel.groups import init_megatron_parallel
 from hybridflow.parallel.layout import TrainLayout
 from hybridflow.training.config import EngineConfig
+from hybridflow.training.host_optimizer import HostAdam
 from hybridflow.training.lora import (Adapters, LoraConfig, initial_adapters, lora_metas,
                                       merge_adapters)
 from hybridflow.training.micro_batches import (_take, first_logit_column, plan_micro_batches,
@@ -78,6 +79,12 @@ def fuse_adam(optimizer) -> int:
             inner._step_supports_amp_scaling = True  # what Adam(fused=True) sets
             changed += 1
     return changed
+
+
+def _torch_param_groups(optimizer) -> list[dict]:
+    """The param groups of the torch optimizers inside a Megatron optimizer (chained or not)."""
+    return [group for opt in getattr(optimizer, "chained_optimizers", [optimizer])
+            for group in opt.optimizer.param_groups]
 
 
 def _cross_entropy_and_entropy(vocab_shard: torch.Tensor, labels: torch.Tensor, tp_group
@@ -186,6 +193,9 @@ class TrainEngine:
         if head == "value":
             self._attach_value_heads(chunks)
         self.adapters = None
+        if lora is not None and lora.enabled and engine.optim.offload:
+            raise ConfigError("engine.optim.offload", "trains every parameter, not LoRA "
+                              "adapters; set it to false or the LoRA rank to 0")
         if lora is not None and lora.enabled:
             self.adapters = self._attach_adapters(chunks, lora)
         elif not build_optimizer:
@@ -193,12 +203,19 @@ class TrainEngine:
             # no fp32 grad buffer (4 bytes a parameter, 3.3 GiB of a 0.9B reference).
             for chunk in chunks:
                 chunk.requires_grad_(False)
-        self.chunks = self._wrap_in_ddp(chunks)
+        host_optimizer = build_optimizer and engine.optim.offload
+        self.chunks = self._wrap_in_ddp(chunks, grad_buffers=not host_optimizer)
         # Megatron scales grads by 1/num_tokens when given them; our loss functions already
-        # carry their own normalisation, so the count is dropped here.
+        # carry their own normalisation, so the count is dropped here. The host optimizer's
+        # gradients are all in host memory once its copies end.
         self.tf_config.finalize_model_grads_func = (
-            lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw))
-        self.optimizer = self._build_optimizer() if build_optimizer else None
+            (lambda model, num_tokens=None, **kw: self.optimizer.finish()) if host_optimizer
+            else (lambda model, num_tokens=None, **kw: finalize_model_grads(model, None, **kw)))
+        self.optimizer = None
+        if host_optimizer:
+            self.optimizer = HostAdam(list(self.named_local_params()), engine.optim, self.device)
+        elif build_optimizer:
+            self.optimizer = self._build_optimizer()
 
     @staticmethod
     def _checked_model(model: ModelConfig, layout: TrainLayout, engine: EngineConfig,
@@ -214,6 +231,10 @@ class TrainEngine:
             # the peer, so an activation's shape can arrive as a gradient's.
             raise ConfigError("engine.max_tokens_per_micro_batch", "not supported with "
                               "layout.vpp on CPU (gloo); set layout.vpp to null")
+        if engine.optim.offload and layout.world_size > 1:
+            raise ConfigError("engine.optim.offload", f"the host optimizer trains one rank's "
+                              f"whole model; use layout tp = pp = dp = 1 (got {layout}), or set "
+                              "it to false")
         if head == "value" and engine.sequence_parallel:
             raise ConfigError("engine.sequence_parallel", "not supported with a value head yet; "
                               "set it to false for critics and reward models")
@@ -236,16 +257,23 @@ class TrainEngine:
                     chunk.output_layer.weight.copy_(
                         torch.randn(1, model.hidden_size, generator=g) / model.hidden_size)
 
-    def _wrap_in_ddp(self, chunks) -> list:
-        """The chunks in Megatron's DDP, which keeps their gradients in fp32 buffers."""
+    def _wrap_in_ddp(self, chunks, grad_buffers: bool = True) -> list:
+        """The chunks in Megatron's DDP, which keeps their gradients in fp32 buffers; without
+        ``grad_buffers`` (the host optimizer's engine) DDP wraps them frozen, so that it makes
+        neither buffers nor hooks, and they train again after: each parameter keeps its own
+        ``.grad``, which the host optimizer's hooks take."""
         # deferred: Megatron
         from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
         from hybridflow.training.embedding import use_main_grad_lookup
 
         # The lookup's gradient added into main_grad by row, not as a dense table (its module).
-        lookup_into_main_grad = any([use_main_grad_lookup(c.embedding.word_embeddings)
-                                     for c in chunks if c.pre_process])
+        lookup_into_main_grad = grad_buffers and any(
+            [use_main_grad_lookup(c.embedding.word_embeddings) for c in chunks if c.pre_process])
+        trainable = [p for c in chunks for p in c.parameters() if p.requires_grad]
+        if not grad_buffers:
+            for p in trainable:
+                p.requires_grad_(False)
         ddp_config = DistributedDataParallelConfig(
             grad_reduce_in_fp32=True,
             use_distributed_optimizer=self.config.optim.distributed,
@@ -253,6 +281,9 @@ class TrainEngine:
         )
         wrapped = [DistributedDataParallel(self.tf_config, ddp_config, c, pg_collection=self.pg)
                    for c in chunks]
+        if not grad_buffers:
+            for p in trainable:
+                p.requires_grad_(True)
         if self.tf_config.gradient_accumulation_fusion and self.model_config.tie_embeddings:
             # The output layer adds its gradient of the shared table into main_grad itself and
             # hands autograd a dummy. With Megatron's lookup the dummy must be zeros, so that
@@ -278,6 +309,10 @@ class TrainEngine:
                 bf16=engine.dtype == "bf16", params_dtype=DTYPES[engine.dtype],
             ),
             self.chunks, use_gloo_process_groups=False, pg_collection=self.pg)
+        # Megatron exempts 1-D parameters and biases from decay through each group's wd_mult,
+        # which only its learning-rate scheduler applies; without one every group decays.
+        for group in _torch_param_groups(optimizer):
+            group["weight_decay"] = o.weight_decay * group.get("wd_mult", 1.0)
         if self.device.type == "cuda":
             fuse_adam(optimizer)
         return optimizer
@@ -456,6 +491,8 @@ class TrainEngine:
         from megatron.core.pipeline_parallel import get_forward_backward_func  # deferred: Megatron
 
         mbs = self._micro_batches(batch, forward_only)
+        if not forward_only and isinstance(self.optimizer, HostAdam):
+            self.optimizer.begin(len(mbs))
         outputs: list = []
         fb = get_forward_backward_func()
         iters = [iter(mbs) for _ in self.chunks] if len(self.chunks) > 1 else iter(mbs)
@@ -551,6 +588,8 @@ class TrainEngine:
         # deferred: Megatron
         from megatron.core.optimizer.clip_grads import clip_grad_by_total_norm_fp32
         opt = self.optimizer
+        if isinstance(opt, HostAdam):
+            return opt.step()
         found_inf = opt.prepare_grads()
         grad_norm = float(opt.get_grad_norm())
         if found_inf or not math.isfinite(grad_norm):

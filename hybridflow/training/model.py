@@ -75,8 +75,9 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
         apply_rope_fusion=_rope_fusion(),  # megatron_patches/rope.py's stand-in for TE's
         persist_layer_norm=False,
         # On CUDA each weight gradient is added into the fp32 main_grad by its own GEMM
-        # (megatron_patches/wgrad.py says why), not written out and added by DDP's hook.
-        gradient_accumulation_fusion=_wgrad_fusion(),
+        # (megatron_patches/wgrad.py says why), not written out and added by DDP's hook. The
+        # host optimizer has no main_grad: its hooks take each parameter's own gradient.
+        gradient_accumulation_fusion=_wgrad_fusion() and not engine.optim.offload,
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,

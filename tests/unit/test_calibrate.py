@@ -40,10 +40,11 @@ def test_quick_calibration_on_cpu_has_the_micro_batch_costs(measured):
 
 
 def test_calibrate_logs_one_line_per_measurement(measured):
-    assert [line.split()[0] for line in LOG] == ["matmul", "copy", "all_gather", "broadcast",
-                                                 "micro-batch", "pipeline"]
+    assert [line.split()[0] for line in LOG] == ["matmul", "copy", "host", "all_gather",
+                                                 "broadcast", "micro-batch", "pipeline"]
     assert all(line.endswith(("FLOP/s", "(read + write)", "received per rank", "a layer",
-                              "B/s")) for line in LOG)
+                              "B/s", "parameters/s")) for line in LOG)
+    assert measured.host_adam > 0
 
 
 def test_json_round_trip(measured, tmp_path):
