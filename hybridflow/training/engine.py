@@ -30,7 +30,8 @@ its weights in host memory and each forward brings them to the device one unit a
 embedding, each transformer layer, the final norm with the output layer), the next unit's copy on
 a side CUDA stream overlapping the current one's kernels, each dropped after it ran: a pass holds
 at most two units' weights, and each micro-batch copies the rank's weights once
-(``training/streaming.py``). It is the only way an engine's weights leave the device.
+(``training/streaming.py``). Between passes its parameters are empty placeholders. This is the
+one mechanism behind ``ref.offload`` (it replaced reloading the whole model for each pass).
 """
 
 from __future__ import annotations
