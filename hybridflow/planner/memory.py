@@ -418,8 +418,8 @@ def out_of_memory_notes(cfg: Any, estimate: MemoryEstimate) -> dict[str, dict[st
         for group in pool.groups:
             update = "update_actor" if group == "actor" else "update_critic"
             for phase, calls in {**PHASE_CALLS, f"{group} update": (update,)}.items():
-                if phase not in pool.phases:
-                    continue
+                if not pool.phases.get(phase) or not pool.total(phase):
+                    continue  # nothing of this group's on these GPUs then (a streamed reference)
                 roles = pool.phases[phase]
                 role = max(roles, key=lambda r: pool.role_bytes(phase, r))
                 key, fix = _fix(cfg, role, roles[role])
