@@ -1,9 +1,10 @@
 """The reference's weights streamed unit by unit (``TrainEngine.stream_weights``, ``ref.offload``):
 its log-probs equal the resident engine's bit for bit, at TP=1/PP=1 (tied and untied output
-layer), TP=2, PP=2 (tied) and PP=2 interleaved (two chunks a rank); between passes every parameter is an empty placeholder; during a
-pass at most two units (the current and the prefetched) are fetched, and a second pass still
-equals. On CPU the hooks swap the host tensors in and out; the ``gpu`` test checks that the pass's
-device memory stays below the weights' and comes back to where it was.
+layer), TP=2, PP=2 (tied) and PP=2 interleaved (two chunks a rank); between passes every
+parameter is an empty placeholder; during a pass at most two units (the current and the
+prefetched) are fetched, and a second pass still equals. On CPU the hooks swap the host tensors
+in and out; the ``gpu`` test checks that the weights leave the device, that the pass's device
+memory stays below the weights' and comes back to where it was.
 
 GPU: ``pytest -m gpu tests/distributed/test_ref_stream.py`` (one process, one GPU).
 """
