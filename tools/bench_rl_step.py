@@ -167,7 +167,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="rollout.keep_cache (megatron backend, GPU): the fast decoder's KV cache "
                     "and CUDA graphs kept across the switch back, no capture after each wake")
     ap.add_argument("--ref-offload", action="store_true",
-                    help="ref.offload: the reference's weights in host memory between uses")
+                    help="ref.offload: the reference's weights in host memory, streamed "
+                         "to the GPU unit by unit during its pass")
     ap.add_argument("--offload-optimizer", action="store_true",
                     help="hybrid_engine.offload_optimizer: Adam state in host memory while "
                     "generating")

@@ -132,7 +132,9 @@ class RefConfig:
     """The reference policy (KL anchor): a frozen copy of the initial actor."""
 
     offload: bool = False
-    """Keep its weights in host memory between uses (GPU machines; a no-op on CPU)."""
+    """Keep its weights in host memory and stream them to the device one unit (the embedding, a
+    layer, the final norm with the output layer) at a time during its pass
+    (``TrainEngine.stream_weights``); on CPU the same hooks swap host tensors in and out."""
 
 
 ROLLOUT_MODES = ("sync", "one_step_off", "async")

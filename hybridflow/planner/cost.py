@@ -117,11 +117,15 @@ and B of a row-parallel one, count as split: each is r rows or columns beside a 
   memory, at B). The host copy itself is taken once, at the first switch, and is not counted.
 
 Offload (``ref.offload``, ``hybrid_engine.offload_optimizer``) moves bytes between the GPU and
-host memory at the calibration's ``host_to_device`` rate (on CPU, at B), counted from the memory
-estimate's own bytes of what moves: ``ref_logprobs`` adds ``host_round_trip``, the reference's
-weights brought in before its pass and sent back after it; ``reshard`` adds ``optimizer_out`` and
-``back_to_train`` ``optimizer_in``, the actor's optimizer state sent to host memory for
-generation and brought back.
+host memory at the calibration's ``host_to_device`` rate (on CPU, at B). ``ref_logprobs`` adds
+``host_stream``: the reference streams its weights from host memory unit by unit in each forward
+micro-batch (``training/streaming.py``), so a pass copies the busiest rank's weights ``W b /
+(t p)`` once per micro-batch of a data-parallel rank, m of them, and sends nothing back (the
+host copy is the truth). The code overlaps each unit's copy with the previous unit's kernels;
+how much that hides is not measured yet, so the copy is priced in full on top of the pass (an
+upper bound). ``reshard`` adds ``optimizer_out`` and ``back_to_train`` ``optimizer_in``, the
+actor's optimizer state (the memory estimate's bytes) sent to host memory for generation and
+brought back.
 
 The host optimizer (``engine.optim.offload``) prices each optimizer step's ``optimizer`` as the
 trained parameters over the calibration's ``host_adam`` rate plus their fp32 main weights' copy
@@ -149,7 +153,7 @@ from hybridflow.models.params import (llama_param_metas, num_layers_of, owner_st
 from hybridflow.parallel.layout import GenLayout, TrainLayout
 from hybridflow.planner.memory import (DTYPE_BYTES, MemoryEstimate, busiest_rank_split,
                                       busiest_stage_share, estimate_memory, logit_columns,
-                                      param_count)
+                                      param_count, reference_weight_bytes)
 from hybridflow.planner.rates import Calibration
 from hybridflow.training.lora import lora_param_counts
 
@@ -550,15 +554,21 @@ def _host_rate(calib: Calibration) -> float:
     return calib.host_to_device or calib.memory_bandwidth
 
 
-def _offload(cfg: Any, memory: MemoryEstimate, calib: Calibration,
-             terms: dict[str, dict[str, float]]) -> None:
-    """Adds the offload options' host copies to ``terms`` (module docstring), their bytes read
-    from the memory estimate of the actor's GPUs."""
+def _stream(shape: ModelConfig, part, samples: int, micro_batch: int, calib: Calibration
+            ) -> float:
+    """Seconds the streamed reference (``ref.offload``) copies its weights in one pass: the
+    busiest rank's, once per forward micro-batch, none of it hidden (module docstring)."""
+    lay = part.layout
+    m = max(1, math.ceil(samples / lay.dp / micro_batch))
+    weights = reference_weight_bytes(shape, lay, DTYPE_BYTES[part.engine.dtype])
+    return m * weights / _host_rate(calib)
+
+
+def _offload_optimizer(cfg: Any, memory: MemoryEstimate, calib: Calibration,
+                       terms: dict[str, dict[str, float]]) -> None:
+    """Adds ``hybrid_engine.offload_optimizer``'s host copies to ``terms`` (module docstring),
+    their bytes read from the memory estimate of the actor's GPUs."""
     pool = next(p for p in memory.pools if "actor" in p.groups)
-    if cfg.ref.offload:  # the reference's pool: the actor's, or its own
-        where = next(p for p in memory.pools if "ref" in p.phases.get("inference", {}))
-        ref = where.phases["inference"]["ref"].get("weights", 0)
-        terms["ref_logprobs"]["host_round_trip"] = 2 * ref / _host_rate(calib)
     if cfg.hybrid_engine.offload_optimizer:
         state = pool.phases["actor update"]["actor"].get("optimizer", 0)
         terms["reshard"]["optimizer_out"] = state / _host_rate(calib)
@@ -629,8 +639,8 @@ def model_terms(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration, mo
                 fabric: Fabric) -> dict[str, dict[str, float]]:
     """Phase -> terms of the calls of one ``model`` of the run (MODELS), at its layout as ``cfg``
     places it (``placement.model_layout``; the actor's generation at ``rollout.tp``), its
-    collectives spanning its pool as ``fabric`` says. The offload options' host copies are not
-    in it (``predict`` adds them)."""
+    collectives spanning its pool as ``fabric`` says. ``hybrid_engine.offload_optimizer``'s host
+    copies are not in it (``predict`` adds them); ``ref.offload``'s stream is."""
     response = cfg.rollout.sampling.max_tokens  # the actor's output layer runs over these
     seq = cfg.data.max_prompt_tokens + response
     samples = cfg.train_batch_size * cfg.rollout.sampling.n
@@ -643,8 +653,10 @@ def model_terms(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration, mo
         shape = critic_shape(shapes) if model in TRAINED_CRITICS else shapes[model]
         fwd_mb = micro_batch_rows(cfg.critic.engine, seq, True)
     if model == "reference":  # with LoRA: the actor with its adapters off, the base's forward
-        return {"ref_logprobs": _forward(shape, part, samples, seq, calib, "lm", fwd_mb,
-                                         response=response)}
+        terms = _forward(shape, part, samples, seq, calib, "lm", fwd_mb, response=response)
+        if cfg.ref.offload:
+            terms["host_stream"] = _stream(shape, part, samples, fwd_mb, calib)
+        return {"ref_logprobs": terms}
     if model in ("reward_model", "cost_model"):  # both inside the trainer's reward phase
         return {"reward": _forward(shape, part, samples, seq, calib, "value", fwd_mb)}
     if model in TRAINED_CRITICS:
@@ -685,9 +697,10 @@ def predict(cfg: Any, shapes: dict[str, ModelConfig], calib: Calibration,
                                Fabric.of(cfg, calib, pools[placed.pool].devices_per_node))
                 for m, placed in placement.models.items()}
     memory = estimate_memory(cfg, shapes)
-    # the offloaded phases (ref_logprobs, reshard, back_to_train) each have one model: their
-    # terms are that model's, changed in place
-    _offload(cfg, memory, calib, {p: t for phases in by_model.values() for p, t in phases.items()})
+    # the optimizer's offloaded phases (reshard, back_to_train) each have one model: their terms
+    # are that model's, changed in place
+    _offload_optimizer(cfg, memory, calib,
+                       {p: t for phases in by_model.values() for p, t in phases.items()})
     terms: dict[str, dict[str, float]] = {}
     lanes: dict[str, dict[str, float]] = {}
     for m, phases in by_model.items():

@@ -12,10 +12,12 @@ total, not the sum of the phases:
   switch copies instead of keeping resident: ``plan.copied_own_bytes``, none with
   ``hybrid_engine.resident`` and stacked shards) and the KV cache; the actor's grads are released,
   its optimizer state stays unless ``hybrid_engine.offload_optimizer``, the reference's weights
-  unless ``ref.offload``;
+  unless ``ref.offload`` (then the reference holds nothing on the GPU outside its own pass);
 * ``inference``: the forward-only passes (old and reference log-probs, values and cost values,
   reward and cost scores), one model at a time; everything resident, plus the largest pass's
-  transient;
+  transient; with ``ref.offload`` the reference's pass streams its weights unit by unit
+  (``training/streaming.py``) and holds its two largest units (the one running and the one
+  prefetched, ``streamed_unit_bytes``; any stage's bound) beside its transient;
 * ``actor update`` and, where the algorithm trains them, ``critic update`` and ``cost_critic
   update``: everything resident plus that model's stored activations. The critics (PPO's;
   Safe-RLHF's critic and cost critic) are trained models of ``critic.model``'s shape (default the
@@ -219,7 +221,7 @@ def pool_memory(cfg: Any, shapes: dict[str, ModelConfig], placement, pool) -> Po
     groups = tuple(placement.pool_groups(pool))
     resident: dict[str, dict[str, int]] = {}  # role -> part -> bytes, outside its own phase
     generation: dict[str, dict[str, int]] = {}
-    forward: dict[str, int] = {}  # role -> its forward pass's transient
+    forward: dict[str, dict[str, int]] = {}  # role -> what its forward pass adds, by part
     updates: dict[str, tuple[str, int]] = {}  # phase -> (role, its activations)
     for group in groups:
         layout = placement.models[group].layout
@@ -229,7 +231,7 @@ def pool_memory(cfg: Any, shapes: dict[str, ModelConfig], placement, pool) -> Po
         elif group == "rollout":
             _rollout(cfg, shapes["model"], seq, samples, pool.ranks, resident, generation)
         elif group == "reference":
-            _reference(replace(cfg.actor, layout=layout), shapes["model"], seq,
+            _reference(cfg, replace(cfg.actor, layout=layout), shapes["model"], seq,
                        cfg.rollout.sampling.max_tokens, resident, forward)
         else:
             shape = critic_shape(shapes) if group in TRAINED_CRITICS else shapes[group]
@@ -242,15 +244,11 @@ def pool_memory(cfg: Any, shapes: dict[str, ModelConfig], placement, pool) -> Po
         phases["generation"]["actor"].pop("grads")
         if cfg.hybrid_engine.offload_optimizer:
             phases["generation"]["actor"].pop("optimizer")
-    if cfg.ref.offload and "ref" in phases["generation"]:
-        phases["generation"]["ref"] = {}
-    if forward:  # the passes run one after another: the largest transient counts
-        role = max(forward, key=forward.get)
-        phases["inference"] = _with(resident, role, "forward transient", forward[role])
+    if forward:  # the passes run one after another: the largest one's counts
+        role = max(forward, key=lambda r: sum(forward[r].values()))
+        phases["inference"] = _with(resident, role, forward[role])
     for name, (role, act) in updates.items():
-        phases[name] = _with(resident, role, "activations", act)
-        if cfg.ref.offload:
-            phases[name]["ref"] = {}
+        phases[name] = _with(resident, role, {"activations": act})
     return PoolMemory(groups=groups, ranks=pool.ranks, phases=phases)
 
 
@@ -420,8 +418,8 @@ def out_of_memory_notes(cfg: Any, estimate: MemoryEstimate) -> dict[str, dict[st
         for group in pool.groups:
             update = "update_actor" if group == "actor" else "update_critic"
             for phase, calls in {**PHASE_CALLS, f"{group} update": (update,)}.items():
-                if phase not in pool.phases:
-                    continue
+                if not pool.phases.get(phase) or not pool.total(phase):
+                    continue  # nothing of this group's on these GPUs then (a streamed reference)
                 roles = pool.phases[phase]
                 role = max(roles, key=lambda r: pool.role_bytes(phase, r))
                 key, fix = _fix(cfg, role, roles[role])
@@ -448,10 +446,10 @@ def describe(cfg: Any, estimate: MemoryEstimate) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------
-def _with(resident: dict[str, dict[str, int]], role: str, part: str, value: int
+def _with(resident: dict[str, dict[str, int]], role: str, parts: dict[str, int]
           ) -> dict[str, dict[str, int]]:
-    out = {r: dict(parts) for r, parts in resident.items()}
-    out.setdefault(role, {})[part] = value
+    out = {r: dict(held) for r, held in resident.items()}
+    out.setdefault(role, {}).update(parts)
     return out
 
 
@@ -560,10 +558,10 @@ def _actor(cfg, shape: ModelConfig, seq: int, samples: int, resident, generation
     n, b = param_count(shape), DTYPE_BYTES[actor.engine.dtype]
     resident["actor"] = _train_state(n, actor.layout, actor.engine, shape.num_layers,
                                      largest=shape.vocab_size * shape.hidden_size)
-    if with_ref:
-        resident["ref"] = {"weights": resident["actor"]["weights"]}
     response = r.sampling.max_tokens
-    forward["actor"] = _forward_transient(shape, actor, seq, response)
+    forward["actor"] = {"forward transient": _forward_transient(shape, actor, seq, response)}
+    if with_ref:  # the actor's shape and layout: its pass's transient is the actor's
+        _reference(cfg, actor, shape, seq, response, resident, forward)
     updates["actor update"] = ("actor", _training_activations(shape, actor, seq, samples,
                                                               response))
     if r.mode != "sync":  # a generation pool of its own generates (``_rollout``)
@@ -631,13 +629,38 @@ def _copied_shard_bytes(fields: tuple, t: int, p: int, last: int | None, tg: int
     return max(copied_own_bytes(plan, rank, resident) for rank in range(gen.train.world_size))
 
 
-def _reference(part, shape: ModelConfig, seq: int, response: int, resident, forward) -> None:
-    """The reference in a group of its own: ``part`` the actor's config at its layout;
-    ``response``: the response tokens its logits cover."""
+def _reference(cfg, part, shape: ModelConfig, seq: int, response: int, resident, forward
+               ) -> None:
+    """The reference: ``part`` the actor's config at its layout; ``response``: the response
+    tokens its logits cover. Its weights stay on the GPU, or with ``ref.offload`` its pass holds
+    the two largest units it streams (the one running and the one prefetched; an upper bound
+    for every pipeline stage) and nothing stays between passes."""
     b = DTYPE_BYTES[part.engine.dtype]
-    resident["ref"] = {"weights": int(param_count(shape) * b
-                                      / busiest_rank_split(shape.num_layers, part.layout))}
-    forward["ref"] = _forward_transient(shape, part, seq, response)
+    forward["ref"] = {"forward transient": _forward_transient(shape, part, seq, response)}
+    if cfg.ref.offload:
+        resident["ref"] = {}
+        forward["ref"]["streamed units"] = sum(sorted(streamed_unit_bytes(shape, part.layout.tp,
+                                                                          b))[-2:])
+    else:
+        resident["ref"] = {"weights": reference_weight_bytes(shape, part.layout, b)}
+
+
+def reference_weight_bytes(shape: ModelConfig, layout, b: int) -> int:
+    """The reference's weights on a rank of its busiest pipeline stage, ``b`` bytes a parameter."""
+    return int(param_count(shape) * b / busiest_rank_split(shape.num_layers, layout))
+
+
+def streamed_unit_bytes(shape: ModelConfig, tp: int, b: int) -> list[int]:
+    """Bytes on one TP rank of each unit a streamed engine copies in turn
+    (``training/streaming.py``): the embedding, each layer, the final norm with the output
+    layer (with tied embeddings, the table it reads)."""
+    units: dict = {}
+    for m in llama_param_metas(shape):
+        key = m.layer if m.position == "layer" else m.position
+        units[key] = units.get(key, 0) + math.prod(m.shape) // (1 if m.tp_dim is None else tp)
+    if shape.tie_embeddings:
+        units["post"] = units.get("post", 0) + units["pre"]
+    return [n * b for n in units.values()]
 
 
 def _critic_side(critic, group: str, shape: ModelConfig, seq: int, samples: int, resident,
@@ -653,7 +676,7 @@ def _critic_side(critic, group: str, shape: ModelConfig, seq: int, samples: int,
         b = DTYPE_BYTES[critic.engine.dtype]
         resident[group] = {"weights": int(n * b / busiest_rank_split(shape.num_layers,
                                                                       critic.layout))}
-    forward[group] = _forward_transient(shape, critic, seq, None)
+    forward[group] = {"forward transient": _forward_transient(shape, critic, seq, None)}
 
 
 def _fix(cfg, role: str, parts: dict[str, int]) -> tuple[str, str]:

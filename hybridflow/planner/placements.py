@@ -23,9 +23,10 @@ gets, each model's training layout on them and the actor's generation tp. Enumer
 
 Price: each model's calls are ``cost.model_terms`` at its layout, its collectives spanning its
 pool's nodes; within a set the calls add up; a placement's step is ``cost.staged_step`` over its
-sets (the stages in turn, each as long as its busiest set). The offload options' host copies
-are left out of the ranking; the rows printed are ``cost.predict`` of the config each
-placement makes, which counts them.
+sets (the stages in turn, each as long as its busiest set). ``ref.offload``'s stream is in the
+reference's calls; ``hybrid_engine.offload_optimizer``'s host copies are left out of the
+ranking; the rows printed are ``cost.predict`` of the config each placement makes, which counts
+them.
 """
 
 from __future__ import annotations

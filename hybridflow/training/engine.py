@@ -24,6 +24,14 @@ short response's. Log-probs and entropy are then 0 before each row's first respo
 Everything before the output layer (every pipeline stage, the activations between them) still
 runs over the whole sequence. A batch without ``response_mask``, a value head and
 ``compute_logits`` compute every position.
+
+Streamed weights (``stream_weights``; the reference with ``ref.offload``): a frozen engine keeps
+its weights in host memory and each forward brings them to the device one unit at a time (the
+embedding, each transformer layer, the final norm with the output layer), the next unit's copy on
+a side CUDA stream overlapping the current one's kernels, each dropped after it ran: a pass holds
+at most two units' weights, and each micro-batch copies the rank's weights once
+(``training/streaming.py``). Between passes its parameters are empty placeholders. This is the
+one mechanism behind ``ref.offload`` (it replaced reloading the whole model for each pass).
 """
 
 from __future__ import annotations
@@ -53,6 +61,7 @@ from hybridflow.training.model import (ADAPTER_SUFFIXES, VALUE_HEAD, ValueHead, 
                                        batch_attention_mask, batch_position_ids,
                                        check_model_fits_layout, global_name, shift_right,
                                        transformer_config)
+from hybridflow.training.streaming import StreamedWeights
 
 
 # A loss function sees this micro-batch's per-token outputs [b, s] -- log-probs for an LM head,
@@ -170,6 +179,9 @@ class TrainEngine:
     replaces it with a scalar ValueHead (per-token values) for critics and reward models.
     ``lora`` (with rank > 0) freezes the model and trains LoRA
     adapters on its linears instead (``self.adapters``)."""
+
+    streamed: StreamedWeights | None = None
+    """Set by ``stream_weights``: the weights live in host memory and come unit by unit."""
 
     def __init__(self, model: ModelConfig, layout: TrainLayout, engine: EngineConfig,
                  *, build_optimizer: bool = True, head: str = "lm",
@@ -368,23 +380,15 @@ class TrainEngine:
         if self.optimizer is not None:
             self.optimizer.reload_model_params()
 
-    def offload_weights(self) -> None:
-        """Move the weights to host memory (a reference model between uses); a no-op on CPU.
-        Only for engines without an optimizer: Megatron's buffers keep device views."""
-        self._move_weights(torch.device("cpu"))
-
-    def reload_weights(self) -> None:
-        self._move_weights(self.device)
-
-    def _move_weights(self, device: torch.device) -> None:
+    def stream_weights(self) -> None:
+        """From now on keep the weights in host memory and bring them to the device unit by unit
+        during each pass (module docstring: streamed weights). Only for engines without an
+        optimizer (a reference): nothing may write the weights, and a streamed engine's
+        parameters are empty placeholders between passes."""
         if self.optimizer is not None:
-            raise ValueError("only an engine without an optimizer (a reference) can be offloaded")
-        if self.device.type == "cpu":
-            return
-        for _, param in self.named_local_params():
-            moved = param.data.to(device, non_blocking=True)
-            param.data = moved.pin_memory() if device.type == "cpu" else moved
-        torch.cuda.synchronize()
+            raise ValueError("only an engine without an optimizer (a reference) can stream its "
+                             "weights")
+        self.streamed = StreamedWeights([chunk.module for chunk in self.chunks], self.device)
 
     # ----------------------------------------------------------------------------- compute
     def _micro_batches(self, batch: dict[str, torch.Tensor], forward_only: bool
@@ -498,11 +502,15 @@ class TrainEngine:
         iters = [iter(mbs) for _ in self.chunks] if len(self.chunks) > 1 else iter(mbs)
         # seq_length and micro_batch_size give the p2p shapes unless variable_seq_lengths (the
         # token budget), where each activation's shape travels before it.
-        fb(forward_step_func=self._forward_step(loss_fn, outputs, logits, entropy),
-           data_iterator=iters,
-           model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
-           num_microbatches=len(mbs), seq_length=mbs[0]["_ids"].shape[1],
-           micro_batch_size=mbs[0]["_ids"].shape[0], forward_only=forward_only)
+        try:
+            fb(forward_step_func=self._forward_step(loss_fn, outputs, logits, entropy),
+               data_iterator=iters,
+               model=self.chunks if len(self.chunks) > 1 else self.chunks[0],
+               num_microbatches=len(mbs), seq_length=mbs[0]["_ids"].shape[1],
+               micro_batch_size=mbs[0]["_ids"].shape[0], forward_only=forward_only)
+        finally:
+            if self.streamed is not None:  # a pass that raised part-way leaves no unit behind
+                self.streamed.release()
         return outputs, mbs
 
     def _from_last_stage(self, obj):

@@ -46,7 +46,7 @@ class ActorRolloutRefWorker(Worker):
                  hybrid_engine, weight_sync, model_dir: str, seed: int, pad_token_id: int,
                  max_prompt_tokens: int, with_ref: bool = True, generates: bool = True):
         super().__init__(rank, world_size, rendezvous)
-        self.actor_cfg, self.rollout_cfg, self.ref_cfg = actor, rollout, ref
+        self.actor_cfg, self.rollout_cfg = actor, rollout
         self.model_dir, self.seed, self.pad_token_id = model_dir, seed, pad_token_id
         self.max_prompt_tokens = max_prompt_tokens
         self.model_config = load_hf_config(model_dir)
@@ -60,7 +60,7 @@ class ActorRolloutRefWorker(Worker):
                                    build_optimizer=False)
             load_hf_into_engine(self.ref, model_dir)
             if ref.offload:
-                self.ref.offload_weights()
+                self.ref.stream_weights()
         self.dp_group = self.actor.pg.dp
         self.weight_sync = weight_sync
         self._push, self._pushes = None, 0  # the push group (made at the first push), pushes
@@ -158,7 +158,7 @@ class ActorRolloutRefWorker(Worker):
         if self.ref is None:
             with self.actor.adapters.disabled():
                 return Batch({"ref_logprobs": self.actor.compute_logprobs(logprob_batch(batch))})
-        return reference_log_probs(self.ref, batch, self.ref_cfg.offload)
+        return reference_log_probs(self.ref, batch)
 
     # ----------------------------------------------------------------------------- update
     def update_actor(self, batch: Batch) -> Batch:

@@ -21,16 +21,16 @@ class ReferenceWorker(Worker):
     def __init__(self, rank: int, world_size: int, rendezvous: Rendezvous, *, layout, engine,
                  ref, model_dir: str):
         super().__init__(rank, world_size, rendezvous)
-        self.layout, self.ref_cfg = layout, ref
+        self.layout = layout
         engine = replace(engine, sequence_parallel=engine.sequence_parallel and layout.tp > 1)
         self.engine = TrainEngine(load_hf_config(model_dir), layout, engine,
                                   build_optimizer=False)
         load_hf_into_engine(self.engine, model_dir)
         if ref.offload:
-            self.engine.offload_weights()
+            self.engine.stream_weights()
 
     def dispatch_info(self, view: str) -> tuple[int, bool]:
         return train_view(self.layout, self.rank)
 
     def compute_ref_log_prob(self, batch: Batch) -> Batch:
-        return reference_log_probs(self.engine, batch, self.ref_cfg.offload)
+        return reference_log_probs(self.engine, batch)

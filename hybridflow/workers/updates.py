@@ -34,15 +34,10 @@ def logprob_batch(batch: Batch) -> dict[str, torch.Tensor]:
     return engine_batch(batch, *(["response_mask"] if "response_mask" in batch else []))
 
 
-def reference_log_probs(engine, batch: Batch, offload: bool) -> Batch:
-    """``ref_logprobs`` of the frozen reference ``engine``; with ``offload`` its weights come back
-    from host memory for the pass and go back after it."""
-    if offload:
-        engine.reload_weights()
-    logprobs = engine.compute_logprobs(logprob_batch(batch))
-    if offload:
-        engine.offload_weights()
-    return Batch({"ref_logprobs": logprobs})
+def reference_log_probs(engine, batch: Batch) -> Batch:
+    """``ref_logprobs`` of the frozen reference ``engine`` (with ``ref.offload`` its weights
+    stream from host memory during the pass: ``TrainEngine.stream_weights``)."""
+    return Batch({"ref_logprobs": engine.compute_logprobs(logprob_batch(batch))})
 
 
 def global_count(x: torch.Tensor, group) -> float:

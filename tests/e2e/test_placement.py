@@ -1,7 +1,8 @@
 """Placements end to end on Ray with tiny models (2 CPU cores: single-rank pools stand in for
 devices): PPO with the actor side and the critic side on pools of their own, and with every model
 standalone, computes what the colocated run computes, row for row, while the pools' calls
-overlap."""
+overlap; in both, the reference streams its weights (``ref.offload``: in the actor's processes,
+then in a group of its own) and gives the resident reference's log-probs."""
 
 import json
 from pathlib import Path
@@ -52,7 +53,7 @@ def calls(trace_path):
 
 def test_split_and_standalone_compute_what_colocate_does(tmp_path):
     colocated = train(ppo(tmp_path, "colocate"))
-    split = train(ppo(tmp_path, "split", "placement.preset=split"))
+    split = train(ppo(tmp_path, "split", "placement.preset=split", "ref.offload=true"))
     assert [computed(r) for r in split] == [computed(r) for r in colocated]
     # The actor's and the critic's calls ran at the same time: the critic's update inside the
     # actor's, the values beside the log-probs.
@@ -67,7 +68,7 @@ def test_split_and_standalone_compute_what_colocate_does(tmp_path):
         assert a0 < c1 and c0 < a1, "the two updates did not overlap"
     # Every model on a pool of its own: the reference in a group of its own (ReferenceWorker)
     # gives the log-probs the actor's processes gave.
-    alone = train(ppo(tmp_path, "standalone", "placement.preset=standalone"))
+    alone = train(ppo(tmp_path, "standalone", "placement.preset=standalone", "ref.offload=true"))
     assert [computed(r) for r in alone] == [computed(r) for r in colocated]
     pools = {pool for pool, *_ in calls(tmp_path / "standalone" / "timeline.json")}
     assert pools == {"actor", "reference", "critic", "reward_model"}

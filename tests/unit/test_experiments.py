@@ -13,7 +13,8 @@ from hybridflow.cli import main
 from hybridflow.config import RLConfig, load_config, to_yaml
 from hybridflow.config.placement import resolve_placement
 from hybridflow.preflight import check_run
-from hybridflow.planner.memory import estimate_memory, layer_activation_bytes, param_count
+from hybridflow.planner.memory import (estimate_memory, layer_activation_bytes, param_count,
+                                      streamed_unit_bytes)
 from hybridflow.data.loader import tokenize_prompts
 from hybridflow.data.prompts import SYNTHETIC_FIRST_ID, PromptDataConfig, load_prompts
 from hybridflow.errors import ConfigError
@@ -573,6 +574,22 @@ def test_memory_estimate_by_hand():
     assert pool.phases["generation"]["actor"] == {
         "weights": adapted * 2 // 2 + a * 2 // 2, "optimizer": lora["optimizer"],
         "generation weights": p * 2}
+
+    # ref.offload: the reference holds nothing outside its own pass, which streams it unit by
+    # unit (the embedding 1000*64/2, each layer (8192 + 4096 + 16384 + 8192)/2 + 128, the final
+    # norm with the output layer 64 + 1000*64/2, at tp=2) and holds the two largest, here the
+    # embedding and the output layer, beside its transient (the actor's: same model and layout)
+    (base,), (off,) = (estimate_memory(load_config(RLConfig, None, [*cfg_args, *extra]),
+                                       {"model": shape}).pools
+                       for extra in ([], ["ref.offload=true"]))
+    assert streamed_unit_bytes(shape, 2, 2) == [2 * 32000, 2 * 18560, 2 * 18560, 2 * 32064]
+    tied = ModelConfig(**{**shape.__dict__, "tie_embeddings": True})  # the output reads the table
+    assert streamed_unit_bytes(tied, 2, 2) == [2 * 32000, 2 * 18560, 2 * 18560, 2 * 32064]
+    units = 2 * 32000 + 2 * 32064
+    assert off.phases["inference"]["ref"] == {"forward transient": 17 * 1000 / 2 * (2 + 4),
+                                              "streamed units": units}
+    assert off.phases["generation"]["ref"] == off.phases["actor update"]["ref"] == {}
+    assert off.total("inference") == base.total("inference") - weights + units
 
 
 def paper(name, *overrides):

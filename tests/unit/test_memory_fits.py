@@ -72,6 +72,27 @@ def test_the_notes_a_cuda_out_of_memory_error_names():
     assert "update_critic" not in notes["reward_model"]  # no critic update phase: not trained
 
 
+def test_the_notes_of_a_streamed_reference_in_a_group_of_its_own():
+    # ref.offload: outside its pass the reference holds nothing on its GPU (its generation phase
+    # is empty); its pass's note names the inference phase: its two largest units (2 layers of
+    # 7B, 0.75 GiB) beside the pass's transient
+    from hybridflow.config.loader import load_config
+    from hybridflow.config.rl import RLConfig
+    from hybridflow.config.sources import model_sources
+    from hybridflow.planner.memory import estimate_memory, out_of_memory_notes
+
+    run = [a for a in RUN if not a.startswith("actor.lora")]
+    cfg = load_config(RLConfig, None, [*run, "actor.engine.micro_batch_size=8",
+                                       "placement.preset=standalone", "ref.offload=true",
+                                       "ray.gpu_memory_gib=75"])
+    estimate = estimate_memory(cfg, model_sources(cfg)[1])
+    (pool,) = [p for p in estimate.pools if p.groups == ("reference",)]
+    assert pool.total("generation") == 0
+    assert pool.phases["inference"]["ref"]["streamed units"] == 2 * 202383360 * 2
+    note = out_of_memory_notes(cfg, estimate)["reference"]["compute_ref_log_prob"]
+    assert note.startswith("the inference phase, estimated at 1.5 GiB per GPU"), note
+
+
 # ------------------------------------------------------------------------------------------------
 # micro_batch_size: auto and max_tokens_per_micro_batch: auto, sized to the GPU's memory
 

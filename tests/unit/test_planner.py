@@ -247,16 +247,22 @@ def test_offload_moves_the_estimated_bytes_at_the_host_rate():
     base = predict(config(), {"model": SHAPE}, calib)
     off = predict(config("ref.offload=true", "hybrid_engine.offload_optimizer=true"),
                   {"model": SHAPE}, calib)
-    # The reference's fp32 weights (6736 parameters) come in before its pass and go back after
-    # it; Adam's two fp32 moments (8 bytes a parameter) go out for generation and come back.
+    # The reference's fp32 weights (6736 parameters) stream in once per forward micro-batch (4
+    # samples, 2 a micro-batch) and nothing goes back; Adam's two fp32 moments (8 bytes a
+    # parameter) go out for generation and come back.
     weights, moments = 4 * (N + 64 * 16), 8 * (N + 64 * 16)
     assert off.terms["ref_logprobs"] == pytest.approx(
-        base.terms["ref_logprobs"] | {"host_round_trip": 2 * weights / 2e8}, rel=1e-12)
+        base.terms["ref_logprobs"] | {"host_stream": 2 * weights / 2e8}, rel=1e-12)
     assert off.terms["reshard"] == pytest.approx(
         base.terms["reshard"] | {"optimizer_out": moments / 2e8}, rel=1e-12)
     assert off.terms["back_to_train"] == pytest.approx(
         base.terms["back_to_train"] | {"optimizer_in": moments / 2e8}, rel=1e-12)
     assert off.step == pytest.approx(base.step + (2 * weights + 2 * moments) / 2e8, rel=1e-12)
+    # one sequence a forward micro-batch: four copies of the weights
+    one = predict(config("ref.offload=true", "actor.engine.forward_micro_batch_size=1"),
+                  {"model": SHAPE}, calib)
+    assert one.terms["ref_logprobs"]["host_stream"] == pytest.approx(4 * weights / 2e8,
+                                                                     rel=1e-12)
 
 
 def test_lora_terms_split_over_the_stages_and_take_the_training_efficiency():
