@@ -36,11 +36,11 @@ from __future__ import annotations
 import math
 import queue
 import threading
-import weakref
 
 import torch
 
 from hybridflow.training.config import OptimConfig
+from hybridflow.training.host_memory import locked_buffer
 
 IN_FLIGHT = 4
 """Gradients copied or being added that the backward runs ahead of: beyond, its hook waits for
@@ -73,11 +73,8 @@ class HostAdam:
                 self._where[id(p)] = (g, offset)
                 offset += p.numel()
             sizes.append(offset)
-        self.main = [self._host_buffer(n) for n in sizes]
-        self.grad = [self._host_buffer(n) for n in sizes]
-        if self.cuda:  # unlocked before the buffers are freed, with this optimizer
-            weakref.finalize(self, _unregister, [b.data_ptr() for b in self.main + self.grad
-                                                 if b.numel()])
+        self.main, self.grad = ([locked_buffer(n, torch.float32, self, self.cuda).zero_()
+                                 for n in sizes] for _ in range(2))
         flat = [torch.nn.Parameter(m, requires_grad=False) for m in self.main]
         for p, g in zip(flat, self.grad):
             p.grad = g
@@ -96,17 +93,6 @@ class HostAdam:
         self._squares: dict[int, float] = {}
         for p in self.params:
             p.register_post_accumulate_grad_hook(self._arrive)
-
-    def _host_buffer(self, numel: int) -> torch.Tensor:
-        """A flat fp32 host buffer, page-locked in place where a GPU copies to and from it."""
-        buf = torch.zeros(numel, dtype=torch.float32)
-        if self.cuda and numel:
-            err = torch.cuda.cudart().cudaHostRegister(buf.data_ptr(), numel * 4, 0)
-            if int(err) != 0:
-                raise RuntimeError(f"cudaHostRegister of {numel * 4 / 2**30:.1f} GiB failed "
-                                   f"(error {int(err)}): is the host's memory locked by a limit "
-                                   "(ulimit -l)?")
-        return buf
 
     def _slice(self, buffers: list[torch.Tensor], p: torch.Tensor) -> torch.Tensor:
         g, offset = self._where[id(p)]
@@ -267,7 +253,3 @@ class HostAdam:
         for name, tensor in self._state_tensors().items():
             tensor.copy_(loaded[name])
 
-
-def _unregister(pointers: list[int]) -> None:
-    for pointer in pointers:
-        torch.cuda.cudart().cudaHostUnregister(pointer)

@@ -27,6 +27,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from hybridflow.training.host_memory import locked_buffer
+
 
 @dataclass(eq=False)
 class Unit:
@@ -76,17 +78,28 @@ class StreamedWeights:
         if stray:
             raise ValueError(f"parameters outside every streamed unit: {stray}")
         self.copy_stream = torch.cuda.Stream(device) if device.type == "cuda" else None
-        homes: dict[int, torch.Tensor] = {}  # a tied table has one home
+        homes = self._homes(list({id(p): p for u in self.units for p in u.params}.values()))
         for unit in self.units:
-            for p in unit.params:
-                if id(p) not in homes:
-                    homes[id(p)] = (p.data.cpu().pin_memory() if self.copy_stream is not None
-                                    else p.data)
-                unit.host.append(homes[id(p)])
+            unit.host = [homes[id(p)] for p in unit.params]  # a tied table has one home
         for unit in self.units:
             self._drop(unit)
             unit.first.register_forward_pre_hook(lambda *_, unit=unit: self._before(unit))
             unit.last.register_forward_hook(lambda *_, unit=unit: self._drop(unit))
+
+    def _homes(self, params: list[torch.nn.Parameter]) -> dict[int, torch.Tensor]:
+        """Each parameter's host copy: on CUDA views of one page-locked buffer per dtype
+        (``host_memory``), on CPU the tensor itself."""
+        if self.copy_stream is None:
+            return {id(p): p.data for p in params}
+        homes = {}
+        for dtype in {p.dtype for p in params}:
+            group = [p for p in params if p.dtype == dtype]
+            flat = locked_buffer(sum(p.numel() for p in group), dtype, self, lock=True)
+            offset = 0
+            for p in group:
+                homes[id(p)] = flat[offset:offset + p.numel()].view(p.shape).copy_(p.data)
+                offset += p.numel()
+        return homes
 
     def _before(self, unit: Unit) -> None:
         if unit.device is None:

@@ -50,17 +50,18 @@ class ActorRolloutRefWorker(Worker):
         self.model_dir, self.seed, self.pad_token_id = model_dir, seed, pad_token_id
         self.max_prompt_tokens = max_prompt_tokens
         self.model_config = load_hf_config(model_dir)
-        self.actor = TrainEngine(self.model_config, actor.layout, actor.engine, lora=actor.lora)
-        load_hf_into_engine(self.actor, model_dir)
         # The reference is always somewhere: its KL to the actor is logged every step. With LoRA
-        # it is the actor's frozen base with the adapters off.
+        # it is the actor's frozen base with the adapters off. Built first: a streamed one has
+        # left the device before the actor arrives (the two whole never share it).
         self.ref = None
-        if self.actor.adapters is None and with_ref:
+        if not actor.lora.enabled and with_ref:
             self.ref = TrainEngine(self.model_config, actor.layout, actor.engine,
                                    build_optimizer=False)
             load_hf_into_engine(self.ref, model_dir)
             if ref.offload:
                 self.ref.stream_weights()
+        self.actor = TrainEngine(self.model_config, actor.layout, actor.engine, lora=actor.lora)
+        load_hf_into_engine(self.actor, model_dir)
         self.dp_group = self.actor.pg.dp
         self.weight_sync = weight_sync
         self._push, self._pushes = None, 0  # the push group (made at the first push), pushes
