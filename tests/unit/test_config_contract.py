@@ -148,6 +148,8 @@ PROBES = [  # (overrides, the key the error must name, a piece of its message)
     (["algorithm.lam=0.9"], "algorithm.lam", "no effect"),
     (["algorithm.kl_coef=0.1"], "algorithm.kl_coef", "kl_in_reward=true"),
     (["critic.engine.optim.lr=0.1"], "critic.engine.optim", "no effect"),
+    (["critic.engine.recompute=true"], "critic.engine.recompute", "no effect"),
+    (["actor.engine.recompute=maybe"], "actor.engine.recompute", "maybe"),
     (["actor.engine.max_tokens_per_micro_batch=64", "actor.engine.forward_micro_batch_size=4"],
      "actor.engine.forward_micro_batch_size", "set actor.engine.max_tokens_per_micro_batch=null"),
     (["name=../x"], "name", "plain name"),
