@@ -413,6 +413,21 @@ def test_the_readme_table_is_what_check_estimates():
                                                      for p in pool.phases), path
 
 
+def test_the_readmes_recompute_figures_are_what_check_estimates():
+    # "PPO 70B's actor and critic updates take 40.5 and 42.8 GiB instead of 46.5 and 55.2"
+    from hybridflow.planner.memory import GIB
+    text = " ".join((EXPERIMENTS / "README.md").read_text().split())
+    path = EXPERIMENTS / "paper" / "ppo" / "llama2_70b.yaml"
+    figures = []
+    for overrides in (["actor.engine.recompute=true", "critic.engine.recompute=true"], []):
+        cfg = load_config(RLConfig, path, overrides)
+        (pool,) = estimate_memory(cfg, {k: SHAPES[getattr(cfg, k)]
+                                        for k in ("model", "reward_model")}).pools
+        figures += [f"{pool.total(p) / GIB:.1f}" for p in ("actor update", "critic update")]
+    assert "PPO 70B's actor and critic updates take {} and {} GiB instead of {} and {}".format(
+        *figures) in text, figures
+
+
 # ------------------------------------------------------------------------------------------------
 # shape presets
 
