@@ -15,6 +15,11 @@ logsumexp to 32 queries and may pad the mask's rows to 16 keys, which the estima
 (0.3% at 16 tokens). The formula before (the unfused attention's fp32 score
 matrices, ``(4 + B) a s`` bytes a token) misses every case by 7% or more: 15-22% low at 16
 tokens, 52-194% high at 384.
+
+With ``engine.recompute`` (full activation recompute), a forward of the whole model with it off
+and on: what it stops keeping is every layer's activations less ``checkpoint_bytes`` (each
+layer's input, the boolean mask), and its backward recomputes each layer once, keeping one
+layer's activations each time.
 """
 
 import torch
@@ -131,7 +136,8 @@ def measure_recompute(rank, world, model_kw, dtype):
 
 def test_recompute_keeps_each_layers_input_and_one_layer_in_the_backward():
     """With ``engine.recompute`` the forward keeps, of the layers, ``checkpoint_bytes`` in place
-    of ``layer_activation_bytes`` each (the rest -- embedding, final norm, logits -- unchanged),
+    of ``layer_activation_bytes`` each (the rest -- embedding, final norm, logits -- unchanged;
+    the test compares the two forwards' difference),
     and the backward recomputes each layer once, keeping one layer's activations each time.
     Beside the estimate's terms: the RoPE tables, which a layer computes from the angles
     [s, 1, 1, head_dim] (fp32) as cos and sin in the dtype; without recompute every layer keeps
@@ -149,10 +155,15 @@ def test_recompute_keeps_each_layers_input_and_one_layer_in_the_backward():
                                            dtype=dtype, device=device)
             angles, cos_sin = 4 * s * model.head_dim, 2 * DTYPE_BYTES[dtype] * s * model.head_dim
             layers = model.num_layers
-            want = (off - cos_sin - layers * layer + angles
-                    + checkpoint_bytes(model, s, b, layers, tp=1, sequence_parallel=False,
-                                       dtype=dtype))
-            assert abs(want / on - 1) < TOLERANCE[device], (name, dtype, on, want)
+            # what recompute saves, against the estimate's terms: to the byte on CPU (the mask
+            # alone is 0.5% of it); on CUDA the layers' padded bytes are a share of the
+            # difference, not of the small remainder
+            saved = (layers * layer + cos_sin - angles
+                     - checkpoint_bytes(model, s, b, layers, tp=1, sequence_parallel=False,
+                                        dtype=dtype))
+            tolerance = 0 if device == "cpu" else TOLERANCE[device]
+            assert abs(saved - (off - on)) <= tolerance * (off - on), (name, dtype, off, on,
+                                                                      saved)
             assert on < off / 4, (name, dtype, on, off)
             assert none == [] and len(recomputed) == layers, (none, recomputed)
             for got in recomputed:
