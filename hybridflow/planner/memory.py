@@ -706,6 +706,9 @@ def _fix(cfg, role: str, parts: dict[str, int]) -> tuple[str, str]:
         if section == "actor" and lay.tp > 1 and not eng.sequence_parallel:
             return "actor.engine.sequence_parallel", "set it to true: it splits the stored " \
                                                      "activations over tp"
+        if not eng.recompute:
+            return f"{section}.engine.recompute", "set it to true: each layer then keeps only " \
+                                                  "its input for the backward"
     if lay.tp * 2 <= nodes:
         return f"{key}.tp", (f"raise it (tp={lay.tp} now; up to cluster.gpus_per_node={nodes}) or "
                              f"{key}.pp, lowering {key}.dp to keep the world size")

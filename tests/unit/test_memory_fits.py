@@ -72,6 +72,18 @@ def test_the_notes_a_cuda_out_of_memory_error_names():
     assert notes["actor"]["generate"].startswith("the generation phase, estimated at 70.7 GiB")
     assert notes["reward_model"]["compute_scores"].startswith("the inference phase")
     assert "update_critic" not in notes["reward_model"]  # no critic update phase: not trained
+    # one sequence a micro-batch, tp = 1: recompute is what is left to turn
+    cfg = load_config(RLConfig, None, [*RUN, "actor.engine.micro_batch_size=1",
+                                       "data.max_prompt_tokens=3584"])
+    notes = out_of_memory_notes(cfg, estimate_memory(cfg, model_sources(cfg)[1]))
+    assert notes["actor"]["update_actor"].endswith(
+        "(actor's the largest part); actor.engine.recompute: set it to true: each layer then "
+        "keeps only its input for the backward"), notes["actor"]["update_actor"]
+    cfg = load_config(RLConfig, None, [*RUN, "actor.engine.micro_batch_size=1",
+                                       "data.max_prompt_tokens=3584",
+                                       "actor.engine.recompute=true"])
+    notes = out_of_memory_notes(cfg, estimate_memory(cfg, model_sources(cfg)[1]))
+    assert "actor.engine.recompute" not in notes["actor"]["update_actor"]
 
 
 # ------------------------------------------------------------------------------------------------
