@@ -7,8 +7,8 @@ backward), once with it off -- so the equality is not that of a switch doing not
 One process: fixed-size micro-batches (two), a token budget, the entropy in the loss, LoRA (a
 frozen embedding before the checkpointed layers), a value head, bf16. Two processes: TP=2 with
 sequence parallelism, TP=2 with LoRA, PP=2 (1F1B over four micro-batches), PP=2 with virtual
-stages (interleaved), PP=2 under a token budget. What the recompute saves is
-tests/unit/test_memory_terms.py's.
+stages (interleaved), PP=2 split 1 + 3 layers (``last_stage_layers``), PP=2 under a token
+budget. What the recompute saves is tests/unit/test_memory_terms.py's.
 """
 
 import pytest
@@ -32,6 +32,8 @@ PAIR = {"tp2 sp": (dict(tp=2), dict(micro_batch_size=4, sequence_parallel=True),
         "tp2 lora": (dict(tp=2), dict(micro_batch_size=4), 4, "lm", False),
         "pp2": (dict(pp=2), dict(micro_batch_size=2), 0, "lm", False),
         "pp2 vpp2": (dict(pp=2, vpp=2), dict(micro_batch_size=2), 0, "lm", False),
+        "pp2 uneven": (dict(pp=2, last_stage_layers=3), dict(micro_batch_size=2), 0, "lm",
+                       False),
         "pp2 budget": (dict(pp=2), dict(max_tokens_per_micro_batch=BUDGET), 0, "lm", False)}
 
 
