@@ -119,3 +119,81 @@ def test_one_process_recompute_changes_nothing(single, name):
 @pytest.mark.parametrize("name", PAIR)
 def test_two_processes_recompute_changes_nothing(pair, name):
     check(pair, name)
+
+
+# On a GPU: bf16, Megatron's CUDA RNG tracker saved and restored around each recompute (the CPU
+# skips it: megatron_patches), the fused SwiGLU and the weight gradients added into main_grad
+# inside the recomputed layers. Small vocabulary, so that the layers' activations are most of
+# the step's.
+GPU_MODEL = dict(vocab_size=4096, hidden_size=1024, ffn_hidden_size=2816, num_layers=8,
+                 num_heads=16, num_kv_heads=4, head_dim=64, max_position_embeddings=512)
+GPU_ROWS, GPU_SEQ = 8, 256
+
+
+def gpu_run(rank, world):
+    """Per recompute setting, two SGD steps of one micro-batch of GPU_ROWS x GPU_SEQ tokens: the
+    second's loss and grad norm, the weights after it, and the allocator's peak during it above
+    what was allocated before it (the first step warms up: cuBLAS workspaces, compiled
+    kernels)."""
+    import gc
+
+    from hybridflow.models.config import ModelConfig
+    from hybridflow.models.params import init_full_weights, llama_param_metas
+    from hybridflow.parallel.layout import TrainLayout
+    from hybridflow.training.config import EngineConfig, OptimConfig
+    from hybridflow.training.engine import TrainEngine
+
+    model = ModelConfig(**GPU_MODEL)
+    full = init_full_weights(llama_param_metas(model), seed=3, std=0.02)
+    g = torch.Generator().manual_seed(0)
+    batch = {"input_ids": torch.randint(0, model.vocab_size, (GPU_ROWS, GPU_SEQ), generator=g),
+             "attention_mask": torch.ones(GPU_ROWS, GPU_SEQ, dtype=torch.long)}
+
+    def loss_fn(logprobs, mb):
+        return -logprobs.sum() / (GPU_ROWS * GPU_SEQ), {}
+
+    out = {"initial": {k: v.to(torch.bfloat16).float() for k, v in full.items()}}
+    for recompute in (False, True):
+        engine = TrainEngine(model, TrainLayout(), EngineConfig(
+            dtype="bf16", micro_batch_size=GPU_ROWS, recompute=recompute,
+            optim=OptimConfig(name="sgd", lr=0.5, clip_grad=0.0)))
+        engine.load_full_weights(full)
+        engine.train_step(batch, loss_fn)
+        torch.cuda.synchronize()
+        torch.cuda.reset_peak_memory_stats()
+        before = torch.cuda.memory_allocated()
+        metrics = engine.train_step(batch, loss_fn)
+        torch.cuda.synchronize()
+        out[recompute] = {"loss": metrics["loss"], "grad_norm": metrics["grad_norm"],
+                          "peak": torch.cuda.max_memory_allocated() - before,
+                          "weights": {k: v.float().cpu()
+                                      for k, v in engine.full_weights().items()}}
+        del engine
+        gc.collect()
+        torch.cuda.empty_cache()
+    return out
+
+
+@pytest.mark.gpu
+def test_on_a_gpu_recompute_changes_nothing_and_saves_what_the_estimate_says():
+    from hybridflow.models.config import ModelConfig
+    from hybridflow.planner.memory import checkpoint_bytes, layer_activation_bytes
+
+    out = spawn(gpu_run, 1, backend="nccl")[0]
+    off, on = out[False], out[True]
+    assert on["loss"] == pytest.approx(off["loss"], rel=1e-3)
+    assert on["grad_norm"] == pytest.approx(off["grad_norm"], rel=1e-2)
+    # the two steps moved the weights alike: apart by a small share of how far they moved
+    moved = sum((w - out["initial"][k]).norm() ** 2 for k, w in off["weights"].items()) ** 0.5
+    apart = sum((on["weights"][k] - w).norm() ** 2 for k, w in off["weights"].items()) ** 0.5
+    assert moved > 0 and apart < 0.02 * moved, (float(apart), float(moved))
+    # the peak drops by the estimate's difference: every layer's activations and the logits
+    # against the layers' inputs and the larger of one layer's and the logits (pp = 1, one
+    # micro-batch, every position's logits: no response mask)
+    model = ModelConfig(**GPU_MODEL)
+    layer = layer_activation_bytes(model, GPU_SEQ, GPU_ROWS, 1, False, "bf16")
+    logits = GPU_ROWS * GPU_SEQ * model.vocab_size * (2 + 8)  # bf16, the fp32 softmax, its grad
+    kept = checkpoint_bytes(model, GPU_SEQ, GPU_ROWS, model.num_layers, 1, False, "bf16")
+    want = model.num_layers * layer + logits - (kept + max(layer, logits))
+    got = off["peak"] - on["peak"]
+    assert abs(got / want - 1) < 0.15, (got, want, off["peak"], on["peak"])

@@ -114,7 +114,8 @@ def measure_recompute(rank, world, model_kw, dtype):
     for recompute in (False, True):
         gpt = TrainEngine(model, TrainLayout(), EngineConfig(dtype=dtype, recompute=recompute)
                           ).chunks[0].module
-        ids, mask = ids.to(gpt.embedding.word_embeddings.weight.device), mask.to(ids.device)
+        device = gpt.embedding.word_embeddings.weight.device
+        ids, mask = ids.to(device), mask.to(device)
         params = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
         losses = []
         forward = saved_bytes(lambda: losses.append(gpt(
@@ -131,7 +132,7 @@ def measure_recompute(rank, world, model_kw, dtype):
         with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
             losses[0].sum().backward()
         out[recompute] = forward, [sum(kept.values()) for kept in per_layer]
-    return gpt.embedding.word_embeddings.weight.device.type, out
+    return device.type, out
 
 
 def test_recompute_keeps_each_layers_input_and_one_layer_in_the_backward():
