@@ -38,9 +38,9 @@ of that dtype, B the device copy bandwidth, G(n) the all-gather rate in a group 
   host work of their layers (``host``, ``weights`` below), a pass profile's training efficiency
   dividing them as it divides the rest; the data-parallel gradient all-reduce (``2 (d-1)/d`` of
   the fp32 grads per optimizer step, at G(d) / 2, an all-reduce moving twice an all-gather's
-  bytes) and Adam's step (28 bytes read and written per trained parameter at B). Safe-RLHF's cost critic is the
-  critic's twin (its shape, layout and engine): its phases ``cost_values`` and
-  ``update_cost_critic`` cost what ``values`` and ``update_critic`` do.
+  bytes) and Adam's step (28 bytes read and written per trained parameter at B). Safe-RLHF's
+  cost critic is the critic's twin (its shape, layout and engine): its phases ``cost_values``
+  and ``update_cost_critic`` cost what ``values`` and ``update_critic`` do.
 
 Micro-batches are of the configured sizes, or with ``engine.max_tokens_per_micro_batch`` = T of
 ``T // s`` sequences (``micro_batch_rows``): the model counts every sequence at its full length s,
@@ -466,9 +466,10 @@ def weight_bytes_a_micro_batch(shape: ModelConfig, lay: TrainLayout, head: str, 
     matmul weights (``stage_matmul_params`` / tp) read once in a forward; in training read
     again for the input gradients, and the fp32 grad buffer of what it trains read and written
     by the weight-gradient GEMMs that accumulate into it (8 bytes a parameter; LoRA: the
-    adapters' alone); with ``recompute`` the layers' weights read once more. A micro-batch's GEMMs have a few thousand rows or fewer, too few to hide
-    these bytes behind their FLOPs (weights larger than the caches come from memory at every
-    micro-batch), so the cost model adds them, at the copy bandwidth, to the floor's FLOPs."""
+    adapters' alone); with ``recompute`` the layers' weights read once more. A micro-batch's
+    GEMMs have a few thousand rows or fewer, too few to hide these bytes behind their FLOPs
+    (weights larger than the caches come from memory at every micro-batch), so the cost model
+    adds them, at the copy bandwidth, to the floor's FLOPs."""
     weights = max(stage_matmul_params(shape, lay.pp, head, lay.last_stage_layers)) / lay.tp
     if kind == "forward":
         return weights * b

@@ -351,9 +351,9 @@ def fitting_changes(cfg: Any, shapes: dict[str, ModelConfig], gib: float
                     ) -> list[tuple[str, Any, int]]:
     """The single-key changes of ``cfg`` whose estimated peak fits ``gib`` GiB a GPU, each as
     (key, value, peak bytes): the largest smaller micro-batch or token budget of each trained
-    role, its ``engine.recompute``, ``ref.offload``, ``hybrid_engine.offload_optimizer``, LoRA of rank 16 on the actor,
-    and twice the actor's tp or pp at half its dp. Changes the config contract refuses are
-    left out."""
+    role, its ``engine.recompute``, ``ref.offload``, ``hybrid_engine.offload_optimizer``, LoRA
+    of rank 16 on the actor, and twice the actor's tp or pp at half its dp. Changes the config
+    contract refuses are left out."""
     out = []
     for key, values in _change_candidates(cfg, shapes):
         for value in values:  # the mildest change first
