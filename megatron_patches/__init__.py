@@ -105,6 +105,17 @@ PATCHES: tuple[SourcePatch, ...] = (
     _patch("dist_checkpointing.strategies.state_dict_saver:save_state_dict_async_finalize",
            "a checkpoint save broadcasts its write-failure flag in a tensor on the current CUDA "
            "device.", CUDA_DEVICE),
+    _patch("tensor_parallel.random:_get_all_rng_states",
+           "full activation recompute (engine.recompute) saves the current CUDA generator's state "
+           "with every layer's input; on CPU there is none (the CPU generator's and the "
+           "tracker's states are saved beside it).",
+           ("_get_cuda_rng_state(\n        graph_safe=is_graph_safe_cuda_rng_tracker("
+            "get_cuda_rng_tracker())\n    )", "None")),
+    _patch("tensor_parallel.random:_set_all_rng_states",
+           "full activation recompute (engine.recompute) restores the CUDA generator's state "
+           "around every layer's recompute; on CPU there is none.",
+           ("_set_cuda_rng_state(\n        cuda_rng_state, graph_safe=is_graph_safe_cuda_rng_"
+            "tracker(get_cuda_rng_tracker())\n    )", "pass")),
     _patch("transformer.attention:Attention._allocate_memory",
            "inference (rollout/megatron.py's StaticInferenceContext) allocates the KV cache on "
            "the current CUDA device.", CUDA_DEVICE),

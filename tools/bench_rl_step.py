@@ -42,7 +42,8 @@ unpacking are in the denominator, so this is below ``bench_rollout``'s decode-on
 Training MFU: achieved FLOPs / (ranks x the bf16 matmul rate measured here with one large
 ``torch.matmul`` per GPU). FLOPs = 6 x N x tokens for ``update_actor`` (forward + backward, per
 PPO epoch; 4 x N with ``--lora-rank``: the frozen base computes no weight gradients, and the
-adapters' FLOPs are left out), 2 x N x tokens for each forward-only pass (old and ref log-probs);
+adapters' FLOPs are left out; with ``--recompute`` the layers' forward run again is not counted:
+model FLOPs, not the device's), 2 x N x tokens for each forward-only pass (old and ref log-probs);
 N = the parameters that take part in matmuls (all but the input embedding table), of which the
 actor's output layer (h V) counts the response tokens only: the model FLOPs of useful work (the
 engine computes the output layer from the column before the first response token, and no
@@ -163,6 +164,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--max-tokens-per-micro-batch", type=int, default=None, metavar="N",
                     help="engine.max_tokens_per_micro_batch of the actor and critic: micro-batches "
                     "by a token budget, sequences grouped by length, padding cut")
+    ap.add_argument("--recompute", action="store_true",
+                    help="engine.recompute of the actor and critic: full activation recompute, "
+                    "each layer's forward run again in the backward (one large micro-batch fits)")
     ap.add_argument("--keep-cache", action="store_true",
                     help="rollout.keep_cache (megatron backend, GPU): the fast decoder's KV cache "
                     "and CUDA graphs kept across the switch back, no capture after each wake")
@@ -442,6 +446,7 @@ def run_config(args, path: Path, prompts: Path):
     for role in roles:
         values.update({f"{role}.layout.tp": args.tp, f"{role}.layout.pp": args.pp,
                        f"{role}.layout.dp": args.dp, f"{role}.engine.dtype": args.dtype,
+                       f"{role}.engine.recompute": args.recompute,
                        f"{role}.engine.max_tokens_per_micro_batch":
                            args.max_tokens_per_micro_batch})
         if args.max_tokens_per_micro_batch is None:  # else the budget forms the micro-batches

@@ -700,7 +700,8 @@ class RLConfig:
             *((f"critic.{k}", not critic, f"algorithm.name={trains_critic} (reward and cost "
                                           "models only read critic.layout and critic.engine's "
                                           "micro-batching and dtype)")
-              for k in ("ppo_epochs", "mini_batches", "value_clip", "engine.optim")),
+              for k in ("ppo_epochs", "mini_batches", "value_clip", "engine.optim",
+                        "engine.recompute")),
             ("critic", not critic and not scorers, f"algorithm.name={trains_critic}, reward_model "
                                                    "or cost_model"),
             # A token budget forms every micro-batch, of training and forward passes alike.

@@ -32,11 +32,15 @@ of that dtype, B the device copy bandwidth, G(n) the all-gather rate in a group 
   G(t);
 * updates (actor, the critics): three times the forward's FLOPs per epoch (the backward is
   twice the forward) with the bubble of the training micro-batches, the TP all-reduces twice
-  (forward and backward), the data-parallel gradient all-reduce (``2 (d-1)/d`` of the fp32 grads
-  per optimizer step, at G(d) / 2, an all-reduce moving twice an all-gather's bytes) and Adam's
-  step (28 bytes read and written per trained parameter at B). Safe-RLHF's cost critic is the
-  critic's twin (its shape, layout and engine): its phases ``cost_values`` and
-  ``update_cost_critic`` cost what ``values`` and ``update_critic`` do.
+  (forward and backward); with ``engine.recompute`` the transformer layers' forward once more
+  (``recompute_flops``: four forwards of the layers, the output layer's three), their TP
+  all-reduces a third time, and per micro-batch their weights read once more and a forward's
+  host work of their layers (``host``, ``weights`` below), a pass profile's training efficiency
+  dividing them as it divides the rest; the data-parallel gradient all-reduce (``2 (d-1)/d`` of
+  the fp32 grads per optimizer step, at G(d) / 2, an all-reduce moving twice an all-gather's
+  bytes) and Adam's step (28 bytes read and written per trained parameter at B). Safe-RLHF's
+  cost critic is the critic's twin (its shape, layout and engine): its phases ``cost_values``
+  and ``update_cost_critic`` cost what ``values`` and ``update_critic`` do.
 
 Micro-batches are of the configured sizes, or with ``engine.max_tokens_per_micro_batch`` = T of
 ``T // s`` sequences (``micro_batch_rows``): the model counts every sequence at its full length s,
@@ -346,17 +350,38 @@ def forward_flops(shape: ModelConfig, head: str, seq: int, pp: int = 1,
 
 def train_flops(shape: ModelConfig, head: str, seq: int, pp: int = 1,
                 adapters: int | None = None, response: int | None = None,
-                last: int | None = None) -> float:
+                last: int | None = None, recompute: bool = False) -> float:
     """FLOPs of one sequence's training pass (forward and backward) through the busiest of ``pp``
     pipeline stages: three forwards (the backward's input and weight gradients are each a
     forward's matmuls; attention's backward is twice its forward). With LoRA adapters of
     ``adapters`` parameters the frozen base computes no weight gradient: its matmuls twice the
-    forward's, attention still three times, the adapters three times theirs.
-    ``response``, ``last``: as ``forward_flops``'s."""
+    forward's, attention still three times, the adapters three times theirs. ``recompute``
+    (``engine.recompute``): the stage's transformer layers run their forward once more in the
+    backward (``recompute_flops``). ``response``, ``last``: as ``forward_flops``'s."""
     stages = _stage_flops(shape, head, seq, pp, last, adapters, response)
+    again = (recompute_flops(shape, seq, pp, adapters, last) if recompute
+             else [0.0] * len(stages))
     if adapters is None:
-        return 3 * max(m + a for m, a, _ in stages)
-    return max(2 * m + 3 * a + 3 * lora for m, a, lora in stages)
+        return max(3 * (m + a) + r for (m, a, _), r in zip(stages, again))
+    return max(2 * m + 3 * a + 3 * lora + r for (m, a, lora), r in zip(stages, again))
+
+
+def recompute_flops(shape: ModelConfig, seq: int, pp: int = 1, adapters: int | None = None,
+                    last: int | None = None) -> list[float]:
+    """Per pipeline stage, what full activation recompute adds to one sequence's training pass:
+    the forward of the stage's transformer layers (their matmuls ``2 N_layer L_stage seq``,
+    attention's ``4 L_stage h seq^2`` and the adapters' share, as ``forward_flops``), not of the
+    embedding, the final norm or the output layer, which Megatron does not checkpoint."""
+    layers = stage_layer_counts(shape.num_layers, pp, last)
+    per_layer = _layer_params(tuple(vars(shape).items()))
+    return [2 * per_layer * n * seq + a + lora for n, (_, a, lora)
+            in zip(layers, _stage_flops(shape, "lm", seq, pp, last, adapters, None))]
+
+
+@functools.lru_cache(maxsize=256)
+def _layer_params(fields: tuple) -> int:
+    # The parameters of one transformer layer of the shape of these (name, value) pairs.
+    return sum(m.numel for m in llama_param_metas(ModelConfig(**dict(fields))) if m.layer == 0)
 
 
 def _rate(calib: Calibration, dtype: str) -> float:
@@ -399,12 +424,18 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
     lay, eng = part.layout, part.engine
     b, rate = DTYPE_BYTES[eng.dtype], _rate(calib, eng.dtype)
     per_rank_samples = samples / lay.dp
-    pass_flops = train_flops if kind == "train" else forward_flops
-    flops = pass_flops(shape, head, seq, lay.pp, adapters, response, lay.last_stage_layers)
+    recompute = kind == "train" and eng.recompute
+    if kind == "train":
+        flops = train_flops(shape, head, seq, lay.pp, adapters, response, lay.last_stage_layers,
+                            recompute)
+    else:
+        flops = forward_flops(shape, head, seq, lay.pp, adapters, response, lay.last_stage_layers)
     share = busiest_stage_share(shape.num_layers, lay)  # 1 but for an uneven split
     compute = flops * per_rank_samples / (lay.tp * rate)
     m = max(1, math.ceil(per_rank_samples / micro_batch))
-    tp_bytes = ((2 if kind == "train" else 1) * 2 * shape.num_layers * per_rank_samples * seq
+    # forward, backward and with recompute the forward again
+    passes = 1 if kind == "forward" else 3 if recompute else 2
+    tp_bytes = (passes * 2 * shape.num_layers * per_rank_samples * seq
                 * shape.hidden_size * b * share / lay.pp)
     terms = {"compute": compute, "host": 0.0, "weights": 0.0, "pipeline": 0.0, "bubble": 0.0,
              "tp_comm": (2 * (lay.tp - 1) / lay.tp * tp_bytes / gather_rate(calib, lay.tp)
@@ -424,9 +455,11 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
     if costs is not None:
         if profile is None:  # a profile's efficiencies hold these already
             layers = max(stage_layer_counts(shape.num_layers, lay.pp, lay.last_stage_layers))
-            terms["host"] = m * costs.host(kind, layers)
+            # a recompute is a forward of the layers: their share of a forward's host work
+            terms["host"] = m * (costs.host(kind, layers)
+                                 + (layers * costs.forward_layer_s if recompute else 0.0))
             terms["weights"] = m * weight_bytes_a_micro_batch(
-                shape, lay, head, b, kind, adapters) / calib.memory_bandwidth
+                shape, lay, head, b, kind, adapters, recompute) / calib.memory_bandwidth
         if lay.pp > 1:
             terms["pipeline"] = m * costs.stage(kind, lay.pp, rows * seq * shape.hidden_size * b)
     # 1F1B: m + p - 1 micro-batch slots of the busiest stage, p - 1 of them idle
@@ -436,19 +469,25 @@ def _forward(shape: ModelConfig, part, samples: int, seq: int, calib: Calibratio
 
 
 def weight_bytes_a_micro_batch(shape: ModelConfig, lay: TrainLayout, head: str, b: int,
-                               kind: str, adapters: int | None = None) -> float:
+                               kind: str, adapters: int | None = None,
+                               recompute: bool = False) -> float:
     """Bytes the busiest rank streams from memory for its weights in one micro-batch: its
     matmul weights (``stage_matmul_params`` / tp) read once in a forward; in training read
     again for the input gradients, and the fp32 grad buffer of what it trains read and written
     by the weight-gradient GEMMs that accumulate into it (8 bytes a parameter; LoRA: the
-    adapters' alone). A micro-batch's GEMMs have a few thousand rows or fewer, too few to hide
-    these bytes behind their FLOPs (weights larger than the caches come from memory at every
-    micro-batch), so the cost model adds them, at the copy bandwidth, to the floor's FLOPs."""
+    adapters' alone); with ``recompute`` the layers' weights read once more. A micro-batch's
+    GEMMs have a few thousand rows or fewer, too few to hide these bytes behind their FLOPs
+    (weights larger than the caches come from memory at every micro-batch), so the cost model
+    adds them, at the copy bandwidth, to the floor's FLOPs."""
     weights = max(stage_matmul_params(shape, lay.pp, head, lay.last_stage_layers)) / lay.tp
     if kind == "forward":
         return weights * b
     trained = weights if adapters is None else adapters / (lay.tp * lay.pp)
-    return 2 * weights * b + 8 * trained
+    again = 0.0
+    if recompute:
+        layers = max(stage_layer_counts(shape.num_layers, lay.pp, lay.last_stage_layers))
+        again = _layer_params(tuple(vars(shape).items())) * layers / lay.tp * b
+    return 2 * weights * b + 8 * trained + again
 
 
 def micro_batch_rows(engine, seq: int, forward: bool) -> int:

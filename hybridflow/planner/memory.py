@@ -64,6 +64,14 @@ What each role holds (P parameters; t, p, d its layout; b its engine's dtype byt
   beside them: measured, on an H200 at 0.9B, micro-batches of 8 and 32), r = min(s,
   rollout.sampling.max_tokens + 1) the columns the engine computes them over (``logit_columns``:
   from the column before the first response token). The estimate takes the larger.
+  With ``engine.recompute`` (full activation recompute) a micro-batch in flight keeps, of each
+  of its layers, only the input: ``B*h`` bytes a token (/t under sequence parallelism), and once
+  the boolean mask every layer's checkpoint keeps, ``s`` bytes a token (``checkpoint_bytes``);
+  a backward adds one layer's activations (the terms above) while it recomputes that layer. The
+  first stage then holds min(p, m) micro-batches of layer inputs plus one layer's activations,
+  the last stage one micro-batch's inputs plus the larger of one layer's activations and the
+  logits (a backward releases them before it recomputes the stage's last layer). The RoPE tables
+  the checkpoints keep, ``4*s*head_dim`` bytes a micro-batch, are left out.
   With ``engine.max_tokens_per_micro_batch`` = T a micro-batch is T tokens at width s' = min(s, T)
   (b = T/s', the widest one the budget allows: the mask grows with s' at a given T), m is at
   most one micro-batch per sequence, and the logits are T entries' (a micro-batch of short
@@ -204,6 +212,18 @@ def layer_activation_bytes(shape: ModelConfig, seq: int, micro_batch: int, tp: i
     return s * b * per_token
 
 
+def checkpoint_bytes(shape: ModelConfig, seq: int, micro_batch: int, layers: int, tp: int,
+                     sequence_parallel: bool, dtype: str) -> float:
+    """What full activation recompute (``engine.recompute``) keeps of one micro-batch of
+    ``micro_batch`` sequences of ``seq`` tokens through ``layers`` layers until its backward:
+    each layer's input [s, b, h] in the dtype (this rank's split of the sequence under sequence
+    parallelism), and the boolean attention mask [b, 1, s, s] every layer's checkpoint keeps (one
+    tensor, whole on every TP rank)."""
+    split = tp if sequence_parallel else 1
+    return (layers * seq * micro_batch * shape.hidden_size * DTYPE_BYTES[dtype] / split
+            + micro_batch * seq * seq)
+
+
 def estimate_memory(cfg: Any, shapes: dict[str, ModelConfig]) -> MemoryEstimate:
     """Bytes per GPU, per pool, phase and role (see the module docstring). ``cfg`` an RLConfig;
     ``shapes``: config key (model, reward_model, cost_model) -> that model's shape."""
@@ -279,8 +299,8 @@ def check_memory_fits(cfg: Any, estimate: MemoryEstimate,
                                    "; predicted to fit with any one of: " + ", ".join(
                                        f"{k}={_yaml(v)} ({peak / GIB:.1f} GiB)"
                                        for k, v, peak in changes) if changes else
-                                   "; no single change of micro-batch, token budget, offload, "
-                                   "LoRA or layout is predicted to fit"))
+                                   "; no single change of micro-batch, token budget, recompute, "
+                                   "offload, LoRA or layout is predicted to fit"))
 
 
 HEADROOM = 0.9
@@ -329,9 +349,9 @@ def fitting_changes(cfg: Any, shapes: dict[str, ModelConfig], gib: float
                     ) -> list[tuple[str, Any, int]]:
     """The single-key changes of ``cfg`` whose estimated peak fits ``gib`` GiB a GPU, each as
     (key, value, peak bytes): the largest smaller micro-batch or token budget of each trained
-    role, ``ref.offload``, ``hybrid_engine.offload_optimizer``, LoRA of rank 16 on the actor,
-    and twice the actor's tp or pp at half its dp. Changes the config contract refuses are
-    left out."""
+    role, its ``engine.recompute``, ``ref.offload``, ``hybrid_engine.offload_optimizer``, LoRA
+    of rank 16 on the actor, and twice the actor's tp or pp at half its dp. Changes the config
+    contract refuses are left out."""
     out = []
     for key, values in _change_candidates(cfg, shapes):
         for value in values:  # the mildest change first
@@ -365,6 +385,8 @@ def _change_candidates(cfg: Any, shapes: dict[str, ModelConfig]) -> list[tuple[s
         else:
             out.append((f"{section}.engine.micro_batch_size",
                         [m for m in (32, 16, 8, 4, 2, 1) if m < eng.micro_batch_size]))
+        if not eng.recompute:
+            out.append((f"{section}.engine.recompute", [True]))
     if not cfg.ref.offload and not cfg.actor.lora.enabled:
         out.append(("ref.offload", [True]))
     if not cfg.hybrid_engine.offload_optimizer:
@@ -527,8 +549,17 @@ def _training_activations(shape: ModelConfig, part, seq: int, samples: int,
               else _logits(shape, _logit_tokens(eng, width, b, response), lay.tp, eng.dtype))
     # Under 1F1B stage 0 keeps min(pp, micro) micro-batches of its layers, the last stage one
     # (and the logits); the stages between keep fewer than stage 0 of as many layers.
-    first = layers[0] * layer * min(lay.pp, micro)
-    last = layers[-1] * layer + logits
+    if not eng.recompute:
+        first = layers[0] * layer * min(lay.pp, micro)
+        last = layers[-1] * layer + logits
+        return int(max(first, last))
+    # With recompute the micro-batches in flight keep their layers' inputs, and a backward adds
+    # one layer's activations while it recomputes it; on the last stage the logits are released
+    # before its last layer is recomputed.
+    def kept(n):
+        return checkpoint_bytes(shape, width, b, n, lay.tp, eng.sequence_parallel, eng.dtype)
+    first = kept(layers[0]) * min(lay.pp, micro) + layer
+    last = kept(layers[-1]) + max(layer, logits)
     return int(max(first, last))
 
 
@@ -704,6 +735,9 @@ def _fix(cfg, role: str, parts: dict[str, int]) -> tuple[str, str]:
         if section == "actor" and lay.tp > 1 and not eng.sequence_parallel:
             return "actor.engine.sequence_parallel", "set it to true: it splits the stored " \
                                                      "activations over tp"
+        if not eng.recompute:
+            return f"{section}.engine.recompute", "set it to true: each layer then keeps only " \
+                                                  "its input for the backward"
     if lay.tp * 2 <= nodes:
         return f"{key}.tp", (f"raise it (tp={lay.tp} now; up to cluster.gpus_per_node={nodes}) or "
                              f"{key}.pp, lowering {key}.dp to keep the world size")

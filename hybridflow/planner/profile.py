@@ -19,7 +19,8 @@ its TP communication term:
   training step (``train_step``) over one micro-batch of b sequences and over two: the
   difference is one micro-batch's seconds T(b), host work included, and the efficiency at b is
   the floor's seconds for b sequences (1/tp of their FLOPs on each rank) over T(b) (a training
-  micro-batch's floor being three forwards);
+  micro-batch's floor being three forwards, and the layers' forward once more with
+  ``actor.engine.recompute``: ``cost.train_flops``);
 * what remains of a pass of one micro-batch, t(b) - T(b), is what a pass costs however many
   micro-batches it has: the call's setup, the batch's copy to the device, the schedule's start,
   the outputs put back in order and off the device, the metrics' reduction. For a forward-only
@@ -115,9 +116,12 @@ def efficiencies(cfg: Any, shape: ModelConfig, calib, times: dict, tp: int = 1) 
     response = cfg.rollout.sampling.max_tokens
     seq = cfg.data.max_prompt_tokens + response
     adapters = lora_param_counts(shape, cfg.actor.lora)[1] if cfg.actor.lora.enabled else None
-    # one sequence's passes, per TP rank; the output layer over the response, as measured
-    floors = {kind: flops(shape, "lm", seq, adapters=adapters, response=response) / (tp * rate)
-              for kind, flops in (("forward", forward_flops), ("train", train_flops))}
+    # one sequence's passes, per TP rank; the output layer over the response, and the layers'
+    # forward again where the engine measured recomputes them, as measured
+    floors = {"forward": forward_flops(shape, "lm", seq, adapters=adapters, response=response),
+              "train": train_flops(shape, "lm", seq, adapters=adapters, response=response,
+                                   recompute=cfg.actor.engine.recompute)}
+    floors = {kind: flops / (tp * rate) for kind, flops in floors.items()}
     sizes = sorted(times["forward"])
     out, fixed = {}, {}
     for kind, other in (("forward", 0.0), ("train", times["optimizer"])):

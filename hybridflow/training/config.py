@@ -76,6 +76,12 @@ class EngineConfig:
     """Parameter dtype: "fp32" or "bf16" (bf16 keeps fp32 main weights in the optimizer)."""
     sequence_parallel: bool = False
     """Megatron sequence parallelism (needs tp > 1)."""
+    recompute: bool = False
+    """Full activation recompute in training steps: each transformer layer keeps only its input
+    for the backward and runs its forward again there (Megatron's ``recompute_granularity=
+    "full"``, one layer a unit), so a stage stores one [s, b, h] tensor a layer (and one layer's
+    full activations while it recomputes) in place of every layer's; the update computes the
+    layers' forward once more. Forward-only passes keep nothing and are unchanged."""
     seed: int = 1234
     """Seed of Megatron's model-parallel RNG trackers."""
     optim: OptimConfig = field(default_factory=OptimConfig)

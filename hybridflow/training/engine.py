@@ -59,7 +59,8 @@ from hybridflow.training.micro_batches import (_take, first_logit_column, plan_m
                                                response_starts, to_batch_order)
 from hybridflow.training.model import (ADAPTER_SUFFIXES, VALUE_HEAD, ValueHead, _build_chunks,
                                        batch_attention_mask, batch_position_ids,
-                                       check_model_fits_layout, global_name, shift_right,
+                                       check_model_fits_layout, global_name,
+                                       recompute_from_frozen_embedding, shift_right,
                                        transformer_config)
 from hybridflow.training.streaming import StreamedWeights
 
@@ -345,6 +346,8 @@ class TrainEngine:
                 name = global_name(chunk, f"{local}.weight")
                 if name.removesuffix("weight") + "lora_A" in adapters.metas:
                     adapters.attach(module, name, init, self.layout.tp, self.tp_rank)
+        if self.config.recompute:
+            recompute_from_frozen_embedding(chunks)
         return adapters
 
     # ----------------------------------------------------------------------------- weights

@@ -84,6 +84,10 @@ def transformer_config(model: ModelConfig, layout: TrainLayout, engine: EngineCo
         # Megatron's split is models.params.stage_layer_counts', which the reshard plan reads.
         num_layers_in_last_pipeline_stage=layout.last_stage_layers,
         sequence_parallel=engine.sequence_parallel,
+        # Full recompute, one layer a unit (Megatron recomputes only in training mode).
+        recompute_granularity="full" if engine.recompute else None,
+        recompute_method="uniform" if engine.recompute else None,
+        recompute_num_layers=1 if engine.recompute else None,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         bf16=engine.dtype == "bf16",
@@ -178,6 +182,22 @@ def _build_chunks(model: ModelConfig, layout: TrainLayout, tf_config, pg_collect
                          dtype=tf_config.params_dtype)
         chunks.append(chunk)
     return chunks
+
+
+def recompute_from_frozen_embedding(chunks) -> None:
+    """Make the output of each first-stage chunk's embedding require grad in training forwards,
+    for full recompute (``engine.recompute``) behind a frozen embedding (LoRA). Megatron
+    checkpoints a layer with a reentrant autograd Function, whose output requires grad only if
+    an input does: behind a frozen table no layer's would, and the adapters inside would get no
+    gradient. Later pipeline stages receive activations that require grad already."""
+    def require_grad(module, args, output):
+        if torch.is_grad_enabled() and not output.requires_grad:
+            output.requires_grad_()
+        return output
+
+    for chunk in chunks:
+        if chunk.pre_process:
+            chunk.embedding.register_forward_hook(require_grad)
 
 
 _LAYER = re.compile(r"^decoder\.layers\.(\d+)\.")

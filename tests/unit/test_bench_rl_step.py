@@ -163,6 +163,20 @@ def test_bench_lora_and_memory_cap_options_reach_the_run_config(tmp_path):
     assert not cfg.rollout.keep_cache
 
 
+def test_bench_recompute_reaches_the_trained_roles_engines(tmp_path):
+    args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--algorithm", "ppo",
+                                     "--recompute"])
+    cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert cfg.actor.engine.recompute and cfg.critic.engine.recompute
+    # GRPO trains no critic: its engine is left as it was (set there, it would be refused)
+    args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--recompute"])
+    cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert cfg.actor.engine.recompute and not cfg.critic.engine.recompute
+    args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu"])
+    cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert not cfg.actor.engine.recompute
+
+
 def test_bench_keep_cache_reaches_the_run_config(tmp_path):
     args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--backend",
                                      "megatron", "--gpus-per-worker", "1", "--keep-cache"])

@@ -156,6 +156,8 @@ PROBES = [  # (overrides, the key the error must name, a piece of its message)
      "actor.lora.rank=0"),
     (["actor.engine.optim.offload=true", "hybrid_engine.offload_optimizer=true"],
      "hybrid_engine.offload_optimizer", "never leaves host memory"),
+    (["critic.engine.recompute=true"], "critic.engine.recompute", "no effect"),
+    (["actor.engine.recompute=maybe"], "actor.engine.recompute", "maybe"),
     (["actor.engine.max_tokens_per_micro_batch=64", "actor.engine.forward_micro_batch_size=4"],
      "actor.engine.forward_micro_batch_size", "set actor.engine.max_tokens_per_micro_batch=null"),
     (["name=../x"], "name", "plain name"),

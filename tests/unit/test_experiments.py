@@ -13,8 +13,8 @@ from hybridflow.cli import main
 from hybridflow.config import RLConfig, load_config, to_yaml
 from hybridflow.config.placement import resolve_placement
 from hybridflow.preflight import check_run
-from hybridflow.planner.memory import (estimate_memory, layer_activation_bytes, param_count,
-                                      streamed_unit_bytes)
+from hybridflow.planner.memory import (checkpoint_bytes, estimate_memory, layer_activation_bytes,
+                                      param_count, streamed_unit_bytes)
 from hybridflow.data.loader import tokenize_prompts
 from hybridflow.data.prompts import SYNTHETIC_FIRST_ID, PromptDataConfig, load_prompts
 from hybridflow.errors import ConfigError
@@ -413,6 +413,21 @@ def test_the_readme_table_is_what_check_estimates():
                                                      for p in pool.phases), path
 
 
+def test_the_readmes_recompute_figures_are_what_check_estimates():
+    # "PPO 70B's actor and critic updates take 40.5 and 42.8 GiB instead of 46.5 and 55.2"
+    from hybridflow.planner.memory import GIB
+    text = " ".join((EXPERIMENTS / "README.md").read_text().split())
+    path = EXPERIMENTS / "paper" / "ppo" / "llama2_70b.yaml"
+    figures = []
+    for overrides in (["actor.engine.recompute=true", "critic.engine.recompute=true"], []):
+        cfg = load_config(RLConfig, path, overrides)
+        (pool,) = estimate_memory(cfg, {k: SHAPES[getattr(cfg, k)]
+                                        for k in ("model", "reward_model")}).pools
+        figures += [f"{pool.total(p) / GIB:.1f}" for p in ("actor update", "critic update")]
+    assert "PPO 70B's actor and critic updates take {} and {} GiB instead of {} and {}".format(
+        *figures) in text, figures
+
+
 # ------------------------------------------------------------------------------------------------
 # shape presets
 
@@ -590,6 +605,48 @@ def test_memory_estimate_by_hand():
                                               "streamed units": units}
     assert off.phases["generation"]["ref"] == off.phases["actor update"]["ref"] == {}
     assert off.total("inference") == base.total("inference") - weights + units
+
+
+def test_memory_estimate_with_recompute_by_hand():
+    """``engine.recompute``: a micro-batch in flight keeps each layer's input and the boolean
+    mask, a backward one layer's activations beside them, and the last stage's logits are gone
+    before it recomputes a layer (the module docstring of planner/memory.py)."""
+    shape = ModelConfig(vocab_size=1000, hidden_size=64, ffn_hidden_size=128, num_layers=2,
+                        num_heads=4, num_kv_heads=2, head_dim=16)
+    base = ["algorithm.name=grpo", "rollout.backend=megatron", "actor.engine.dtype=bf16",
+            "actor.engine.micro_batch_size=1", "train_batch_size=4", "rollout.sampling.n=2",
+            "data.max_prompt_tokens=16", "rollout.sampling.max_tokens=16"]
+
+    def activations(*args):
+        (pool,) = estimate_memory(load_config(RLConfig, None, [*base, *args]),
+                                  {"model": shape}).pools
+        return pool.phases["actor update"]["actor"]["activations"]
+
+    tp2 = ["actor.layout.tp=2", "actor.layout.dp=2"]
+    logits = 17 * 1000 / 2 * (2 + 8)  # as test_memory_estimate_by_hand's
+    layer = layer_activation_bytes(shape, 32, 1, 2, False, "bf16")
+    assert activations(*tp2) == 2 * layer + logits
+    # 2 layers' inputs, 32 tokens of 64 features in bf16, and the [1, 1, 32, 32] mask; then the
+    # logits, larger than a layer's activations
+    assert checkpoint_bytes(shape, 32, 1, 2, 2, False, "bf16") == 2 * 32 * 64 * 2 + 32 * 32
+    assert activations(*tp2, "actor.engine.recompute=true") == int(
+        2 * 32 * 64 * 2 + 32 * 32 + logits) < 2 * layer + logits
+    # sequence parallelism splits the inputs over tp, not the mask
+    assert activations(*tp2, "actor.engine.sequence_parallel=true",
+                       "actor.engine.recompute=true") == int(2 * 32 * 64 + 32 * 32 + logits)
+    # PP=2, 4 micro-batches a rank: the first stage keeps two in flight (its one layer's input
+    # and the mask each) and one layer's activations, the last stage one and the logits
+    pp2 = ["actor.layout.pp=2", "actor.layout.dp=2", "actor.engine.recompute=true"]
+    one = layer_activation_bytes(shape, 32, 1, 1, False, "bf16")
+    first, last = 2 * (32 * 64 * 2 + 32 * 32) + one, 32 * 64 * 2 + 32 * 32 + 2 * logits
+    assert activations(*pp2) == int(max(first, last))
+    # one response token: 2 columns of logits, fewer bytes than a layer's activations of 64
+    # tokens, which the last stage then holds beside its inputs instead
+    short = ["data.max_prompt_tokens=63", "rollout.sampling.max_tokens=1"]
+    wide = layer_activation_bytes(shape, 64, 1, 2, False, "bf16")
+    assert wide > 2 * 1000 / 2 * (2 + 8)
+    assert activations(*tp2, *short, "actor.engine.recompute=true") == int(
+        2 * 64 * 64 * 2 + 64 * 64 + wide)
 
 
 def paper(name, *overrides):

@@ -24,8 +24,10 @@ def test_a_run_over_the_gpu_cap_is_refused_in_one_line(command, tmp_path, capsys
         "hybridflow: error: actor.engine.micro_batch_size: the actor update phase needs an "
         "estimated 101.2 GiB per GPU on the GPUs of actor + reward_model"), err
     assert "more than ray.gpu_memory_gib=75 GiB" in err
+    # (full recompute at 16 sequences: the update needs 31.9 GiB, generation's 70.7 the peak)
     assert err.rstrip().endswith("predicted to fit with any one of: "
-                                 "actor.engine.micro_batch_size=8 (70.7 GiB)"), err
+                                 "actor.engine.micro_batch_size=8 (70.7 GiB), "
+                                 "actor.engine.recompute=true (70.7 GiB)"), err
     assert not out.exists()
 
 
@@ -47,8 +49,8 @@ def test_no_single_change_that_fits_is_said(capsys, tmp_path):
     # does not fit whatever the micro-batch, and LoRA leaves no reference to offload.
     assert main(["check", *RUN, "ray.gpu_memory_gib=40", f"tracking.out_dir={tmp_path}"]) == 2
     assert capsys.readouterr().err.rstrip().endswith(
-        "no single change of micro-batch, token budget, offload, LoRA or layout is predicted "
-        "to fit")
+        "no single change of micro-batch, token budget, recompute, offload, LoRA or layout is "
+        "predicted to fit")
 
 
 def test_the_notes_a_cuda_out_of_memory_error_names():
@@ -70,6 +72,18 @@ def test_the_notes_a_cuda_out_of_memory_error_names():
     assert notes["actor"]["generate"].startswith("the generation phase, estimated at 70.7 GiB")
     assert notes["reward_model"]["compute_scores"].startswith("the inference phase")
     assert "update_critic" not in notes["reward_model"]  # no critic update phase: not trained
+    # one sequence a micro-batch, tp = 1: recompute is what is left to turn
+    cfg = load_config(RLConfig, None, [*RUN, "actor.engine.micro_batch_size=1",
+                                       "data.max_prompt_tokens=3584"])
+    notes = out_of_memory_notes(cfg, estimate_memory(cfg, model_sources(cfg)[1]))
+    assert notes["actor"]["update_actor"].endswith(
+        "(actor's the largest part); actor.engine.recompute: set it to true: each layer then "
+        "keeps only its input for the backward"), notes["actor"]["update_actor"]
+    cfg = load_config(RLConfig, None, [*RUN, "actor.engine.micro_batch_size=1",
+                                       "data.max_prompt_tokens=3584",
+                                       "actor.engine.recompute=true"])
+    notes = out_of_memory_notes(cfg, estimate_memory(cfg, model_sources(cfg)[1]))
+    assert "actor.engine.recompute" not in notes["actor"]["update_actor"]
 
 
 def test_the_notes_of_a_streamed_reference_in_a_group_of_its_own():

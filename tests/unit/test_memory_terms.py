@@ -15,6 +15,11 @@ logsumexp to 32 queries and may pad the mask's rows to 16 keys, which the estima
 (0.3% at 16 tokens). The formula before (the unfused attention's fp32 score
 matrices, ``(4 + B) a s`` bytes a token) misses every case by 7% or more: 15-22% low at 16
 tokens, 52-194% high at 384.
+
+With ``engine.recompute`` (full activation recompute), a forward of the whole model with it off
+and on: what it stops keeping is every layer's activations less ``checkpoint_bytes`` (each
+layer's input, the boolean mask), and its backward recomputes each layer once, keeping one
+layer's activations each time.
 """
 
 import torch
@@ -86,3 +91,82 @@ def test_one_layer_stores_what_the_estimate_counts():
                 want = layer_activation_bytes(ModelConfig(**model_kw), s, b, tp=1,
                                               sequence_parallel=False, dtype=dtype, device=device)
                 assert abs(want / got - 1) < TOLERANCE[device], (name, dtype, s, b, got, want)
+
+
+RECOMPUTE_CASE = (128, 2)  # (width, sequences)
+
+
+def measure_recompute(rank, world, model_kw, dtype):
+    """Bytes autograd keeps in a training forward of the whole model (a micro-batch, the loss
+    over every token) with ``engine.recompute`` off and on, and with it on, what each layer's
+    recompute keeps in the backward (one entry a layer, in the order they run)."""
+    from hybridflow.models.config import ModelConfig
+    from hybridflow.parallel.layout import TrainLayout
+    from hybridflow.training.config import EngineConfig
+    from hybridflow.training.engine import TrainEngine
+    from hybridflow.training.model import batch_attention_mask, batch_position_ids
+
+    model = ModelConfig(**model_kw)
+    s, b = RECOMPUTE_CASE
+    ids = torch.randint(0, model.vocab_size, (b, s), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(b, s, dtype=torch.long)
+    out = {}
+    for recompute in (False, True):
+        gpt = TrainEngine(model, TrainLayout(), EngineConfig(dtype=dtype, recompute=recompute)
+                          ).chunks[0].module
+        device = gpt.embedding.word_embeddings.weight.device
+        ids, mask = ids.to(device), mask.to(device)
+        params = {p.untyped_storage().data_ptr() for p in gpt.parameters()}
+        losses = []
+        forward = saved_bytes(lambda: losses.append(gpt(
+            ids, batch_position_ids(mask), batch_attention_mask(mask), labels=ids)), params)
+        per_layer: list[dict] = []  # a layer's forward starts a new entry
+        for layer in gpt.decoder.layers:
+            layer.register_forward_pre_hook(lambda *_: per_layer.append({}))
+
+        def pack(t):
+            storage = t.untyped_storage()
+            if storage.data_ptr() not in params and per_layer:
+                per_layer[-1][storage.data_ptr()] = storage.nbytes()
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            losses[0].sum().backward()
+        out[recompute] = forward, [sum(kept.values()) for kept in per_layer]
+    return device.type, out
+
+
+def test_recompute_keeps_each_layers_input_and_one_layer_in_the_backward():
+    """With ``engine.recompute`` the forward keeps, of the layers, ``checkpoint_bytes`` in place
+    of ``layer_activation_bytes`` each (the rest -- embedding, final norm, logits -- unchanged;
+    the test compares the two forwards' difference),
+    and the backward recomputes each layer once, keeping one layer's activations each time.
+    Beside the estimate's terms: the RoPE tables, which a layer computes from the angles
+    [s, 1, 1, head_dim] (fp32) as cos and sin in the dtype; without recompute every layer keeps
+    the same cos/sin pair, with it the checkpoints keep the angles and each recompute its pair."""
+    from hybridflow.models.config import ModelConfig
+    from hybridflow.planner.memory import DTYPE_BYTES, checkpoint_bytes, layer_activation_bytes
+
+    s, b = RECOMPUTE_CASE
+    for name, model_kw in SHAPES.items():
+        model = ModelConfig(**model_kw)
+        for dtype in ("fp32", "bf16"):
+            device, measured = spawn(measure_recompute, 1, model_kw, dtype, backend=BACKEND)[0]
+            (off, none), (on, recomputed) = measured[False], measured[True]
+            layer = layer_activation_bytes(model, s, b, tp=1, sequence_parallel=False,
+                                           dtype=dtype, device=device)
+            angles, cos_sin = 4 * s * model.head_dim, 2 * DTYPE_BYTES[dtype] * s * model.head_dim
+            layers = model.num_layers
+            # what recompute saves, against the estimate's terms: to the byte on CPU (the mask
+            # alone is 0.5% of it); on CUDA the layers' padded bytes are a share of the
+            # difference, not of the small remainder
+            saved = (layers * layer + cos_sin - angles
+                     - checkpoint_bytes(model, s, b, layers, tp=1, sequence_parallel=False,
+                                        dtype=dtype))
+            tolerance = 0 if device == "cpu" else TOLERANCE[device]
+            assert abs(saved - (off - on)) <= tolerance * (off - on), (name, dtype, off, on,
+                                                                      saved)
+            assert on < off / 4, (name, dtype, on, off)
+            assert none == [] and len(recomputed) == layers, (none, recomputed)
+            for got in recomputed:
+                assert abs((layer + cos_sin) / got - 1) < TOLERANCE[device], (name, dtype, got,
+                                                                              layer)

@@ -431,6 +431,16 @@ def test_profile_fit_recovers_the_efficiencies():
     assert profile.efficiency("forward", 3) == pytest.approx(0.4 + math.log2(1.5) * 0.1)
     assert profile.efficiency("train", 0.5) == profile.train[0] == pytest.approx(0.1)
     assert profile.efficiency("train", 16) == profile.train[-1] == pytest.approx(0.3)
+    # The same seconds measured by an engine that recomputes its layers did the recompute's
+    # FLOPs too: a higher training efficiency, by the floors' ratio; the forward's unchanged.
+    from hybridflow.planner.cost import train_flops
+    again = efficiencies(config("actor.engine.recompute=true"), SHAPE, CALIB,
+                         hand_profile(cfg, SHAPE, EFFICIENCY))
+    ratio = (train_flops(SHAPE, "lm", 12, response=4, recompute=True)
+             / train_flops(SHAPE, "lm", 12, response=4))
+    assert ratio > 1.2
+    assert again.train == pytest.approx([e * ratio for e in profile.train])
+    assert again.forward == profile.forward
 
 
 def test_a_lora_profile_is_kept_under_its_adapters_and_read_for_them(tmp_path):
@@ -748,6 +758,42 @@ def test_a_pipeline_stage_costs_its_transfers_and_its_bubble():
     with pytest.raises(ConfigError) as e:
         predict(config("actor.layout.pp=2"), {"model": SHAPE}, one)
     assert e.value.field == "cluster.calibration" and "two devices" in e.value.message
+
+
+def test_recompute_prices_the_layers_forward_once_more():
+    # SHAPE's 2 layers hold 4672 of the N = 5712 matmul parameters (the final norm's 16 and the
+    # output layer's 1024 are not recomputed): their forward, matmuls and attention, once more
+    off, on = (predict(config(*args), {"model": SHAPE}, CALIB).terms["update_actor"]
+               for args in ([], ["actor.engine.recompute=true"]))
+    layers = (2 * 4672 * 12 + ATT) * 4 / 1e9
+    assert off["compute"] == pytest.approx(3 * FWD)
+    assert on["compute"] == pytest.approx(3 * FWD + layers)
+    # the rest of the update (Adam) unchanged; the forward-only passes unchanged
+    assert on["optimizer"] == off["optimizer"]
+    ref = predict(config("actor.engine.recompute=true"), {"model": SHAPE}, CALIB)
+    assert ref.phases["ref_logprobs"] == pytest.approx(FWD)
+    # LoRA: the frozen base's layers and the adapters' forward once more
+    lora = predict(config("actor.lora.rank=4", "actor.engine.recompute=true"), {"model": SHAPE},
+                   CALIB).terms["update_actor"]
+    assert lora["compute"] == pytest.approx(
+        (2 * MATMUL + 3 * ATT + 6 * ADAPTERS * 12) * 4 / 1e9
+        + (2 * 4672 * 12 + ATT + 2 * ADAPTERS * 12) * 4 / 1e9)
+    # per micro-batch (2 of them): the layers' weights read once more, a forward's host work of
+    # the 2 layers (0.5 ms each); the TP all-reduces a third time at tp=2
+    off, on = (predict(config(*args), {"model": SHAPE}, COSTS_CALIB).terms["update_actor"]
+               for args in ([], ["actor.engine.recompute=true"]))
+    assert on["weights"] - off["weights"] == pytest.approx(2 * 4 * 4672 / 1e9)
+    assert on["host"] - off["host"] == pytest.approx(2 * 2 * 0.0005)
+    off, on = (predict(config("actor.layout.tp=2", *args), {"model": SHAPE}, CALIB)
+               .terms["update_actor"] for args in ([], ["actor.engine.recompute=true"]))
+    assert off["tp_comm"] > 0 and on["tp_comm"] == pytest.approx(1.5 * off["tp_comm"])
+    # at 7B the layers are nearly every FLOP: the update's compute is nearly 4/3 of before
+    from hybridflow.models.presets import SHAPES
+    seven = {"model": SHAPES["llama2-7b"]}
+    off, on = (predict(config("data.max_prompt_tokens=512", "rollout.sampling.max_tokens=512",
+                              *args), seven, CALIB).terms["update_actor"]["compute"]
+               for args in ([], ["actor.engine.recompute=true"]))
+    assert 1.32 < on / off < 4 / 3
 
 
 @pytest.mark.parametrize("auto", ["layout=auto", "actor.engine.micro_batch_size=auto"])
