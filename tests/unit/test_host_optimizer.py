@@ -18,10 +18,10 @@ from hybridflow.training.config import EngineConfig, OptimConfig
 from tests.distributed.update_common import GRAD_MODEL, weighted_logprob_batch
 
 
-def engine_config(dtype: str, offload: bool, clip: float) -> EngineConfig:
+def engine_config(dtype: str, offload: bool, clip: float, **kw) -> EngineConfig:
     # micro-batches of 1 over the 4 sequences: each gradient arrives 4 times a step
-    return EngineConfig(micro_batch_size=1, dtype=dtype, optim=OptimConfig(
-        lr=1e-2, weight_decay=0.1, clip_grad=clip, offload=offload))
+    return EngineConfig(dtype=dtype, optim=OptimConfig(
+        lr=1e-2, weight_decay=0.1, clip_grad=clip, offload=offload), **{"micro_batch_size": 1, **kw})
 
 
 def run(rank, world, ckpt_dir):
@@ -57,6 +57,17 @@ def run(rank, world, ckpt_dir):
                         run_out["memory_growth"] = torch.cuda.memory_allocated() - before
                 out[dtype, clip, offload] = run_out
                 del engine
+    # one micro-batch of the 4 sequences (each gradient arrives once), its layers recomputed:
+    # the gradients then come out of Megatron's checkpoint's own backward
+    for offload in (False, True):
+        engine = TrainEngine(model, TrainLayout(), engine_config(
+            "fp32", offload, 0.5, micro_batch_size=4, recompute=offload))
+        engine.load_full_weights(full)
+        out["one micro-batch", offload] = {
+            "steps": [engine.train_step(batch, loss_fn) for _ in range(3)],
+            "weights": {n: p.detach().float().cpu().clone()
+                        for n, p in engine.named_local_params()}}
+        del engine
     # resume: 2 steps, save, a new engine loads and takes the third
     config = engine_config("bf16", True, 0.5)
     engine = TrainEngine(model, TrainLayout(), config)
@@ -110,6 +121,11 @@ def test_host_optimizer_matches_megatron(tmp_path):
                       for offload in (False, True)]
             assert errors[1] < 1.5 * errors[0] + 0.05, (name, errors)
     # the runs moved the weights: three steps of lr 1e-2
+    ref, host = out["one micro-batch", False], out["one micro-batch", True]
+    for r, h in zip(ref["steps"], host["steps"]):
+        assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
+    for name, w in ref["weights"].items():
+        torch.testing.assert_close(host["weights"][name], w, rtol=1e-4, atol=2e-5, msg=name)
     for name, w in out["fp32", 0.0, True]["weights"].items():
         assert (w - out["initial"][name]).abs().max() > 1e-3, name
     # resume: the third step after a checkpoint equals the third step of one run
