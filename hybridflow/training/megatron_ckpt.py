@@ -36,6 +36,7 @@ from hybridflow.parallel.layout import TrainLayout
 from hybridflow.parallel.spawn import spawn
 from hybridflow.training.config import EngineConfig
 from hybridflow.training.engine import TrainEngine
+from hybridflow.training.host_optimizer import HostAdam
 from hybridflow.training.loading import (_raise_everywhere, check_hf_checkpoint,
                                          check_same_model, export_engine_to_hf,
                                          load_hf_into_engine)
@@ -418,7 +419,8 @@ def load_train_state(engine, ckpt_dir: str | os.PathLike) -> None:
     if engine.optimizer is not None:
         with torch.no_grad():  # the distributed optimizer copies into views of the parameters
             engine.optimizer.load_state_dict(loaded["optimizer"])
-        _unshare_adam_steps(engine.optimizer)
+        if not isinstance(engine.optimizer, HostAdam):  # one step count of its own
+            _unshare_adam_steps(engine.optimizer)
 
 
 def _unshare_adam_steps(optimizer) -> None:

@@ -26,9 +26,11 @@ def engine_config(dtype: str, offload: bool, clip: float, **kw) -> EngineConfig:
 
 def run(rank, world, ckpt_dir):
     from hybridflow.models.params import init_full_weights, llama_param_metas
+    from hybridflow.training import host_optimizer
     from hybridflow.training.engine import TrainEngine
     from hybridflow.training.megatron_ckpt import load_train_state, save_train_state
 
+    host_optimizer.CHUNK = 1000  # Adam over several chunks of each group (the small one: 1)
     batch, loss_fn = weighted_logprob_batch()
     model = ModelConfig(**GRAD_MODEL)
     full = init_full_weights(llama_param_metas(model), seed=3, std=0.3)
@@ -59,15 +61,22 @@ def run(rank, world, ckpt_dir):
                 del engine
     # one micro-batch of the 4 sequences (each gradient arrives once), its layers recomputed:
     # the gradients then come out of Megatron's checkpoint's own backward
-    for offload in (False, True):
-        engine = TrainEngine(model, TrainLayout(), engine_config(
-            "fp32", offload, 0.5, micro_batch_size=4, recompute=offload))
-        engine.load_full_weights(full)
-        out["one micro-batch", offload] = {
-            "steps": [engine.train_step(batch, loss_fn) for _ in range(3)],
-            "weights": {n: p.detach().float().cpu().clone()
-                        for n, p in engine.named_local_params()}}
-        del engine
+    # (bf16: kept in bf16 on the host, widened to fp32 by Adam's chunks)
+    for dtype in ("fp32", "bf16"):
+        for offload in (False, True):
+            engine = TrainEngine(model, TrainLayout(), engine_config(
+                dtype, offload, 0.5, micro_batch_size=4, recompute=offload))
+            engine.load_full_weights(full)
+            out["one micro-batch", dtype, offload] = {
+                "steps": [engine.train_step(batch, loss_fn) for _ in range(3)],
+                "weights": {n: p.detach().float().cpu().clone()
+                            for n, p in engine.named_local_params()}}
+            if offload:  # then a step of two micro-batches: summed in fp32 from then on
+                kept = engine.optimizer.grad[0].dtype
+                engine.config.micro_batch_size = 2
+                engine.train_step(batch, loss_fn)
+                out["grad dtypes", dtype] = (kept, engine.optimizer.grad[0].dtype)
+            del engine
     # resume: 2 steps, save, a new engine loads and takes the third
     config = engine_config("bf16", True, 0.5)
     engine = TrainEngine(model, TrainLayout(), config)
@@ -121,11 +130,17 @@ def test_host_optimizer_matches_megatron(tmp_path):
                       for offload in (False, True)]
             assert errors[1] < 1.5 * errors[0] + 0.05, (name, errors)
     # the runs moved the weights: three steps of lr 1e-2
-    ref, host = out["one micro-batch", False], out["one micro-batch", True]
+    ref, host = out["one micro-batch", "fp32", False], out["one micro-batch", "fp32", True]
     for r, h in zip(ref["steps"], host["steps"]):
         assert h["grad_norm"] == pytest.approx(r["grad_norm"], rel=1e-5)
     for name, w in ref["weights"].items():
         torch.testing.assert_close(host["weights"][name], w, rtol=1e-4, atol=2e-5, msg=name)
+        moved = float((w - out["initial"][name]).norm())
+        errors = [float((out["one micro-batch", "bf16", offload]["weights"][name] - w).norm())
+                  / moved for offload in (False, True)]
+        assert errors[1] < 1.5 * errors[0] + 0.05, (name, errors)
+    assert out["grad dtypes", "bf16"] == (torch.bfloat16, torch.float32)
+    assert out["grad dtypes", "fp32"] == (torch.float32, torch.float32)
     for name, w in out["fp32", 0.0, True]["weights"].items():
         assert (w - out["initial"][name]).abs().max() > 1e-3, name
     # resume: the third step after a checkpoint equals the third step of one run
@@ -179,15 +194,22 @@ def test_the_gpu_holds_the_weights_alone_and_the_step_is_priced_on_the_host():
 
     cfg, megatron = _predict()
     n = param_count(model_sources(cfg)[1]["model"])
-    _, host = _predict("actor.engine.optim.offload=true")
+    cfg, host = _predict("actor.engine.optim.offload=true")
     update = {k: p.phases["actor update"]["actor"] for k, p in
               (("megatron", megatron.memory.pools[0]), ("host", host.memory.pools[0]))}
     assert update["megatron"]["grads"] == 4 * n and update["megatron"]["optimizer"] == 12 * n
     # two fp32 gradients of the 32000 x 4096 embedding in flight; no state
     assert update["host"]["grads"] == 2 * 4 * 32000 * 4096 and update["host"]["optimizer"] == 0
     assert update["host"]["weights"] == update["megatron"]["weights"] == 2 * n
-    # one step: n parameters at host_adam, their fp32 main weights up at host_to_device
-    assert host.terms["update_actor"]["optimizer"] == pytest.approx(n / 4e9 + 4 * n / 5e10)
+    # one step: n parameters at host_adam, their fp32 main weights up at host_to_device; with m
+    # micro-batches, m - 1 host adds of the fp32 gradients and a norm of them, 12 and 4 bytes a
+    # parameter against Adam's 28
+    m = cfg.train_batch_size * cfg.rollout.sampling.n // 4
+    assert m == 8
+    assert host.terms["update_actor"]["optimizer"] == pytest.approx(
+        (1 + 7 * 12 / 28 + 4 / 28) * n / 4e9 + 4 * n / 5e10)
+    _, one = _predict("actor.engine.optim.offload=true", "actor.engine.micro_batch_size=32")
+    assert one.terms["update_actor"]["optimizer"] == pytest.approx(n / 4e9 + 4 * n / 5e10)
 
 
 def test_a_calibration_without_the_host_rate_is_refused():
