@@ -21,7 +21,7 @@ slice of the host gradient; each later one into a pinned staging tensor that a h
 in, and after the m-th the thread takes the slice's squared norm. With m = 1 the norm is taken on
 the GPU, from the gradient itself, and no host thread runs. The backward ends waiting only for the
 copies and adds still in flight. ``step`` then skips a step whose norm is not finite, and takes
-torch's fused AdamW on the host's cores chunk by chunk (``CHUNK`` parameters: bf16 gradients are
+torch's fused AdamW on the host's cores (all this process may run on) chunk by chunk (``CHUNK`` parameters: bf16 gradients are
 widened into one fp32 chunk at a time), the clip coefficient folded in (``grad_scale``: the
 gradients are not rewritten), and copies the main weights into the GPU's parameters (fp32, cast
 there).
@@ -39,6 +39,7 @@ the staging still do their work), which is what the tests check against Megatron
 from __future__ import annotations
 
 import math
+import os
 import queue
 import threading
 
@@ -70,6 +71,12 @@ class HostAdam:
                  device: torch.device):
         self.config, self.device = optim, device
         self.cuda = device.type == "cuda"
+        if self.cuda:
+            # Ray gives each worker one thread (workers/group.py's OMP_NUM_THREADS): the step's
+            # host work (Adam, adds, norms: memory-bound) would run on one core. The one
+            # training rank takes the cores this process may run on; its GPU work is
+            # unaffected. (On CPU the rank's compute shares the cores: left as it is.)
+            torch.set_num_threads(len(os.sched_getaffinity(0)))
         named = [(n, p) for n, p in named_params if p.requires_grad]
         self.params = [p for _, p in named]
         self.dtype = self.params[0].dtype if self.params else torch.float32
