@@ -94,6 +94,7 @@ def run(rank, world, ckpt_dir):
     engine.load_full_weights(full)
     w0 = {n: p.detach().cpu().clone() for n, p in engine.named_local_params()}
     metrics = engine.train_step(batch, lambda lp, mb: (lp.sum() * math.inf, {}))
+    out["threads"] = torch.get_num_threads()
     out["nonfinite"] = (metrics["nonfinite"], all(
         torch.equal(p.detach().cpu(), w0[n]) for n, p in engine.named_local_params()))
     return out
@@ -150,6 +151,9 @@ def test_host_optimizer_matches_megatron(tmp_path):
     for name, w in continuous["weights"].items():
         assert torch.equal(out["resumed"]["weights"][name], w), name
     assert out["nonfinite"] == (1.0, True)
+    if torch.cuda.is_available():  # the worker's one thread (spawn's, as Ray's) widened
+        import os
+        assert out["threads"] == len(os.sched_getaffinity(0))
 
 
 def test_refusals():
