@@ -83,9 +83,10 @@ def calibrate(quick: bool = False, log: Callable[[str], None] = print,
         log(f"host -> device {_bytes(copy_bytes)} (pinned): {_si(host_to_device, 'B/s')}")
         del host, dst
 
-    host_adam = host_adam_rate(copy_bytes // 4, median_seconds)
-    log(f"host Adam, {_bytes(copy_bytes)} of fp32 parameters ({torch.get_num_threads()} "
-        f"threads): {_si(host_adam, 'parameters/s')}")
+    with _one_thread(on_gpu):  # a GPU rank's host optimizer runs on its cores, a CPU rank's on one
+        host_adam = host_adam_rate(copy_bytes // 4, median_seconds)
+        log(f"host Adam, {_bytes(copy_bytes)} of fp32 parameters ({torch.get_num_threads()} "
+            f"threads): {_si(host_adam, 'parameters/s')}")
 
     rates: dict[str, dict[int, float]] = {name: {} for name in COLLECTIVES}
     backend = "nccl" if on_gpu else "gloo"

@@ -21,10 +21,10 @@ slice of the host gradient; each later one into a pinned staging tensor that a h
 in, and after the m-th the thread takes the slice's squared norm. With m = 1 the norm is taken on
 the GPU, from the gradient itself, and no host thread runs. The backward ends waiting only for the
 copies and adds still in flight. ``step`` then skips a step whose norm is not finite, and takes
-torch's fused AdamW on the host's cores (all this process may run on) chunk by chunk (``CHUNK`` parameters: bf16 gradients are
-widened into one fp32 chunk at a time), the clip coefficient folded in (``grad_scale``: the
-gradients are not rewritten), and copies the main weights into the GPU's parameters (fp32, cast
-there).
+torch's fused AdamW on the host's cores (all this process may run on) chunk by chunk (``CHUNK``
+parameters: bf16 gradients are widened into one fp32 chunk at a time), the clip coefficient
+folded in (``grad_scale``: the gradients are not rewritten), and copies the main weights into
+the GPU's parameters (fp32, cast there).
 
 The arithmetic is Megatron's with a fp32 main gradient (the ``Float16Optimizer`` /
 ``FP32Optimizer`` path without Transformer Engine): the same Adam, clip and decay groups; the

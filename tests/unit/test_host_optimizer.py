@@ -21,7 +21,8 @@ from tests.distributed.update_common import GRAD_MODEL, weighted_logprob_batch
 def engine_config(dtype: str, offload: bool, clip: float, **kw) -> EngineConfig:
     # micro-batches of 1 over the 4 sequences: each gradient arrives 4 times a step
     return EngineConfig(dtype=dtype, optim=OptimConfig(
-        lr=1e-2, weight_decay=0.1, clip_grad=clip, offload=offload), **{"micro_batch_size": 1, **kw})
+        lr=1e-2, weight_decay=0.1, clip_grad=clip, offload=offload),
+        **{"micro_batch_size": 1, **kw})
 
 
 def run(rank, world, ckpt_dir):
