@@ -10,16 +10,33 @@ import weakref
 
 import torch
 
+_locked: dict[int, weakref.finalize] = {}
+"""Address of each locked buffer -> what unlocks it (once: when its owner is collected, or at
+``unlock``)."""
+
 
 def locked_buffer(numel: int, dtype: torch.dtype, owner: object, lock: bool) -> torch.Tensor:
     """A flat host tensor of ``numel`` elements of ``dtype``; with ``lock``, page-locked until
-    ``owner`` is collected (then unlocked; the memory itself lives as long as its tensors)."""
+    ``owner`` is collected or ``unlock`` is called (the memory itself lives as long as its
+    tensors; it must stay locked no shorter than any copy from it runs)."""
     buf = torch.empty(numel, dtype=dtype)
     if lock and numel:
-        cudart = torch.cuda.cudart()
-        err = int(cudart.cudaHostRegister(buf.data_ptr(), numel * buf.element_size(), 0))
+        err = int(torch.cuda.cudart().cudaHostRegister(buf.data_ptr(),
+                                                      numel * buf.element_size(), 0))
         if err:
             raise RuntimeError(f"cudaHostRegister of {numel * buf.element_size() / 2**30:.2f} GiB "
                                f"failed (CUDA error {err}): is locked memory limited (ulimit -l)?")
-        weakref.finalize(owner, cudart.cudaHostUnregister, buf.data_ptr())
+        _locked[buf.data_ptr()] = weakref.finalize(owner, _unregister, buf.data_ptr())
     return buf
+
+
+def unlock(buf: torch.Tensor) -> None:
+    """Unlock a ``locked_buffer`` before its memory is freed (a no-op for one never locked)."""
+    finalizer = _locked.get(buf.data_ptr())
+    if finalizer is not None:
+        finalizer()
+
+
+def _unregister(address: int) -> None:
+    _locked.pop(address, None)
+    torch.cuda.cudart().cudaHostUnregister(address)

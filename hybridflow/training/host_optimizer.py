@@ -46,7 +46,7 @@ import threading
 import torch
 
 from hybridflow.training.config import OptimConfig
-from hybridflow.training.host_memory import locked_buffer
+from hybridflow.training.host_memory import locked_buffer, unlock
 
 IN_FLIGHT = 4
 """Gradients copied or being added that the backward runs ahead of: beyond, its hook waits for
@@ -92,7 +92,7 @@ class HostAdam:
             self.sizes.append(offset)
         self.decay = (optim.weight_decay, 0.0)
         self.main = [locked_buffer(n, torch.float32, self, self.cuda) for n in self.sizes]
-        self.grad: list[torch.Tensor] = []  # made by begin, in _grad_dtype
+        self.grad: list[torch.Tensor] = []  # made by begin (module docstring: their dtype)
         self.moments: list[tuple[torch.Tensor, torch.Tensor]] | None = None  # made at first use
         self.steps = torch.zeros((), dtype=torch.float32)
         self.reload_model_params()
@@ -126,7 +126,9 @@ class HostAdam:
         dtype = self.dtype if micro_batches == 1 and (
             not self.grad or self.grad[0].dtype == self.dtype) else torch.float32
         if not self.grad or self.grad[0].dtype != dtype:
-            self.grad = []  # freed before the wider ones are made
+            for buf in self.grad:  # unlocked and freed before the wider ones are made
+                unlock(buf)
+            self.grad = []
             self.grad = [locked_buffer(n, dtype, self, self.cuda) for n in self.sizes]
         if micro_batches > 1:
             self._thread = threading.Thread(target=self._host_work, daemon=True,
