@@ -349,9 +349,9 @@ def fitting_changes(cfg: Any, shapes: dict[str, ModelConfig], gib: float
                     ) -> list[tuple[str, Any, int]]:
     """The single-key changes of ``cfg`` whose estimated peak fits ``gib`` GiB a GPU, each as
     (key, value, peak bytes): the largest smaller micro-batch or token budget of each trained
-    role, its ``engine.recompute``, ``ref.offload``, ``hybrid_engine.offload_optimizer``, LoRA
-    of rank 16 on the actor, and twice the actor's tp or pp at half its dp. Changes the config
-    contract refuses are left out."""
+    role, its ``engine.recompute`` and (one rank, Adam) ``engine.optim.offload``, ``ref.offload``,
+    ``hybrid_engine.offload_optimizer``, LoRA of rank 16 on the actor, and twice the actor's tp or
+    pp at half its dp. Changes the config contract refuses are left out."""
     out = []
     for key, values in _change_candidates(cfg, shapes):
         for value in values:  # the mildest change first
@@ -387,6 +387,10 @@ def _change_candidates(cfg: Any, shapes: dict[str, ModelConfig]) -> list[tuple[s
                         [m for m in (32, 16, 8, 4, 2, 1) if m < eng.micro_batch_size]))
         if not eng.recompute:
             out.append((f"{section}.engine.recompute", [True]))
+        part = getattr(cfg, section)
+        if not (eng.optim.offload or eng.optim.distributed or eng.optim.name != "adam"
+                or part.layout.world_size > 1 or section == "actor" and cfg.actor.lora.enabled):
+            out.append((f"{section}.engine.optim.offload", [True]))  # what UpdateConfig allows
     if not cfg.ref.offload and not cfg.actor.lora.enabled:
         out.append(("ref.offload", [True]))
     if not cfg.hybrid_engine.offload_optimizer:

@@ -224,3 +224,19 @@ def test_a_calibration_without_the_host_rate_is_refused():
     with pytest.raises(ConfigError, match="^cluster.calibration.*host_adam.*hybridflow calibrate"):
         _predict("actor.engine.optim.offload=true", calib=dataclasses.replace(
             CALIB, matmul_flops={"bf16": 1e14}, host_to_device=5e10))
+
+
+def test_a_run_over_the_gpu_is_told_the_host_optimizer_fits(capsys, tmp_path):
+    from hybridflow.cli import main
+
+    run = ["check", *RUN_7B[:-1], f"tracking.out_dir={tmp_path}"]  # the reference resident
+    # Megatron's grads and Adam state are 100 of the update's 130 GiB; without them 30.8
+    assert main([*run, "ray.gpu_memory_gib=80"]) == 2
+    assert capsys.readouterr().err.rstrip().endswith(
+        "predicted to fit with any one of: actor.engine.optim.offload=true (30.8 GiB), "
+        "actor.lora.rank=16 (29.2 GiB)")
+    # at two training ranks the host optimizer is refused: not offered
+    assert main([*run, "ray.gpu_memory_gib=48", "actor.layout.tp=2", "rollout.tp=2",
+                 "cluster.nodes=1", "cluster.gpus_per_node=2"]) == 2
+    err = capsys.readouterr().err
+    assert "predicted to fit with any one of: " in err and "optim.offload" not in err
