@@ -349,7 +349,7 @@ def fitting_changes(cfg: Any, shapes: dict[str, ModelConfig], gib: float
                     ) -> list[tuple[str, Any, int]]:
     """The single-key changes of ``cfg`` whose estimated peak fits ``gib`` GiB a GPU, each as
     (key, value, peak bytes): the largest smaller micro-batch or token budget of each trained
-    role, its ``engine.recompute`` and (one rank, Adam) ``engine.optim.offload``, ``ref.offload``,
+    role, its ``engine.recompute`` and ``engine.optim.offload``, ``ref.offload``,
     ``hybrid_engine.offload_optimizer``, LoRA of rank 16 on the actor, and twice the actor's tp or
     pp at half its dp. Changes the config contract refuses are left out."""
     out = []
@@ -387,10 +387,8 @@ def _change_candidates(cfg: Any, shapes: dict[str, ModelConfig]) -> list[tuple[s
                         [m for m in (32, 16, 8, 4, 2, 1) if m < eng.micro_batch_size]))
         if not eng.recompute:
             out.append((f"{section}.engine.recompute", [True]))
-        part = getattr(cfg, section)
-        if not (eng.optim.offload or eng.optim.distributed or eng.optim.name != "adam"
-                or part.layout.world_size > 1 or section == "actor" and cfg.actor.lora.enabled):
-            out.append((f"{section}.engine.optim.offload", [True]))  # what UpdateConfig allows
+        if not eng.optim.offload:
+            out.append((f"{section}.engine.optim.offload", [True]))
     if not cfg.ref.offload and not cfg.actor.lora.enabled:
         out.append(("ref.offload", [True]))
     if not cfg.hybrid_engine.offload_optimizer:
@@ -409,19 +407,24 @@ def _change_candidates(cfg: Any, shapes: dict[str, ModelConfig]) -> list[tuple[s
 
 def _with_key(cfg: Any, key: str, value: Any) -> Any:
     """A copy of ``cfg`` with the dotted ``key`` set (a layout's tp or pp at half its dp), checked
-    by the config contract (its ConfigError where refused)."""
+    by the config contract (its ConfigError where refused): each section on the key's path
+    checks itself again, innermost first, then the whole."""
     c = copy.deepcopy(cfg)
     *path, last = key.split(".")
+    sections = [c]
+    for part in path:
+        sections.append(getattr(sections[-1], part))
     if key in ("actor.layout.tp", "actor.layout.pp"):
         lay = c.actor.layout
         c.actor.layout = TrainLayout(**{"tp": lay.tp, "pp": lay.pp, "dp": lay.dp // 2,
                                         last: value})
+        sections.pop()  # the new layout checked itself
     else:
-        where = c
-        for part in path:
-            where = getattr(where, part)
-        setattr(where, last, value)
-    c.__post_init__()
+        setattr(sections[-1], last, value)
+    for section in reversed(sections):
+        check = getattr(section, "__post_init__", None)  # a dataclass without checks has none
+        if check is not None:
+            check()
     return c
 
 
