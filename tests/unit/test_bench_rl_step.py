@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import bench_rl_step  # noqa: E402
+from hybridflow.errors import ConfigError  # noqa: E402
 from hybridflow.planner.memory import GIB, estimate_memory  # noqa: E402
 from hybridflow.workers.group import max_memory_meta, memory_meta  # noqa: E402
 from hybridflow.models.tiny import tiny_llama_config  # noqa: E402
@@ -175,6 +176,19 @@ def test_bench_recompute_reaches_the_trained_roles_engines(tmp_path):
     args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu"])
     cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
     assert not cfg.actor.engine.recompute
+
+
+def test_bench_host_optimizer_reaches_the_actor_and_is_refused_beside_tp(tmp_path):
+    args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--tp", "1",
+                                     "--host-optimizer"])
+    cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert cfg.actor.engine.optim.offload and not cfg.critic.engine.optim.offload
+    args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--tp", "1"])
+    cfg = bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
+    assert not cfg.actor.engine.optim.offload
+    args = bench_rl_step.parse_args(["--model", "tiny", "--device", "cpu", "--host-optimizer"])
+    with pytest.raises(ConfigError, match="actor.engine.optim.offload.*tp, pp and dp to 1"):
+        bench_rl_step.run_config(args, tmp_path / "model", tmp_path / "prompts.jsonl")
 
 
 def test_bench_keep_cache_reaches_the_run_config(tmp_path):
