@@ -36,11 +36,12 @@ its own shards (``Adapters.merged``, no communication) and the merged tensors ar
 gathers. ``lora_merge="copy"`` merges into new tensors and leaves the frozen base as it is, so
 the merged shards are a second copy of the adapted weights while generating (``redundant_bytes``
 counts them) and resident parameters are refused. ``lora_merge="in_place"`` merges into the base
-shards themselves and, at the switch back, writes the base back from a host copy (pinned on a
-GPU) taken at the first switch -- the base is frozen, so one copy serves every switch until
-``drop_base_copy`` (a checkpoint load). Generation then holds no second copy of any weight and
-the resident switch works as without LoRA; the price is host memory for the adapted shards and
-one host-to-device copy of them per switch back (exact: the base's own bytes come back).
+shards themselves and, at the switch back, writes the base back from a host copy taken at the
+first switch (on a GPU in one page-locked buffer per dtype, ``streaming.locked_copies``) -- the
+base is frozen, so one copy serves every switch until ``drop_base_copy`` (a checkpoint load).
+Generation then holds no second copy of any weight and the resident switch works as without
+LoRA; the price is host memory for the adapted shards and one host-to-device copy of them per
+switch back (exact: the base's own bytes come back).
 
 Verification (``verify``, the run's ``weight_sync.verify``: every sync, the first, or off). Each
 rank checks the generation tensors it built against what its micro-DP group's training shards
@@ -80,6 +81,7 @@ from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
 from hybridflow.hybrid_engine.verify import VERIFY_MODES, SyncCheck, verified
 from hybridflow.models.params import ParamMeta, num_layers_of, owner_stage
 from hybridflow.parallel.layout import GenLayout
+from hybridflow.training.streaming import locked_copies
 
 if TYPE_CHECKING:
     from hybridflow.training.engine import TrainEngine
@@ -238,6 +240,7 @@ class HybridEngine:
         self.engine, self.mode, self.offload_optimizer = engine, mode, offload_optimizer
         self.lora_merge = lora_merge
         self._base: dict[str, torch.Tensor] = {}  # host copies of the adapted base shards
+        self._base_current = False  # they hold the base the engine has now
         self.rank = dist.get_rank()
         self.gen = GenLayout(train=engine.layout, tp=gen_tp, pp=gen_pp)
         self.metas = generation_metas(list(engine.metas.values()),
@@ -361,9 +364,9 @@ class HybridEngine:
         return freed
 
     def drop_base_copy(self) -> None:
-        """Forget the host copy of the LoRA base (``lora_merge="in_place"``): the base weights
-        were loaded anew, and the next switch copies them again."""
-        self._base = {}
+        """The host copy of the LoRA base (``lora_merge="in_place"``) is stale: the base weights
+        were loaded anew, and the next switch copies them again (into the same host memory)."""
+        self._base_current = False
 
     @property
     def base_copy_bytes(self) -> int:
@@ -381,18 +384,23 @@ class HybridEngine:
             return shards
         if self.lora_merge == "copy":
             return adapters.merged(shards)
-        if not self._base:
-            pin = self.engine.device.type == "cuda"
-            # Same stream as the merge below, so each copy is taken before the overwrite.
-            self._base = {name: torch.empty(shards[name].shape, dtype=shards[name].dtype,
-                                            pin_memory=pin).copy_(shards[name], non_blocking=pin)
-                          for name in adapters.modules}  # the adapted base weights
+        if not self._base_current:
+            # On the stream of the merge below, so each copy is taken before the overwrite.
+            names = list(adapters.modules)  # the adapted base weights
+            if self._base:
+                for name in names:
+                    self._base[name].copy_(shards[name], non_blocking=True)
+            elif self.engine.device.type == "cuda":
+                self._base = dict(zip(names, locked_copies([shards[n] for n in names], self)[0]))
+            else:
+                self._base = {name: shards[name].clone() for name in names}
+            self._base_current = True
         return adapters.merged(shards, in_place=True)
 
     def _restore_base(self) -> None:
         """Write the LoRA base back over its merged shards (in-place merges only)."""
-        if self.lora_merge != "in_place":
-            return
+        if self.lora_merge != "in_place" or not self._base_current:
+            return  # (a switch that failed before its copy: the base was not overwritten)
         shards = self._train_shards()
         for name, host in self._base.items():
             shards[name].copy_(host, non_blocking=True)

@@ -112,6 +112,17 @@ def lora_checks(rank, world, layouts, ckpt_dir):
         r["in_place_after"] = _gather_dp(engine, layout, engine.compute_logprobs, mine)
         if ckpt_dir is not None and layout_kw == LAYOUTS_4[0]:
             save_train_state(engine, ckpt_dir)
+        # A new base (a checkpoint load): the next switch copies it into the same host memory,
+        # and the switch back writes back the new base, not the old.
+        held = {n: t.data_ptr() for n, t in hybrid._base.items()}
+        new_base = {n: w * 0.5 for n, w in r["weights"].items()}
+        engine.load_full_weights(new_base)
+        hybrid.drop_base_copy()
+        hybrid.to_generation()
+        hybrid.to_training()
+        base = engine.full_weights()
+        r["reloaded_base_equal"] = all(torch.equal(base[n], w) for n, w in new_base.items())
+        r["base_copy_reused"] = held == {n: t.data_ptr() for n, t in hybrid._base.items()}
         if rank == 0:
             results.append(r)
     return results
@@ -197,6 +208,7 @@ def test_merge_in_place_gives_the_same_weights_and_the_base_back(runs):
         assert r["in_place_diff0"] == r["in_place_diff1"] == 0.0
         assert r["in_place_base_equal0"] and r["in_place_base_equal1"]
         assert r["base_copy_bytes"] > 0
+        assert r["reloaded_base_equal"] and r["base_copy_reused"]
         torch.testing.assert_close(r["in_place_after"], r["logprobs"], atol=0, rtol=0)
         assert r["in_place_redundant"] < r["switch_redundant"]
     # One process: every generation tensor is a training tensor, merged where it lies.
