@@ -391,7 +391,7 @@ class HybridEngine:
                 for name in names:
                     self._base[name].copy_(shards[name], non_blocking=True)
             elif self.engine.device.type == "cuda":
-                self._base = dict(zip(names, locked_copies([shards[n] for n in names], self)[0]))
+                self._base = dict(zip(names, locked_copies([shards[n] for n in names], self)))
             else:
                 self._base = {name: shards[name].clone() for name in names}
             self._base_current = True

@@ -91,7 +91,7 @@ class StreamedWeights:
         CPU the tensor itself."""
         if self.copy_stream is None:
             return {id(p): p.data for p in params}
-        copies, _ = locked_copies([p.data for p in params], self)
+        copies = locked_copies([p.data for p in params], self)
         torch.cuda.current_stream(self.device).synchronize()  # complete before any use
         return {id(p): c for p, c in zip(params, copies)}
 
@@ -134,22 +134,18 @@ class StreamedWeights:
         return sum(p.numel() > 0 for unit in self.units for p in unit.params)
 
 
-def locked_copies(tensors: list[torch.Tensor], owner: object
-                  ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def locked_copies(tensors: list[torch.Tensor], owner: object) -> list[torch.Tensor]:
     """Copies of device ``tensors`` in page-locked host memory, taken on the current stream
-    without waiting for it: (the copies, the buffers they are views of). One buffer per dtype
-    (``host_memory.locked_buffer``, locked until ``owner`` is collected or ``unlock``): torch's
-    pinned allocator rounds every block up to a power of two (17.5 GiB for a 12.55 GiB 7B)."""
+    without waiting for it: views of one buffer per dtype (``host_memory.locked_buffer``, locked
+    until ``owner`` is collected), where torch's pinned allocator would round every tensor's block
+    up to a power of two (17.5 GiB for a 7B reference's 12.55)."""
     copies: list = [None] * len(tensors)
-    buffers = []
     for dtype in dict.fromkeys(t.dtype for t in tensors):
         group = [i for i, t in enumerate(tensors) if t.dtype == dtype]
         flat = locked_buffer(sum(tensors[i].numel() for i in group), dtype, owner, lock=True)
-        buffers.append(flat)
         offset = 0
         for i in group:
             t = tensors[i]
             copies[i] = flat[offset:offset + t.numel()].view(t.shape).copy_(t, non_blocking=True)
             offset += t.numel()
-    return copies, buffers
-
+    return copies
