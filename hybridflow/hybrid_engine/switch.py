@@ -37,8 +37,8 @@ gathers. ``lora_merge="copy"`` merges into new tensors and leaves the frozen bas
 the merged shards are a second copy of the adapted weights while generating (``redundant_bytes``
 counts them) and resident parameters are refused. ``lora_merge="in_place"`` merges into the base
 shards themselves and, at the switch back, writes the base back from a host copy taken at the
-first switch (on a GPU in one page-locked buffer per dtype, ``streaming.locked_copies``) -- the
-base is frozen, so one copy serves every switch until ``drop_base_copy`` (a checkpoint load).
+first switch (on a GPU in one page-locked buffer per dtype, ``host_memory.locked_copies``) --
+the base is frozen, so one copy serves every switch until ``drop_base_copy`` (a checkpoint load).
 Generation then holds no second copy of any weight and the resident switch works as without
 LoRA; the price is host memory for the adapted shards and one host-to-device copy of them per
 switch back (exact: the base's own bytes come back).
@@ -81,7 +81,7 @@ from hybridflow.hybrid_engine.plan import plan_reshard, resident_offsets
 from hybridflow.hybrid_engine.verify import VERIFY_MODES, SyncCheck, verified
 from hybridflow.models.params import ParamMeta, num_layers_of, owner_stage
 from hybridflow.parallel.layout import GenLayout
-from hybridflow.training.streaming import locked_copies
+from hybridflow.training.host_memory import locked_copies
 
 if TYPE_CHECKING:
     from hybridflow.training.engine import TrainEngine

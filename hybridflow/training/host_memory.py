@@ -30,6 +30,22 @@ def locked_buffer(numel: int, dtype: torch.dtype, owner: object, lock: bool) -> 
     return buf
 
 
+def locked_copies(tensors: list[torch.Tensor], owner: object) -> list[torch.Tensor]:
+    """Copies of device ``tensors`` in page-locked host memory, taken on the current stream
+    without waiting for it: views of one ``locked_buffer`` per dtype, locked until ``owner`` is
+    collected (module docstring: not one pinned block per tensor)."""
+    copies: list = [None] * len(tensors)
+    for dtype in dict.fromkeys(t.dtype for t in tensors):
+        group = [i for i, t in enumerate(tensors) if t.dtype == dtype]
+        flat = locked_buffer(sum(tensors[i].numel() for i in group), dtype, owner, lock=True)
+        offset = 0
+        for i in group:
+            t = tensors[i]
+            copies[i] = flat[offset:offset + t.numel()].view(t.shape).copy_(t, non_blocking=True)
+            offset += t.numel()
+    return copies
+
+
 def unlock(buf: torch.Tensor) -> None:
     """Unlock a ``locked_buffer`` before its memory is freed (a no-op for one never locked)."""
     finalizer = _locked.get(buf.data_ptr())

@@ -27,7 +27,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from hybridflow.training.host_memory import locked_buffer
+from hybridflow.training.host_memory import locked_copies
 
 
 @dataclass(eq=False)
@@ -133,19 +133,3 @@ class StreamedWeights:
         """Parameters whose weights are on the device now (between passes: 0)."""
         return sum(p.numel() > 0 for unit in self.units for p in unit.params)
 
-
-def locked_copies(tensors: list[torch.Tensor], owner: object) -> list[torch.Tensor]:
-    """Copies of device ``tensors`` in page-locked host memory, taken on the current stream
-    without waiting for it: views of one buffer per dtype (``host_memory.locked_buffer``, locked
-    until ``owner`` is collected), where torch's pinned allocator would round every tensor's block
-    up to a power of two (17.5 GiB for a 7B reference's 12.55)."""
-    copies: list = [None] * len(tensors)
-    for dtype in dict.fromkeys(t.dtype for t in tensors):
-        group = [i for i, t in enumerate(tensors) if t.dtype == dtype]
-        flat = locked_buffer(sum(tensors[i].numel() for i in group), dtype, owner, lock=True)
-        offset = 0
-        for i in group:
-            t = tensors[i]
-            copies[i] = flat[offset:offset + t.numel()].view(t.shape).copy_(t, non_blocking=True)
-            offset += t.numel()
-    return copies
