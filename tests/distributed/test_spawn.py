@@ -13,7 +13,11 @@ from hybridflow.parallel.spawn import spawn
 
 
 def _rank1_killed(rank, world, rank0_wait_s):
+    # Both ranks past the group's set-up first: gloo may still be connecting rank 0 when rank 1
+    # leaves init_process_group, and a death then fails rank 0's init with a collective error.
+    torch.distributed.barrier()
     if rank == 1:
+        time.sleep(2)  # rank 0 is out of the barrier (unread bytes would make the close a reset)
         os.kill(os.getpid(), signal.SIGKILL)
     if rank0_wait_s:  # busy elsewhere: nothing tells rank 0 of the dead peer
         time.sleep(rank0_wait_s)
