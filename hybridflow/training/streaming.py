@@ -132,4 +132,3 @@ class StreamedWeights:
     def fetched(self) -> int:
         """Parameters whose weights are on the device now (between passes: 0)."""
         return sum(p.numel() > 0 for unit in self.units for p in unit.params)
-
